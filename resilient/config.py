@@ -1,0 +1,218 @@
+"""Configuration dataclasses and the one place where ``RESILIENT_*`` env vars are read.
+
+All configs are frozen, keyword-only and validated in ``__post_init__``; an invalid
+value raises :class:`~resilient.errors.ConfigError` naming the field (and the env
+var, when it came from one).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from resilient.errors import ConfigError
+
+__all__ = [
+    "ENV_PREFIX",
+    "EtcdConfig",
+    "MembershipConfig",
+    "RankEnv",
+    "parse_endpoints",
+    "validate_job_name",
+]
+
+ENV_PREFIX = "RESILIENT_"
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def validate_job_name(job: str) -> str:
+    """Return ``job`` if it is a safe etcd path segment, else raise ConfigError."""
+    if not _JOB_RE.match(job):
+        raise ConfigError(
+            f"job name {job!r} is invalid: use 1-128 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def parse_endpoints(spec: str) -> tuple[str, ...]:
+    """Parse ``"http://h1:2379,https://h2:2379"`` (scheme optional) into normalised URLs.
+
+    Raises:
+        ConfigError: an endpoint has no port, a bad scheme or is empty.
+    """
+    out: list[str] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        url = item if "://" in item else f"http://{item}"
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise ConfigError(f"etcd endpoint {item!r}: scheme must be http or https")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigError(f"etcd endpoint {item!r}: invalid port") from exc
+        if not parts.hostname or port is None:
+            raise ConfigError(f"etcd endpoint {item!r}: expected host:port")
+        out.append(f"{parts.scheme}://{parts.hostname}:{port}")
+    if not out:
+        raise ConfigError(f"no etcd endpoint in {spec!r}")
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EtcdConfig:
+    """How to reach etcd.
+
+    ``request_timeout_s`` bounds one RPC; ``retry_budget_s`` bounds all retries of
+    one logical call (transient errors are retried with backoff until then).
+    TLS is used when ``ca_cert`` is set; ``cert``/``key`` add a client certificate.
+    """
+
+    endpoints: tuple[str, ...]
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    request_timeout_s: float = 2.0
+    retry_budget_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ConfigError("EtcdConfig.endpoints: at least one endpoint is required")
+        object.__setattr__(self, "endpoints", parse_endpoints(",".join(self.endpoints)))
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("EtcdConfig: cert and key must be given together")
+        if self.cert is not None and self.ca_cert is None:
+            raise ConfigError("EtcdConfig: a client cert needs ca_cert as well")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("EtcdConfig: user and password must be given together")
+        if self.request_timeout_s <= 0:
+            raise ConfigError("EtcdConfig.request_timeout_s must be > 0")
+        if self.retry_budget_s < self.request_timeout_s:
+            raise ConfigError("EtcdConfig.retry_budget_s must be >= request_timeout_s")
+        for name in ("ca_cert", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"EtcdConfig.{name}: file {path!r} does not exist")
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MembershipConfig:
+    """Per-job membership settings.
+
+    ``lease_ttl_s`` is how long a silent member stays listed (>= 2 s, whole seconds
+    in etcd); the keep-alive refreshes it every ``lease_ttl_s / 3``.
+    ``health_min_interval_s`` caps how often one health record is written (<= 1/s).
+    """
+
+    job: str
+    lease_ttl_s: float = 5.0
+    health_min_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.job)
+        if self.lease_ttl_s < 2.0:
+            raise ConfigError(f"MembershipConfig.lease_ttl_s={self.lease_ttl_s}: must be >= 2 s")
+        if self.health_min_interval_s < 1.0:
+            raise ConfigError("MembershipConfig.health_min_interval_s must be >= 1 s")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"environment variable {name} is required")
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a number") from exc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankEnv:
+    """Everything a rank learns from its environment (launcher, torchrun, Slurm, k8s)."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    incarnation: int = 0
+    job: str = "default"
+    token: str | None = None
+    rails: tuple[str, ...] = ()
+    etcd: EtcdConfig | None = None
+    lease_ttl_s: float = 5.0
+    run_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"WORLD_SIZE={self.world_size}: must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK={self.rank}: must be in [0, WORLD_SIZE={self.world_size})")
+        if self.incarnation < 0:
+            raise ConfigError(f"{ENV_PREFIX}INCARNATION={self.incarnation}: must be >= 0")
+        validate_job_name(self.job)
+
+    def membership(self) -> MembershipConfig:
+        return MembershipConfig(job=self.job, lease_ttl_s=self.lease_ttl_s)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RankEnv:
+        """Read RANK, WORLD_SIZE, LOCAL_*, MASTER_* and every ``RESILIENT_*`` variable.
+
+        Raises:
+            ConfigError: a variable is missing or malformed; the message names it.
+        """
+        env = os.environ if env is None else env
+        p = ENV_PREFIX
+        etcd: EtcdConfig | None = None
+        if env.get(p + "ETCD"):
+            etcd = EtcdConfig(
+                endpoints=parse_endpoints(env[p + "ETCD"]),
+                ca_cert=env.get(p + "ETCD_CA") or None,
+                cert=env.get(p + "ETCD_CERT") or None,
+                key=env.get(p + "ETCD_KEY") or None,
+                user=env.get(p + "ETCD_USER") or None,
+                password=env.get(p + "ETCD_PASSWORD") or None,
+            )
+        rails_raw = env.get(p + "RAILS", "")
+        return cls(
+            rank=_env_int(env, "RANK"),
+            world_size=_env_int(env, "WORLD_SIZE"),
+            local_rank=_env_int(env, "LOCAL_RANK", 0),
+            local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_env_int(env, "MASTER_PORT", 29500),
+            incarnation=_env_int(env, p + "INCARNATION", 0),
+            job=env.get(p + "JOB", "default"),
+            token=env.get(p + "TOKEN") or None,
+            rails=tuple(r.strip() for r in rails_raw.split(",") if r.strip()),
+            etcd=etcd,
+            lease_ttl_s=_env_float(env, p + "LEASE_TTL_S", 5.0),
+            run_dir=env.get(p + "RUN_DIR") or None,
+        )

@@ -1,0 +1,118 @@
+"""The one exception tree of the project.
+
+Every error the library raises on purpose derives from :class:`ResilientError`,
+so a training loop can catch the whole family in one clause. Errors from gloo,
+gRPC (etcd) and sockets are translated at the boundary with ``raise ... from exc``
+so the original cause stays attached.
+
+::
+
+    ResilientError
+    ├── ConfigError                 bad flag, env var, file or argument (also a ValueError)
+    ├── MembershipError             the control plane (etcd) refused or failed
+    │   ├── EtcdUnavailable         etcd unreachable within the call's time bound
+    │   ├── JobTokenMismatch        joined a job with the wrong token
+    │   ├── StaleEpoch              lost a compare-and-swap on the epoch counter
+    │   ├── LeaseLost               this member's lease expired; the job sees it as gone
+    │   └── StoreTimeout            a Store get/wait did not see its keys in time
+    ├── CommunicationError          the data plane failed an operation
+    │   ├── LinkError               one (rank, rank, rail) link failed or missed its deadline
+    │   ├── CollectiveTimeout       a collective as a whole missed its deadline
+    │   ├── CollectiveMismatch      ranks called a collective with different arguments
+    │   └── PeerLost                a rank of the group is gone (crash, kill, hang)
+    ├── RecoveryError               a recovery action could not complete
+    └── LauncherError               the local launcher could not start or supervise ranks
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "CommunicationError",
+    "ConfigError",
+    "EtcdUnavailable",
+    "JobTokenMismatch",
+    "LauncherError",
+    "LeaseLost",
+    "LinkError",
+    "MembershipError",
+    "PeerLost",
+    "RecoveryError",
+    "ResilientError",
+    "StaleEpoch",
+    "StoreTimeout",
+]
+
+
+class ResilientError(Exception):
+    """Root of every error this library raises on purpose."""
+
+
+class ConfigError(ResilientError, ValueError):
+    """A configuration value (flag, env var, argument, file) is invalid."""
+
+
+class MembershipError(ResilientError):
+    """The control plane refused an operation or could not be reached."""
+
+
+class EtcdUnavailable(MembershipError):
+    """etcd could not be reached within the time bound of the call."""
+
+
+class JobTokenMismatch(MembershipError):
+    """A join presented a token whose hash differs from the job's recorded one."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__(
+            f"job {job!r}: the token does not match the one this job was created with; "
+            "nothing of the job was read or changed"
+        )
+        self.job = job
+
+
+class StaleEpoch(MembershipError):
+    """A compare-and-swap on the epoch lost: another member advanced it first."""
+
+    def __init__(self, job: str, expected: int, current: int) -> None:
+        super().__init__(f"job {job!r}: epoch is {current}, not the expected {expected}")
+        self.job = job
+        self.expected = expected
+        self.current = current
+
+
+class LeaseLost(MembershipError):
+    """This member's lease expired or was revoked; the job no longer lists it."""
+
+
+class StoreTimeout(MembershipError, TimeoutError):
+    """A Store ``get``/``wait`` did not see its keys before the timeout."""
+
+
+class CommunicationError(ResilientError):
+    """A data-plane operation failed."""
+
+
+class LinkError(CommunicationError):
+    """One link (rank pair on one rail) failed or missed its deadline."""
+
+
+class CollectiveTimeout(CommunicationError, TimeoutError):
+    """A collective did not complete before its deadline."""
+
+
+class CollectiveMismatch(CommunicationError):
+    """Ranks called a collective with different shapes, dtypes or ops."""
+
+
+class PeerLost(CommunicationError):
+    """A rank of the group is gone (crashed, killed, hung past its lease)."""
+
+
+class RecoveryError(ResilientError):
+    """A recovery action (repair, restore, replay) could not complete."""
+
+
+class LauncherError(ResilientError):
+    """The local launcher could not start or supervise its ranks."""
