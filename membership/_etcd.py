@@ -213,7 +213,9 @@ class EtcdClient:
             exc = state.outcome.exception() if state.outcome else None
             if exc is not None and is_auth_error(exc):
                 self._reset()  # simple-token expired: authenticate again
-            logger.debug("etcd %s: attempt %d failed (%r); retrying", what, state.attempt_number, exc)
+            logger.debug(
+                "etcd %s: attempt %d failed (%r); retrying", what, state.attempt_number, exc
+            )
 
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
@@ -224,9 +226,11 @@ class EtcdClient:
         )
         try:
             return retrying(lambda: fn(self.raw()))
-        except (MembershipError, *passthrough):
+        except MembershipError:
             raise
         except Exception as exc:
+            if isinstance(exc, passthrough):
+                raise
             if is_transient(exc):
                 raise EtcdUnavailable(
                     f"etcd {what}: no answer from {self.url} within {budget:.1f} s "
@@ -260,7 +264,9 @@ class EtcdClient:
         return [self._kv(kv) for kv in resp.kvs], int(resp.header.revision)
 
     def count_prefix(self, prefix: str) -> int:
-        resp = self.call(f"count {prefix}", lambda c: c.get_prefix_response(prefix, count_only=True))
+        resp = self.call(
+            f"count {prefix}", lambda c: c.get_prefix_response(prefix, count_only=True)
+        )
         return int(resp.count)
 
     def put(self, key: str, value: bytes | str, *, lease: int | None = None) -> None:
@@ -310,7 +316,9 @@ class EtcdClient:
         return self.call(f"keep-alive lease {lease_id:x}", run, budget_s=budget_s)
 
     def revoke_lease(self, lease_id: int, *, budget_s: float | None = None) -> None:
-        self.call(f"revoke lease {lease_id:x}", lambda c: c.revoke_lease(lease_id), budget_s=budget_s)
+        self.call(
+            f"revoke lease {lease_id:x}", lambda c: c.revoke_lease(lease_id), budget_s=budget_s
+        )
 
     # -- watches -----------------------------------------------------------------
     def add_watch_prefix(
@@ -328,9 +336,7 @@ class EtcdClient:
                 kwargs["start_revision"] = start_revision
             return int(c.add_watch_prefix_callback(prefix, callback, **kwargs))
 
-        return self.call(
-            f"watch {prefix}", run, passthrough=(etcd_exc.RevisionCompactedError,)
-        )
+        return self.call(f"watch {prefix}", run, passthrough=(etcd_exc.RevisionCompactedError,))
 
     def cancel_watch(self, watch_id: int) -> None:
         client = self._client

@@ -1,0 +1,67 @@
+"""Key layout of one job in etcd. Every key of job J lives under ``/resilient/J/``."""
+
+from __future__ import annotations
+
+import hashlib
+
+from resilient.config import validate_job_name
+
+ROOT = "/resilient"
+
+
+class JobKeys:
+    """Builds the keys of one job; two jobs never share a prefix."""
+
+    __slots__ = ("job", "prefix")
+
+    def __init__(self, job: str) -> None:
+        self.job = validate_job_name(job)
+        self.prefix = f"{ROOT}/{job}/"
+
+    @property
+    def token(self) -> str:
+        return self.prefix + "token"
+
+    @property
+    def epoch(self) -> str:
+        return self.prefix + "epoch"
+
+    @property
+    def epoch_log(self) -> str:
+        return self.prefix + "epochs/"
+
+    def epoch_record(self, epoch: int) -> str:
+        # Zero-padded so the records list in epoch order.
+        return f"{self.epoch_log}{epoch:012d}"
+
+    @property
+    def members(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, rank: int) -> str:
+        return f"{self.members}{rank:06d}"
+
+    @property
+    def rank_health(self) -> str:
+        return self.prefix + "health/rank/"
+
+    @property
+    def link_health(self) -> str:
+        return self.prefix + "health/link/"
+
+    def link(self, reporter: int, peer: int, rail: int) -> str:
+        # Each end reports its own view of the link, so both records coexist.
+        return f"{self.link_health}{reporter:06d}-{peer:06d}-{rail:03d}"
+
+    @property
+    def store(self) -> str:
+        return self.prefix + "store/"
+
+    def sub(self, name: str) -> str:
+        """A free-form sub-prefix for later subsystems (progress, control, events)."""
+        return f"{self.prefix}{name.strip('/')}/"
+
+
+def token_hash(job: str, token: str) -> str:
+    """What etcd stores instead of the token: a job-salted SHA-256 (never the token)."""
+    return hashlib.sha256(f"resilient-job-token\0{job}\0{token}".encode()).hexdigest()

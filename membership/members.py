@@ -1,0 +1,455 @@
+"""Job membership in etcd: leases, the epoch counter, watches and health records.
+
+One :class:`Membership` per rank process. ``join`` checks the job token, registers
+the rank under a lease and keeps the lease alive from a background thread; a rank
+whose process dies (or hangs past the TTL) disappears from the member list and
+every watcher sees the delete. The epoch only moves by compare-and-swap, so when
+several survivors react to the same event exactly one bump wins.
+
+Every call is bounded in time (see :class:`membership._etcd.EtcdClient`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from membership._etcd import EtcdClient
+from membership._keys import JobKeys, token_hash
+from membership.health import HealthPublisher
+from membership.watch import PrefixWatch, WatchEvent
+from resilient.config import EtcdConfig, MembershipConfig
+from resilient.errors import (
+    ConfigError,
+    JobTokenMismatch,
+    LeaseLost,
+    MembershipError,
+    StaleEpoch,
+)
+
+__all__ = ["MemberInfo", "Membership"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemberInfo:
+    """What a rank registers about itself."""
+
+    rank: int
+    incarnation: int
+    rails: tuple[str, ...]
+    host: str
+    pid: int
+    joined_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "incarnation": self.incarnation,
+                "rails": list(self.rails),
+                "host": self.host,
+                "pid": self.pid,
+                "joined_at": self.joined_at,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> MemberInfo:
+        d = json.loads(raw)
+        return cls(
+            rank=int(d["rank"]),
+            incarnation=int(d["incarnation"]),
+            rails=tuple(d.get("rails", ())),
+            host=str(d.get("host", "")),
+            pid=int(d.get("pid", 0)),
+            joined_at=float(d.get("joined_at", 0.0)),
+        )
+
+
+class Membership:
+    """A rank's handle on its job in etcd.
+
+    Raises (from every method):
+        EtcdUnavailable: etcd did not answer within the client's bound.
+        MembershipError: not joined, wrong token, or etcd refused the request.
+    """
+
+    def __init__(
+        self,
+        etcd: EtcdConfig | EtcdClient,
+        config: MembershipConfig,
+    ) -> None:
+        self.config = config
+        self.keys = JobKeys(config.job)
+        self._owns_client = isinstance(etcd, EtcdConfig)
+        self.client = EtcdClient(etcd) if isinstance(etcd, EtcdConfig) else etcd
+        self._lock = threading.Lock()
+        self._hash: str | None = None
+        self._lease: int | None = None
+        self._info: MemberInfo | None = None
+        self._stop = threading.Event()
+        self._keepalive: threading.Thread | None = None
+        self._lease_lost_cbs: list[Callable[[], None]] = []
+        self.lease_lost = threading.Event()
+        self._health: HealthPublisher | None = None
+        self._watches: list[PrefixWatch] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+    @property
+    def job(self) -> str:
+        return self.config.job
+
+    @property
+    def joined(self) -> bool:
+        return self._info is not None and not self.lease_lost.is_set()
+
+    @property
+    def info(self) -> MemberInfo | None:
+        return self._info
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease
+
+    def join(
+        self,
+        rank: int,
+        incarnation: int,
+        rail_addresses: Sequence[str],
+        token: str,
+    ) -> MemberInfo:
+        """Register ``rank`` in the job under a lease and start the keep-alive.
+
+        Raises:
+            ConfigError: empty token or negative rank/incarnation.
+            JobTokenMismatch: the job was created with another token; nothing of the
+                job was read or written, and this object stays unjoined.
+            MembershipError: the rank is held by a newer or equal incarnation.
+        """
+        if not token:
+            raise ConfigError(f"job {self.job!r}: a non-empty token is required (RESILIENT_TOKEN)")
+        if rank < 0 or incarnation < 0:
+            raise ConfigError(f"rank={rank}, incarnation={incarnation}: must be >= 0")
+        if self._info is not None:
+            raise MembershipError(f"job {self.job!r}: rank {self._info.rank} already joined")
+        self._hash = self._check_token(token)
+        self._check_incarnation(rank, incarnation)
+        info = MemberInfo(
+            rank=rank,
+            incarnation=incarnation,
+            rails=tuple(rail_addresses),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            joined_at=time.time(),
+        )
+        lease = self.client.grant_lease(math.ceil(self.config.lease_ttl_s))
+        self._guarded("join", [lambda t: t.put(self.keys.member(rank), info.to_json(), lease)])
+        self._guarded(
+            "init epoch",
+            [lambda t: t.put(self.keys.epoch, "0")],
+            extra=[lambda t: t.version(self.keys.epoch) == 0],
+            allow_fail=True,
+        )
+        self._lease, self._info = lease, info
+        self._start_keepalive()
+        logger.info(
+            "job %s: rank %d incarnation %d joined (lease %x, ttl %.0f s, epoch %d)",
+            self.job,
+            rank,
+            incarnation,
+            lease,
+            self.config.lease_ttl_s,
+            self.epoch(),
+        )
+        return info
+
+    def leave(self) -> None:
+        """Deregister (revoke the lease, which deletes this member's keys) and stop threads.
+
+        Safe to call twice and after a lost lease; etcd errors are logged, not raised.
+        """
+        self._stop.set()
+        for w in self._watches:
+            w.stop()
+        self._watches.clear()
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
+        if self._keepalive is not None and self._keepalive is not threading.current_thread():
+            self._keepalive.join(5.0)
+        lease, self._lease = self._lease, None
+        if lease is not None and not self.lease_lost.is_set():
+            try:
+                self.client.revoke_lease(lease, budget_s=3.0)
+            except MembershipError as exc:
+                logger.warning("job %s: revoking lease %x failed: %s", self.job, lease, exc)
+        if self._info is not None:
+            logger.info("job %s: rank %d left", self.job, self._info.rank)
+        self._info = None
+
+    def close(self) -> None:
+        self.leave()
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> Membership:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def on_lease_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the keep-alive thread) if this member's lease is lost."""
+        self._lease_lost_cbs.append(callback)
+
+    # -- token and guarded writes ----------------------------------------------------
+    def _check_token(self, token: str) -> str:
+        digest = token_hash(self.job, token)
+        created, _ = self.client.txn(
+            f"job {self.job} create token",
+            compare=lambda t: [t.version(self.keys.token) == 0],
+            success=lambda t: [t.put(self.keys.token, digest)],
+        )
+        if created:
+            logger.info("job %s: created (token hash recorded)", self.job)
+            return digest
+        # Compare inside etcd so that a wrong-token caller never reads the stored hash.
+        matches, _ = self.client.txn(
+            f"job {self.job} check token",
+            compare=lambda t: [t.value(self.keys.token) == digest],
+            success=lambda t: [],
+        )
+        if not matches:
+            raise JobTokenMismatch(self.job)
+        return digest
+
+    def _guarded(
+        self,
+        what: str,
+        ops: Sequence[Callable[[Any], Any]],
+        *,
+        extra: Sequence[Callable[[Any], Any]] = (),
+        allow_fail: bool = False,
+    ) -> bool:
+        """Run ``ops`` only if the job's token hash is still ours (atomically, in one txn)."""
+        digest = self._hash
+        if digest is None:
+            raise MembershipError(f"job {self.job!r}: not joined")
+        ok, _ = self.client.txn(
+            f"job {self.job} {what}",
+            compare=lambda t: [t.value(self.keys.token) == digest, *(c(t) for c in extra)],
+            success=lambda t: [op(t) for op in ops],
+        )
+        if not ok and not allow_fail:
+            raise MembershipError(
+                f"job {self.job!r}: {what} refused (token changed or job deleted)"
+            )
+        return ok
+
+    def _require_joined(self) -> MemberInfo:
+        if self._info is None:
+            raise MembershipError(f"job {self.job!r}: not a member; call join() first")
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"job {self.job!r}: rank {self._info.rank} lost its lease")
+        return self._info
+
+    def _check_incarnation(self, rank: int, incarnation: int) -> None:
+        current = self.client.get(self.keys.member(rank))
+        if current is None:
+            return
+        held = MemberInfo.from_json(current.value)
+        if held.incarnation >= incarnation:
+            raise MembershipError(
+                f"job {self.job!r}: rank {rank} is held by incarnation {held.incarnation} "
+                f"(pid {held.pid} on {held.host}); this process is incarnation {incarnation}"
+            )
+        logger.info(
+            "job %s: rank %d incarnation %d replaces incarnation %d",
+            self.job,
+            rank,
+            incarnation,
+            held.incarnation,
+        )
+
+    # -- keep-alive --------------------------------------------------------------------
+    def _start_keepalive(self) -> None:
+        self._stop.clear()
+        self.lease_lost.clear()
+        self._keepalive = threading.Thread(
+            target=self._keepalive_loop, name="lease-keepalive", daemon=True
+        )
+        self._keepalive.start()
+
+    def _keepalive_loop(self) -> None:
+        period = self.config.lease_ttl_s / 3.0
+        while not self._stop.wait(period):
+            lease = self._lease
+            if lease is None:
+                return
+            try:
+                ttl = self.client.refresh_lease(lease, budget_s=period)
+            except MembershipError as exc:
+                # The lease may outlive a short etcd outage (etcd extends TTLs on restart).
+                logger.warning("job %s: lease keep-alive failed: %s", self.job, exc)
+                continue
+            if ttl <= 0:
+                self._lease_expired(lease)
+                return
+
+    def _lease_expired(self, lease: int) -> None:
+        rank = self._info.rank if self._info else -1
+        logger.error(
+            "job %s: rank %d lease %x expired; the job lists it as gone", self.job, rank, lease
+        )
+        self.lease_lost.set()
+        for cb in list(self._lease_lost_cbs):
+            try:
+                cb()
+            except Exception:
+                logger.exception("job %s: lease-lost callback failed", self.job)
+
+    # -- members -------------------------------------------------------------------------
+    def members(self) -> dict[int, MemberInfo]:
+        """The live members, by rank."""
+        self._require_joined()
+        kvs, _ = self.client.get_prefix(self.keys.members)
+        out: dict[int, MemberInfo] = {}
+        for kv in kvs:
+            info = MemberInfo.from_json(kv.value)
+            out[info.rank] = info
+        return out
+
+    def watch_members(
+        self, callback: Callable[[str, int, MemberInfo | None], None], *, initial: bool = True
+    ) -> PrefixWatch:
+        """Call ``callback(kind, rank, info)`` on every join ("put") and departure ("delete")."""
+        self._require_joined()
+
+        def on_event(ev: WatchEvent) -> None:
+            rank = int(ev.key.rsplit("/", 1)[1])
+            info = MemberInfo.from_json(ev.value) if ev.value is not None else None
+            callback(ev.kind, rank, info)
+
+        return self._add_watch(self.keys.members, on_event, initial=initial, name="members")
+
+    def watch(
+        self, sub_prefix: str, callback: Callable[[WatchEvent], None], *, initial: bool = False
+    ) -> PrefixWatch:
+        """Watch any key prefix of this job (e.g. ``"health/rank/"``)."""
+        self._require_joined()
+        return self._add_watch(
+            self.keys.prefix + sub_prefix, callback, initial=initial, name=sub_prefix
+        )
+
+    def _add_watch(
+        self, prefix: str, cb: Callable[[WatchEvent], None], *, initial: bool, name: str
+    ) -> PrefixWatch:
+        w = PrefixWatch(self.client, prefix, cb, initial=initial, name=f"{self.job}:{name}")
+        w.start()
+        self._watches.append(w)
+        return w
+
+    # -- epoch ----------------------------------------------------------------------------
+    def epoch(self) -> int:
+        """The job's current epoch (0 before any bump)."""
+        self._require_joined()
+        kv = self.client.get(self.keys.epoch)
+        return int(kv.value) if kv is not None else 0
+
+    def bump_epoch(self, expected: int, reason: str) -> int:
+        """Advance the epoch from ``expected`` to ``expected + 1`` by compare-and-swap.
+
+        Also records ``reason`` under ``epochs/<n>`` in the same transaction.
+
+        Raises:
+            StaleEpoch: the epoch is no longer ``expected`` (another member won).
+        """
+        info = self._require_joined()
+        new = expected + 1
+        record = json.dumps(
+            {
+                "epoch": new,
+                "reason": reason,
+                "rank": info.rank,
+                "incarnation": info.incarnation,
+                "ts": time.time(),
+            },
+            sort_keys=True,
+        )
+        won = self._guarded(
+            f"bump epoch {expected}->{new}",
+            [
+                lambda t: t.put(self.keys.epoch, str(new)),
+                lambda t: t.put(self.keys.epoch_record(new), record),
+            ],
+            extra=[lambda t: t.value(self.keys.epoch) == str(expected)],
+            allow_fail=True,
+        )
+        if not won:
+            raise StaleEpoch(self.job, expected, self.epoch())
+        logger.info(
+            "job %s: rank %d epoch %d -> %d (%s)", self.job, info.rank, expected, new, reason
+        )
+        return new
+
+    def watch_epoch(self, callback: Callable[[int], None]) -> PrefixWatch:
+        """Call ``callback(epoch)`` whenever the epoch changes."""
+        self._require_joined()
+        key = self.keys.epoch
+
+        def on_event(ev: WatchEvent) -> None:
+            if ev.key == key and ev.value is not None:
+                callback(int(ev.value))
+
+        return self._add_watch(key, on_event, initial=False, name="epoch")
+
+    # -- health ---------------------------------------------------------------------------
+    def _publisher(self) -> HealthPublisher:
+        info = self._require_joined()
+        with self._lock:
+            if self._health is None:
+                self._health = HealthPublisher(
+                    self.client,
+                    lease=lambda: self._lease,
+                    stamp=lambda: {"rank": info.rank, "incarnation": info.incarnation},
+                    min_interval_s=self.config.health_min_interval_s,
+                )
+                self._health.start()
+            return self._health
+
+    def publish_rank_health(self, record: Mapping[str, Any]) -> None:
+        """Queue this rank's health record (written <= 1/s in the background)."""
+        info = self._require_joined()
+        self._publisher().publish(self.keys.rank_health + f"{info.rank:06d}", record)
+
+    def publish_link_health(self, peer: int, rail: int, record: Mapping[str, Any]) -> None:
+        """Queue the health record of the link (this rank, ``peer``, ``rail``)."""
+        info = self._require_joined()
+        self._publisher().publish(self.keys.link(info.rank, peer, rail), record)
+
+    def rank_health(self) -> dict[int, dict[str, Any]]:
+        """The latest health record of every live rank that published one."""
+        self._require_joined()
+        kvs, _ = self.client.get_prefix(self.keys.rank_health)
+        return {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in kvs}
+
+    def link_health(self) -> dict[tuple[int, int, int], dict[str, Any]]:
+        """The latest record of every link, keyed by (reporting rank, peer rank, rail)."""
+        self._require_joined()
+        kvs, _ = self.client.get_prefix(self.keys.link_health)
+        out: dict[tuple[int, int, int], dict[str, Any]] = {}
+        for kv in kvs:
+            a, b, rail = (int(x) for x in kv.key.rsplit("/", 1)[1].split("-"))
+            out[(a, b, rail)] = json.loads(kv.value)
+        return out

