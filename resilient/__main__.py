@@ -1,0 +1,5 @@
+"""``python -m resilient``: the same as the ``resilient`` command."""
+
+from resilient.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""The ``resilient`` command: ``run`` (local launcher), ``chaos`` and ``events``.
+
+Importing this module must stay cheap (no torch, no gRPC) so that ``--help`` is
+instant: heavy modules are imported by the code paths that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from resilient.errors import ConfigError, LauncherError
+from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
+
+__all__ = ["build_parser", "main"]
+
+_PROG = "resilient"
+# argparse's own exit code for usage errors; ours match it.
+_USAGE_ERROR = 2
+
+_Handler = Callable[[argparse.Namespace], int]
+
+_RUN_DESCRIPTION = """\
+Launch NPROC ranks of a Python script on this machine and supervise them.
+
+Unlike torchrun, a failed rank is restarted alone: it keeps its rank id, gets the
+next incarnation number, and the other ranks keep running. When the job-wide restart
+budget (--max-restarts) is spent, the next failure stops every rank and the launcher
+exits with that rank's exit code (128+N for death by signal N). Ctrl-C or SIGTERM
+stop every rank (SIGTERM, then SIGKILL after a grace period) and exit with 130/143.
+Each rank's output is printed with a "[rank N]" prefix."""
+
+_CHAOS_DESCRIPTION = """\
+Run a fault-injection scenario (TOML) against a job and report whether it survived:
+kill, hang or slow down ranks, take NICs down, flap or throttle links, drop packets
+or lose etcd members at the scenario's times, then check the scenario's invariants
+(training progressed, replicas stayed bitwise identical, recovery within bounds)."""
+
+_EVENTS_DESCRIPTION = """\
+Merge the recovery event logs of a run directory into one timeline, ordered by time
+and epoch: which fault was seen by whom, which recovery action was taken, and how
+long each rank stalled."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors as one line (``resilient: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(_USAGE_ERROR, f"{_PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _env_epilog() -> str:
+    rows = [f"  {var.value}\n      {text}" for var, text in RANK_VAR_HELP.items()]
+    return "environment of each rank:\n" + "\n".join(rows)
+
+
+def _add_run(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="launch and supervise the ranks of a training script on this machine",
+        description=_RUN_DESCRIPTION,
+        epilog=_env_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_job_flags(run)
+    _add_supervision_flags(run)
+    run.add_argument("script", help="the Python script each rank runs (with python -u)")
+    run.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="arguments passed to the script unchanged",
+    )
+    run.set_defaults(handler=_cmd_run)
+
+
+def _add_job_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of ranks to start (default: 1)",
+    )
+    run.add_argument(
+        "--rails",
+        type=int,
+        default=1,
+        metavar="R",
+        help="network rails (NICs) per rank; on loopback rail r of rank k is "
+        "127.0.<r+1>.<k+1> (default: 1)",
+    )
+    run.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="client URL(s) of an existing etcd cluster, comma-separated "
+        "(default: start an embedded single-member etcd for this run; for local runs "
+        "and tests only, production jobs should use their own etcd >= 3.5.3)",
+    )
+    run.add_argument(
+        "--job",
+        metavar="NAME",
+        help="job name, the key prefix of the job in etcd: letters, digits, '_', '.', "
+        "'-' (default: job-<8 random hex digits>)",
+    )
+
+
+def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart budget for the whole job: a failed rank is restarted alone "
+        "until K restarts (of any ranks) have been used; 0 = the first failure ends "
+        "the job (default: 0)",
+    )
+    run.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="also write each rank's output to DIR/rank<N>.log (appended across restarts)",
+    )
+    run.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="directory for the ranks' recovery event logs and run state, passed as "
+        "RESILIENT_RUN_DIR (default: none)",
+    )
+    run.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds a silent rank stays listed in etcd before the job sees it as lost; "
+        ">= 2 (default: 5)",
+    )
+    run.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default: 5)",
+    )
+
+
+def _add_unimplemented(
+    subparsers: argparse._SubParsersAction[_Parser],
+    name: str,
+    summary: str,
+    description: str,
+    positional: tuple[str, str],
+) -> None:
+    cmd = subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog="Not implemented yet: this release only reserves the command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cmd.add_argument(positional[0], nargs="?", help=positional[1])
+    cmd.set_defaults(handler=_not_implemented(name))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``resilient`` argument parser (exposed for documentation and tests)."""
+    parser = _Parser(
+        prog=_PROG,
+        description="Fault-tolerant collectives for PyTorch: local launcher and chaos tools.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log the launcher's own steps (INFO)"
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_Parser
+    )
+    _add_run(subparsers)
+    _add_unimplemented(
+        subparsers,
+        "chaos",
+        "run a fault-injection scenario (TOML) against a job and report whether it survived",
+        _CHAOS_DESCRIPTION,
+        ("scenario", "scenario file (TOML)"),
+    )
+    _add_unimplemented(
+        subparsers,
+        "events",
+        "merge the recovery event logs of a run directory into one timeline",
+        _EVENTS_DESCRIPTION,
+        ("run_dir", "run directory (the --run-dir of 'resilient run')"),
+    )
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = LaunchConfig(
+        nproc=args.nproc,
+        script=args.script,
+        script_args=tuple(args.script_args),
+        rails=args.rails,
+        etcd=args.etcd,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+        run_dir=args.run_dir,
+        lease_ttl_s=args.lease_ttl,
+        grace_s=args.grace,
+        job=args.job if args.job is not None else new_job_name(),
+    )
+    return Launcher(config).run()
+
+
+def _not_implemented(name: str) -> _Handler:
+    def handler(args: argparse.Namespace) -> int:
+        print(f"{_PROG}: error: '{_PROG} {name}' is not implemented yet", file=sys.stderr)
+        return _USAGE_ERROR
+
+    return handler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``resilient`` command; returns the process exit code.
+
+    Usage errors and :class:`ConfigError`/:class:`LauncherError` are printed as one
+    ``resilient: error: ...`` line and give exit code 2; ``run`` otherwise returns
+    the job's exit code.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        # --help and usage errors exit inside argparse; as a function we return instead.
+        return exc.code if isinstance(exc.code, int) else _USAGE_ERROR
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format=f"{_PROG}: %(levelname)s: %(message)s",
+    )
+    try:
+        code: int = args.handler(args)
+    except (ConfigError, LauncherError) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return _USAGE_ERROR
+    return code

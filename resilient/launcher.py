@@ -1,0 +1,421 @@
+"""The local launcher: a torchrun-like supervisor that restarts only the rank that failed.
+
+``Launcher(LaunchConfig(nproc=4, script="train.py")).run()`` starts an embedded etcd
+(unless ``etcd`` names a cluster), spawns ``nproc`` ranks of ``python -u script`` on
+this machine, relays their output prefixed ``[rank N]``, and supervises them:
+
+* a rank that exits 0 is done;
+* a rank that fails (non-zero exit or a signal) is started again *alone*, with the
+  same rank id and its incarnation + 1, while the job-wide restart budget
+  (``max_restarts``, as in torchrun) lasts; the other ranks are not touched, so
+  the data plane can shrink around the lost rank and re-admit the replacement;
+* once the budget is spent, the next failure stops every rank and the launcher
+  returns that rank's exit code (death by signal N reported as 128+N, like a shell).
+
+SIGINT/SIGTERM to the launcher stop every rank (SIGTERM, ``grace_s``, SIGKILL) and
+the embedded etcd, and ``run()`` returns 130/143. Every child runs in its own session
+with a parent-death signal, so none outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final
+
+from resilient._launch_io import (
+    RankOutput,
+    SignalTrap,
+    describe_exit,
+    reap,
+    shell_exit_code,
+    signal_group,
+)
+from resilient._proc import free_port, spawn
+from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
+from resilient.errors import ConfigError, LauncherError, MembershipError
+
+if TYPE_CHECKING:
+    from membership.server import EmbeddedEtcd
+
+__all__ = [
+    "MAX_LOCAL_RANKS",
+    "MAX_RAILS",
+    "RANK_VAR_HELP",
+    "LaunchConfig",
+    "Launcher",
+    "RankVar",
+    "loopback_rails",
+    "new_job_name",
+]
+
+logger = logging.getLogger(__name__)
+
+# Rail addresses are 127.0.<rail+1>.<rank+1>: one octet each, and .255 is avoided.
+MAX_LOCAL_RANKS: Final = 254
+MAX_RAILS: Final = 254
+
+_POLL_S: Final = 0.05
+# How long to wait for a dead rank's last output before announcing its exit.
+_DRAIN_S: Final = 1.0
+
+
+class RankVar(StrEnum):
+    """Every environment variable the launcher sets for a rank.
+
+    The names are the ones :meth:`resilient.config.RankEnv.from_env` reads, plus two
+    for the Python and torch runtimes. :data:`RANK_VAR_HELP` describes each one.
+    """
+
+    RANK = "RANK"
+    WORLD_SIZE = "WORLD_SIZE"
+    LOCAL_RANK = "LOCAL_RANK"
+    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+    MASTER_ADDR = "MASTER_ADDR"
+    MASTER_PORT = "MASTER_PORT"
+    ETCD = ENV_PREFIX + "ETCD"
+    JOB = ENV_PREFIX + "JOB"
+    TOKEN = ENV_PREFIX + "TOKEN"
+    RAILS = ENV_PREFIX + "RAILS"
+    INCARNATION = ENV_PREFIX + "INCARNATION"
+    LEASE_TTL_S = ENV_PREFIX + "LEASE_TTL_S"
+    RUN_DIR = ENV_PREFIX + "RUN_DIR"
+    PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
+    {
+        RankVar.RANK: "global rank id, 0..WORLD_SIZE-1; a restarted rank keeps its id",
+        RankVar.WORLD_SIZE: "number of ranks (--nproc)",
+        RankVar.LOCAL_RANK: "rank id on this machine (equals RANK here)",
+        RankVar.LOCAL_WORLD_SIZE: "ranks on this machine (equals WORLD_SIZE here)",
+        RankVar.MASTER_ADDR: "127.0.0.1, for code that rendezvouses the torch way",
+        RankVar.MASTER_PORT: "a free TCP port, the same for every rank and restart",
+        RankVar.ETCD: "etcd client URL(s), comma-separated (--etcd or the embedded one)",
+        RankVar.JOB: "job name (--job), the key prefix of the job in etcd",
+        RankVar.TOKEN: "secret shared by the ranks of this job (random per launch)",
+        RankVar.RAILS: "this rank's rail addresses, comma-separated: 127.0.<rail+1>.<rank+1>",
+        RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
+        RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",
+        RankVar.RUN_DIR: "directory for event logs and run state (only with --run-dir)",
+        RankVar.PYTHONUNBUFFERED: "1, so that output reaches the launcher line by line",
+        RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
+            "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"
+        ),
+    }
+)
+
+_RANK_VAR_NAMES: Final = frozenset(var.value for var in RankVar)
+
+
+def loopback_rails(rank: int, rails: int) -> tuple[str, ...]:
+    """The loopback address of each rail of ``rank``: ``127.0.<rail+1>.<rank+1>``."""
+    return tuple(f"127.0.{rail + 1}.{rank + 1}" for rail in range(rails))
+
+
+def new_job_name() -> str:
+    """A fresh job name, ``job-<8 random hex digits>``."""
+    return f"job-{secrets.token_hex(4)}"
+
+
+def _new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def _check_int(name: str, value: int, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r}: must be an integer")
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}={value}: must be {bounds}")
+
+
+def _check_seconds(name: str, value: float, *, minimum: float, inclusive: bool) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= minimum if inclusive else value > minimum
+    if not ok:
+        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        raise ConfigError(f"{name}={value!r}: must be a finite number of seconds {bound}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchConfig:
+    """What the local launcher starts and how it supervises it.
+
+    ``etcd`` is a comma-separated list of client URLs, or None for an embedded etcd
+    that lives as long as the launch. ``max_restarts`` is one budget for the whole
+    job (rank restarts of all ranks together). ``log_dir`` adds a ``rank<N>.log``
+    copy of each rank's output; ``run_dir`` is handed to the ranks. Both are made
+    absolute here. ``grace_s`` is the SIGTERM-to-SIGKILL delay when stopping ranks.
+
+    Raises:
+        ConfigError: a value is out of range, the script is not a file, the job
+            name or an etcd URL is malformed, or a directory path is a file.
+    """
+
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    rails: int = 1
+    etcd: str | None = None
+    job: str = field(default_factory=new_job_name)
+    max_restarts: int = 0
+    log_dir: str | None = None
+    run_dir: str | None = None
+    lease_ttl_s: float = 5.0
+    grace_s: float = 5.0
+    token: str = field(default_factory=_new_token, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
+        _check_int("rails", self.rails, 1, MAX_RAILS)
+        _check_int("max_restarts", self.max_restarts, 0, None)
+        # etcd leases are whole seconds and the keep-alive runs every ttl/3.
+        _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)
+        _check_seconds("grace_s", self.grace_s, minimum=0.0, inclusive=False)
+        validate_job_name(self.job)
+        if not self.token or not self.token.isprintable() or any(c.isspace() for c in self.token):
+            raise ConfigError("token: must be a non-empty string without whitespace")
+        if self.etcd is not None:
+            object.__setattr__(self, "etcd", ",".join(parse_endpoints(self.etcd)))
+        if not self.script or not os.path.isfile(self.script):
+            raise ConfigError(f"script {self.script!r}: no such file")
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        for name in ("log_dir", "run_dir"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = os.path.abspath(os.fspath(value))
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ConfigError(f"{name}={value!r}: exists and is not a directory")
+            object.__setattr__(self, name, path)
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One rank id: the process holding it now and how many held it before."""
+
+    rank: int
+    incarnation: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    done: bool = False
+
+
+class _Run:
+    """The state of one ``Launcher.run()``: etcd, the rank slots, the restart budget."""
+
+    def __init__(self, config: LaunchConfig, trap: SignalTrap) -> None:
+        self._cfg = config
+        self._trap = trap
+        self._out = RankOutput(config.log_dir)
+        self._slots = [_Slot(rank) for rank in range(config.nproc)]
+        self._etcd: EmbeddedEtcd | None = None
+        self._etcd_url = config.etcd or ""
+        self._master_port = 0
+        self._restarts = 0
+
+    def execute(self) -> int:
+        """Start everything and supervise until the job ends; return the exit code.
+
+        Raises:
+            LauncherError: a directory, the embedded etcd or a rank could not be started.
+        """
+        self._make_dirs()
+        self._start_etcd()
+        self._master_port = free_port()
+        cfg = self._cfg
+        self._out.notice(
+            f"job {cfg.job}: {cfg.nproc} rank(s) x {cfg.rails} rail(s), etcd {self._etcd_url}"
+            f"{' (embedded)' if self._etcd else ''}, up to {cfg.max_restarts} restart(s)"
+        )
+        for slot in self._slots:
+            if (code := self._signalled()) is not None:
+                return code
+            self._start(slot)
+        return self._supervise()
+
+    def shutdown(self) -> None:
+        """Stop every live rank, then the embedded etcd; safe to call at any point."""
+        try:
+            self._stop_ranks()
+        finally:
+            self._out.close()
+            if self._etcd is not None:
+                self._etcd.stop()
+                self._etcd = None
+
+    def _supervise(self) -> int:
+        while True:
+            if (code := self._signalled()) is not None:
+                return code
+            for slot in self._slots:
+                if (code := self._check(slot)) is not None:
+                    return code
+            if all(slot.done for slot in self._slots):
+                self._out.notice(f"all {len(self._slots)} rank(s) finished")
+                return 0
+            time.sleep(_POLL_S)
+
+    def _check(self, slot: _Slot) -> int | None:
+        """Act on ``slot``'s exit, if it exited; a non-None result ends the job with it."""
+        if slot.done or slot.proc is None:
+            return None
+        code = reap(slot.proc)
+        if code is None:
+            return None
+        self._out.drain(slot.rank, _DRAIN_S)
+        if code == 0:
+            slot.done = True
+            logger.info("rank %d (incarnation %d) finished", slot.rank, slot.incarnation)
+            return None
+        what = f"rank {slot.rank} exited with {describe_exit(code)}"
+        budget = self._cfg.max_restarts
+        if self._restarts < budget:
+            self._restarts += 1
+            slot.incarnation += 1
+            self._out.notice(
+                f"{what}; restarting as incarnation {slot.incarnation} "
+                f"({self._restarts}/{budget} restarts used)"
+            )
+            self._start(slot)
+            return None
+        self._out.notice(
+            f"{what}; no restarts left ({self._restarts}/{budget} used); stopping the other ranks"
+        )
+        return shell_exit_code(code)
+
+    def _signalled(self) -> int | None:
+        sig = self._trap.received
+        if sig is None:
+            return None
+        self._out.notice(f"received {signal.Signals(sig).name}; stopping all ranks")
+        return 128 + sig
+
+    def _make_dirs(self) -> None:
+        for path in (self._cfg.log_dir, self._cfg.run_dir):
+            if path is None:
+                continue
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                raise LauncherError(f"cannot create directory {path!r}: {exc}") from exc
+
+    def _start_etcd(self) -> None:
+        if self._cfg.etcd is not None:
+            return
+        # Imported here: the membership package pulls in gRPC, which `resilient --help`
+        # and launches against an external etcd do not need.
+        from membership.server import EmbeddedEtcd
+
+        try:
+            self._etcd = EmbeddedEtcd()
+            self._etcd.start()
+        except MembershipError as exc:
+            raise LauncherError(f"could not start the embedded etcd: {exc}") from exc
+        self._etcd_url = self._etcd.url
+
+    def _start(self, slot: _Slot) -> None:
+        cfg = self._cfg
+        argv = [sys.executable, "-u", cfg.script, *cfg.script_args]
+        try:
+            slot.proc = spawn(
+                argv, env=self._env(slot), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            raise LauncherError(f"could not start rank {slot.rank}: {exc}") from exc
+        try:
+            self._out.attach(slot.rank, slot.incarnation, slot.proc)
+        except OSError as exc:
+            raise LauncherError(f"rank {slot.rank}: cannot open its log file: {exc}") from exc
+        logger.info(
+            "rank %d started (pid %d, incarnation %d)", slot.rank, slot.proc.pid, slot.incarnation
+        )
+
+    def _env(self, slot: _Slot) -> dict[str, str]:
+        cfg = self._cfg
+        values: dict[RankVar, str] = {
+            RankVar.RANK: str(slot.rank),
+            RankVar.WORLD_SIZE: str(cfg.nproc),
+            RankVar.LOCAL_RANK: str(slot.rank),
+            RankVar.LOCAL_WORLD_SIZE: str(cfg.nproc),
+            RankVar.MASTER_ADDR: "127.0.0.1",
+            RankVar.MASTER_PORT: str(self._master_port),
+            RankVar.ETCD: self._etcd_url,
+            RankVar.JOB: cfg.job,
+            RankVar.TOKEN: cfg.token,
+            RankVar.RAILS: ",".join(loopback_rails(slot.rank, cfg.rails)),
+            RankVar.INCARNATION: str(slot.incarnation),
+            RankVar.LEASE_TTL_S: repr(float(cfg.lease_ttl_s)),
+            RankVar.PYTHONUNBUFFERED: "1",
+            RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+        }
+        if cfg.run_dir is not None:
+            values[RankVar.RUN_DIR] = cfg.run_dir
+        # Values inherited from an enclosing launch (a launcher run inside a rank)
+        # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}
+        env.update({var.value: value for var, value in values.items()})
+        return env
+
+    def _stop_ranks(self) -> None:
+        live = [s.proc for s in self._slots if s.proc is not None and reap(s.proc) is None]
+        if not live:
+            return
+        # All ranks get SIGTERM at once and share one grace period.
+        for proc in live:
+            signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self._cfg.grace_s
+        while time.monotonic() < deadline and any(reap(p) is None for p in live):
+            time.sleep(0.02)
+        for proc in live:
+            if reap(proc) is not None:
+                continue
+            logger.warning(
+                "pid %d ignored SIGTERM for %.1f s; sending SIGKILL", proc.pid, self._cfg.grace_s
+            )
+            signal_group(proc, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                logger.error("pid %d survived SIGKILL for 5 s", proc.pid)
+
+
+class Launcher:
+    """Runs one job described by a :class:`LaunchConfig`; see the module docstring."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self._config = config
+
+    @property
+    def config(self) -> LaunchConfig:
+        return self._config
+
+    def run(self) -> int:
+        """Launch and supervise the ranks; return the job's exit code.
+
+        0 when every rank exited 0; the failing rank's code (128+N for signal N) when
+        the restart budget ran out; 130/143 after SIGINT/SIGTERM. Signal handlers are
+        installed only while this runs, and only when called from the main thread.
+        Every rank and the embedded etcd are stopped before it returns or raises.
+
+        Raises:
+            LauncherError: a directory, the embedded etcd or a rank could not be started.
+        """
+        with SignalTrap() as trap:
+            state = _Run(self._config, trap)
+            try:
+                return state.execute()
+            finally:
+                state.shutdown()

@@ -1,0 +1,507 @@
+"""The local launcher with real processes: restarts, exit codes, env, output, signals.
+
+The rank scripts are written into tmp_path and never import torch, so that each
+test spends its time on process supervision, not on imports. Every rank records
+``start``/``done`` files named ``<kind>-<rank>-<incarnation>.json`` with its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from membership.server import EmbeddedEtcd
+from resilient import launcher as launcher_module
+from resilient._launch_io import describe_exit, shell_exit_code
+from resilient.config import RankEnv
+from resilient.errors import ConfigError, LauncherError
+from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, RankVar, loopback_rails
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Shared head of every rank script: argv[1] is the directory the records go to.
+PRELUDE = """\
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+OUT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+INC = int(os.environ["RESILIENT_INCARNATION"])
+
+
+def record(kind, **extra):
+    data = {"rank": RANK, "inc": INC, "pid": os.getpid(), "env_rank": os.environ["RANK"]}
+    data.update(extra)
+    tmp = OUT / f".{kind}-{RANK}-{INC}.tmp"
+    tmp.write_text(json.dumps(data))
+    tmp.rename(OUT / f"{kind}-{RANK}-{INC}.json")
+
+
+def wait_for(*names, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not all((OUT / n).exists() for n in names):
+        if time.monotonic() > deadline:
+            print(f"rank {RANK}: gave up waiting for {names}", file=sys.stderr)
+            sys.exit(90)
+        time.sleep(0.02)
+
+
+record("start")
+"""
+
+
+def make_script(tmp_path: Path, body: str) -> tuple[str, Path]:
+    """Write a rank script (PRELUDE + body); return its path and the records dir."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    script = tmp_path / "rank_script.py"
+    script.write_text(PRELUDE + body)
+    return str(script), out
+
+
+def read(out: Path, kind: str, rank: int, inc: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / f"{kind}-{rank}-{inc}.json").read_text())
+    return data
+
+
+def records(out: Path, kind: str) -> list[str]:
+    return sorted(p.name for p in out.glob(f"{kind}-*.json"))
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def etcd_url(etcd_server: EmbeddedEtcd) -> str:
+    """The session's etcd (tests/conftest.py); rank scripts here never write to it."""
+    return etcd_server.url
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Fail a test that leaves a process behind, and kill what it left."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    new = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=5.0)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def config(script: str, out: Path, **kw: Any) -> LaunchConfig:
+    kw.setdefault("grace_s", 2.0)
+    return LaunchConfig(script=script, script_args=(str(out),), **kw)
+
+
+@pytest.mark.timeout(60)
+def test_restarts_only_the_killed_rank(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 2 and INC == 0:
+    wait_for("start-0-0.json", "start-1-0.json", "start-3-0.json")
+    os.kill(os.getpid(), signal.SIGKILL)
+wait_for("start-2-1.json")
+record("done")
+""",
+    )
+    cfg = config(script, out, nproc=4, etcd=etcd_url, max_restarts=2)
+
+    assert Launcher(cfg).run() == 0
+
+    assert records(out, "start") == sorted(
+        [f"start-{r}-0.json" for r in range(4)] + ["start-2-1.json"]
+    )
+    assert records(out, "done") == [
+        "done-0-0.json",
+        "done-1-0.json",
+        "done-2-1.json",
+        "done-3-0.json",
+    ]
+    for rank in (0, 1, 3):
+        # The same process that started before the kill finished after the restart.
+        assert read(out, "start", rank, 0)["pid"] == read(out, "done", rank, 0)["pid"]
+    first, second = read(out, "start", 2, 0), read(out, "start", 2, 1)
+    assert first["pid"] != second["pid"]
+    assert first["env_rank"] == second["env_rank"] == "2"
+    err = capsys.readouterr().err
+    assert (
+        "rank 2 exited with code -9 (SIGKILL); restarting as incarnation 1 (1/2 restarts used)"
+        in err
+    )
+    assert "all 4 rank(s) finished" in err
+
+
+@pytest.mark.timeout(60)
+def test_failure_without_budget_returns_its_code_and_stops_the_others(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 1:
+    wait_for("start-0-0.json", "start-2-0.json")
+    sys.exit(3)
+time.sleep(60)
+""",
+    )
+    started = time.monotonic()
+
+    code = Launcher(config(script, out, nproc=3, etcd=etcd_url)).run()
+
+    assert code == 3
+    assert time.monotonic() - started < 30
+    for rank in (0, 2):
+        assert gone(int(read(out, "start", rank, 0)["pid"]))
+    assert records(out, "done") == []
+    assert "rank 1 exited with code 3; no restarts left (0/0 used)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_budget_is_job_wide_and_exhaustion_ends_the_job(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 0:
+    wait_for("start-1-0.json")
+    sys.exit(5)
+time.sleep(60)
+""",
+    )
+
+    code = Launcher(config(script, out, nproc=2, etcd=etcd_url, max_restarts=2)).run()
+
+    assert code == 5
+    assert records(out, "start") == [
+        "start-0-0.json",
+        "start-0-1.json",
+        "start-0-2.json",
+        "start-1-0.json",
+    ]
+    err = capsys.readouterr().err
+    assert "restarting as incarnation 2 (2/2 restarts used)" in err
+    assert "rank 0 exited with code 5; no restarts left (2/2 used)" in err
+
+
+@pytest.mark.timeout(60)
+def test_death_by_signal_is_reported_like_a_shell(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert Launcher(config(script, out, nproc=1, etcd=etcd_url)).run() == 128 + 9
+
+
+@pytest.mark.timeout(60)
+def test_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record("ignoring")
+    time.sleep(60)
+wait_for("ignoring-0-0.json")
+sys.exit(1)
+""",
+    )
+    started = time.monotonic()
+
+    code = Launcher(config(script, out, nproc=2, etcd=etcd_url, grace_s=0.5)).run()
+
+    assert code == 1
+    assert time.monotonic() - started < 20
+    assert gone(int(read(out, "start", 0, 0)["pid"]))
+
+
+@pytest.mark.timeout(60)
+def test_processes_a_rank_leaves_behind_are_killed(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+record("child", child=child.pid)
+""",
+    )
+
+    assert Launcher(config(script, out, nproc=1, etcd=etcd_url)).run() == 0
+
+    child = int(read(out, "child", 0, 0)["child"])
+    assert wait_until(lambda: gone(child), 5.0)
+
+
+@pytest.mark.timeout(60)
+def test_env_of_each_rank_parses_and_embedded_etcd_lives_for_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Values an enclosing launch would have left must be replaced, others passed through.
+    monkeypatch.setenv("RANK", "99")
+    monkeypatch.setenv("RESILIENT_INCARNATION", "7")
+    monkeypatch.setenv("RESILIENT_RUN_DIR", "/nonexistent")
+    monkeypatch.setenv("RESILIENT_TEST_PASSTHROUGH", "kept")
+    script, out = make_script(
+        tmp_path,
+        """
+import urllib.request
+url = os.environ["RESILIENT_ETCD"].split(",")[0] + "/health"
+with urllib.request.urlopen(url, timeout=5) as resp:
+    health = json.loads(resp.read())["health"]
+record("env", env=dict(os.environ), health=health)
+""",
+    )
+    cfg = config(script, out, nproc=2, rails=3, job="envtest", lease_ttl_s=3.0)
+
+    assert Launcher(cfg).run() == 0
+
+    envs = [read(out, "env", rank, 0) for rank in range(2)]
+    ports = set()
+    for rank, rec in enumerate(envs):
+        env: dict[str, str] = rec["env"]
+        assert rec["health"] == "true"
+        assert {v.value for v in RankVar} - {RankVar.RUN_DIR.value} <= env.keys()
+        assert RankVar.RUN_DIR.value not in env
+        assert env["RESILIENT_TEST_PASSTHROUGH"] == "kept"
+        assert env["PYTHONUNBUFFERED"] == env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        parsed = RankEnv.from_env(env)
+        assert (parsed.rank, parsed.world_size) == (rank, 2)
+        assert (parsed.local_rank, parsed.local_world_size) == (rank, 2)
+        assert parsed.rails == tuple(f"127.0.{rail}.{rank + 1}" for rail in (1, 2, 3))
+        assert (parsed.job, parsed.token, parsed.incarnation) == ("envtest", cfg.token, 0)
+        assert (parsed.lease_ttl_s, parsed.run_dir, parsed.master_addr) == (3.0, None, "127.0.0.1")
+        assert parsed.etcd is not None
+        ports.add(parsed.master_port)
+    assert len(ports) == 1
+    url = envs[0]["env"]["RESILIENT_ETCD"]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+
+
+@pytest.mark.timeout(60)
+def test_run_dir_is_created_and_passed(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(tmp_path, 'record("env", run_dir=os.environ["RESILIENT_RUN_DIR"])\n')
+    run_dir = tmp_path / "runs" / "r1"
+
+    assert Launcher(config(script, out, nproc=1, etcd=etcd_url, run_dir=str(run_dir))).run() == 0
+
+    assert run_dir.is_dir()
+    assert read(out, "env", 0, 0)["run_dir"] == str(run_dir)
+
+
+@pytest.mark.timeout(60)
+def test_output_is_prefixed_whole_lines_and_logged(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script, out = make_script(
+        tmp_path,
+        """
+pad = "x" * 3000
+for i in range(150):
+    print(f"r{RANK}-{i}-{pad}")
+    print(f"e{RANK}-{i}-{pad}", file=sys.stderr)
+sys.stdout.write("no newline at the end")
+""",
+    )
+    logs = tmp_path / "logs"
+
+    assert Launcher(config(script, out, nproc=3, etcd=etcd_url, log_dir=str(logs))).run() == 0
+
+    captured = capsys.readouterr()
+    for stream, letter in ((captured.out, "r"), (captured.err, "e")):
+        rank_lines = [line for line in stream.splitlines() if not line.startswith("[launcher]")]
+        pattern = re.compile(rf"\[rank (\d)\] {letter}\1-(\d+)-x{{3000}}")
+        matched = [m for line in rank_lines if (m := pattern.fullmatch(line))]
+        tails = [line for line in rank_lines if line.endswith("no newline at the end")]
+        assert len(matched) + len(tails) == len(rank_lines), "a line was cut or interleaved"
+        assert sorted(int(m.group(1)) for m in matched) == [r for r in range(3) for _ in range(150)]
+    for rank in range(3):
+        assert f"[rank {rank}] no newline at the end" in captured.out.splitlines()
+    log = (logs / "rank1.log").read_text().splitlines()
+    assert log[0].startswith("--- incarnation 0, pid ")
+    assert f"r1-149-{'x' * 3000}" in log and f"e1-0-{'x' * 3000}" in log
+
+
+@pytest.mark.timeout(60)
+def test_sigint_in_process_stops_ranks_and_restores_handlers(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(tmp_path, "time.sleep(60)\n")
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+
+    def interrupt() -> None:
+        if wait_until(lambda: len(records(out, "start")) == 2, 30.0):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    code = Launcher(config(script, out, nproc=2, etcd=etcd_url)).run()
+
+    assert code == 130
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    for rank in range(2):
+        assert gone(int(read(out, "start", rank, 0)["pid"]))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_process_leaves_nothing_behind(
+    tmp_path: Path, sig: signal.Signals, expected: int
+) -> None:
+    script, out = make_script(tmp_path, "time.sleep(60)\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "resilient",
+        "run",
+        "--nproc",
+        "3",
+        "--grace",
+        "2",
+        script,
+        str(out),
+    ]
+    with (tmp_path / "launcher.log").open("wb") as log:
+        launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    descendants: list[psutil.Process] = []
+    try:
+        assert wait_until(lambda: len(records(out, "start")) == 3, 45.0), (
+            tmp_path / "launcher.log"
+        ).read_text()
+        descendants = psutil.Process(launcher.pid).children(recursive=True)
+        # Three ranks and the embedded etcd.
+        assert len(descendants) >= 4
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=30) == expected
+        _, alive = psutil.wait_procs(descendants, timeout=5.0)
+        assert alive == []
+        assert "stopping all ranks" in (tmp_path / "launcher.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        for proc in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+@pytest.mark.timeout(60)
+def test_error_mid_launch_stops_the_ranks_already_started(
+    tmp_path: Path, etcd_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script, out = make_script(tmp_path, "time.sleep(60)\n")
+    real_spawn = launcher_module.spawn
+    calls = 0
+
+    def flaky_spawn(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            assert wait_until(lambda: len(records(out, "start")) == 1, 30.0)
+            raise OSError("no more processes")
+        return real_spawn(*args, **kwargs)
+
+    monkeypatch.setattr(launcher_module, "spawn", flaky_spawn)
+    with pytest.raises(LauncherError, match="could not start rank 1: no more processes"):
+        Launcher(config(script, out, nproc=2, etcd=etcd_url)).run()
+    assert gone(read(out, "start", 0, 0)["pid"])
+
+
+@pytest.mark.timeout(30)
+def test_unusable_run_dir_is_a_launcher_error(tmp_path: Path, etcd_url: str) -> None:
+    script, out = make_script(tmp_path, "")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = config(script, out, nproc=1, etcd=etcd_url, run_dir=str(blocker / "run"))
+    with pytest.raises(LauncherError, match="cannot create directory"):
+        Launcher(cfg).run()
+    assert records(out, "start") == []
+
+
+# ---------------------------------------------------------------- config and helpers
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"nproc": 0},
+        {"nproc": 255},
+        {"nproc": True},
+        {"rails": 0},
+        {"max_restarts": -1},
+        {"lease_ttl_s": 1.5},
+        {"lease_ttl_s": float("nan")},
+        {"grace_s": 0},
+        {"job": "no spaces please"},
+        {"token": ""},
+        {"token": "a b"},
+        {"etcd": "ftp://host:1"},
+        {"etcd": "host-without-port"},
+        {"script": "/nonexistent/train.py"},
+    ],
+)
+def test_invalid_config_raises_config_error(tmp_path: Path, override: dict[str, Any]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    kwargs: dict[str, Any] = {"nproc": 2, "script": str(script), **override}
+    with pytest.raises(ConfigError):
+        LaunchConfig(**kwargs)
+
+
+@pytest.mark.timeout(10)
+def test_config_defaults_and_normalisation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("")
+    args: Any = ["a"]
+    cfg = LaunchConfig(
+        nproc=2, script="train.py", script_args=args, etcd="127.0.0.1:2379", log_dir="logs"
+    )
+    assert re.fullmatch(r"job-[0-9a-f]{8}", cfg.job)
+    assert re.fullmatch(r"[0-9a-f]{32}", cfg.token)
+    assert cfg.token not in repr(cfg)
+    assert (cfg.rails, cfg.max_restarts, cfg.grace_s) == (1, 0, 5.0)
+    assert cfg.script_args == ("a",)
+    assert cfg.etcd == "http://127.0.0.1:2379"
+    assert cfg.log_dir == str(tmp_path / "logs")
+    assert LaunchConfig(nproc=1, script="train.py").job != cfg.job
+
+
+@pytest.mark.timeout(10)
+def test_loopback_rails_and_exit_helpers() -> None:
+    assert loopback_rails(0, 2) == ("127.0.1.1", "127.0.2.1")
+    assert loopback_rails(253, 1) == ("127.0.1.254",)
+    assert set(RANK_VAR_HELP) == set(RankVar)
+    assert (shell_exit_code(0), shell_exit_code(3), shell_exit_code(-9)) == (0, 3, 137)
+    assert describe_exit(-15) == "code -15 (SIGTERM)"
+    assert describe_exit(2) == "code 2"
