@@ -17,6 +17,7 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
+    "DataPlaneConfig",
     "EtcdConfig",
     "MembershipConfig",
     "RankEnv",
@@ -129,6 +130,71 @@ class MembershipConfig:
             raise ConfigError("MembershipConfig.health_min_interval_s must be >= 1 s")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataPlaneConfig:
+    """Data-plane settings of a :class:`~resilient.process_group.ResilientProcessGroup`.
+
+    ``rail_weights``: share of each collective per rail (None: equal). A link op on
+    ``n`` bytes must finish within ``op_timeout_floor_s + n / expected_link_bytes_per_s``;
+    a new link's rendezvous within ``connect_timeout_s``. ``sub_chunk_bytes`` is the
+    pipelining grain. ``check_mismatch`` exchanges a small signature before each
+    collective so that ranks calling different collectives all raise instead of hanging.
+    """
+
+    rail_weights: tuple[float, ...] | None = None
+    sub_chunk_bytes: int = 1 << 20
+    connect_timeout_s: float = 60.0
+    op_timeout_floor_s: float = 10.0
+    expected_link_bytes_per_s: float = 50e6
+    check_mismatch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rail_weights is not None:
+            if not self.rail_weights or any(w < 0 for w in self.rail_weights):
+                raise ConfigError(f"rail_weights={self.rail_weights}: need >= 1 weight, all >= 0")
+            if sum(self.rail_weights) <= 0:
+                raise ConfigError(f"rail_weights={self.rail_weights}: one must be > 0")
+        if self.sub_chunk_bytes < 4096:
+            raise ConfigError(f"sub_chunk_bytes={self.sub_chunk_bytes}: must be >= 4096")
+        if self.connect_timeout_s <= 0 or self.op_timeout_floor_s <= 0:
+            raise ConfigError("DataPlaneConfig timeouts must be > 0")
+        if self.expected_link_bytes_per_s <= 0:
+            raise ConfigError("DataPlaneConfig.expected_link_bytes_per_s must be > 0")
+
+    def deadline_s(self, nbytes: int) -> float:
+        """Deadline of one link op moving ``nbytes``."""
+        return self.op_timeout_floor_s + nbytes / self.expected_link_bytes_per_s
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DataPlaneConfig:
+        """Read ``RESILIENT_SUB_CHUNK_BYTES``, ``RESILIENT_OP_TIMEOUT_S``,
+        ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``) and
+        ``RESILIENT_CHECK_MISMATCH`` (0/1).
+
+        Raises:
+            ConfigError: a variable is malformed; the message names it.
+        """
+        env = os.environ if env is None else env
+        p = ENV_PREFIX
+        weights_raw = env.get(p + "RAIL_WEIGHTS", "").strip()
+        weights: tuple[float, ...] | None = None
+        if weights_raw:
+            try:
+                weights = tuple(float(w) for w in weights_raw.split(","))
+            except ValueError as exc:
+                raise ConfigError(f"{p}RAIL_WEIGHTS={weights_raw!r}: not numbers") from exc
+        check = env.get(p + "CHECK_MISMATCH", "1").strip().lower()
+        if check not in ("0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"{p}CHECK_MISMATCH={check!r}: use 0 or 1")
+        return cls(
+            rail_weights=weights,
+            sub_chunk_bytes=_env_int(env, p + "SUB_CHUNK_BYTES", 1 << 20),
+            connect_timeout_s=_env_float(env, p + "CONNECT_TIMEOUT_S", 60.0),
+            op_timeout_floor_s=_env_float(env, p + "OP_TIMEOUT_S", 10.0),
+            check_mismatch=check in ("1", "true", "yes"),
+        )
+
+
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -182,8 +248,16 @@ class RankEnv:
         return MembershipConfig(job=self.job, lease_ttl_s=self.lease_ttl_s)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> RankEnv:
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> RankEnv:
         """Read RANK, WORLD_SIZE, LOCAL_*, MASTER_* and every ``RESILIENT_*`` variable.
+
+        ``rank``/``world_size`` override the env (``init_process_group`` passes them).
 
         Raises:
             ConfigError: a variable is missing or malformed; the message names it.
@@ -202,8 +276,8 @@ class RankEnv:
             )
         rails_raw = env.get(p + "RAILS", "")
         return cls(
-            rank=_env_int(env, "RANK"),
-            world_size=_env_int(env, "WORLD_SIZE"),
+            rank=rank if rank is not None else _env_int(env, "RANK"),
+            world_size=world_size if world_size is not None else _env_int(env, "WORLD_SIZE"),
             local_rank=_env_int(env, "LOCAL_RANK", 0),
             local_world_size=_env_int(env, "LOCAL_WORLD_SIZE", 1),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),

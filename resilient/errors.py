@@ -103,7 +103,21 @@ class CollectiveTimeout(CommunicationError, TimeoutError):
 
 
 class CollectiveMismatch(CommunicationError):
-    """Ranks called a collective with different shapes, dtypes or ops."""
+    """Ranks called a collective with different shapes, dtypes or ops.
+
+    ``calls`` maps each rank to a description of its call; ``fields`` names what differed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        calls: dict[int, str] | None = None,
+        fields: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.calls = calls or {}
+        self.fields = fields
 
 
 class PeerLost(CommunicationError):

@@ -1,0 +1,112 @@
+"""Pure schedule math for ring collectives over several rails (no torch, no I/O).
+
+The tensor (flattened) is first cut into ``P`` *global chunks*, one per ring
+position, and only then each chunk is cut across rails by the rail weights. An
+element's global chunk therefore depends only on ``numel`` and ``P``, never on the
+weights, and the ring reduces every element in the same rank order whichever rail
+carries it: moving bytes between rails never changes the result bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Span",
+    "even_bounds",
+    "rail_pieces",
+    "rail_sizes",
+    "recv_chunk",
+    "send_chunk",
+    "sub_spans",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A half-open element range ``[start, stop)`` of the flat buffer."""
+
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def even_bounds(n: int, parts: int) -> list[Span]:
+    """Cut ``n`` elements into ``parts`` contiguous spans; the first ``n % parts`` get one more."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: must be >= 1")
+    base, extra = divmod(n, parts)
+    out: list[Span] = []
+    start = 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append(Span(start, stop))
+        start = stop
+    return out
+
+
+def rail_sizes(n: int, weights: Sequence[float], align: int = 1) -> list[int]:
+    """Split ``n`` elements across rails in proportion to ``weights``.
+
+    Sizes are multiples of ``align`` except the last non-empty one, which takes the
+    remainder. Deterministic: every rank computes the same split from the same weights.
+
+    Raises:
+        ValueError: no weights, a negative weight, or all weights zero.
+    """
+    if not weights:
+        raise ValueError("rail weights: at least one rail is required")
+    if any(w < 0 for w in weights):
+        raise ValueError(f"rail weights {list(weights)}: must be >= 0")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"rail weights {list(weights)}: at least one must be > 0")
+    sizes: list[int] = []
+    left = n
+    for i, w in enumerate(weights):
+        if i == len(weights) - 1 or left == 0:
+            size = left if i == len(weights) - 1 else 0
+        else:
+            size = min(left, round(n * w / total / align) * align)
+        sizes.append(size)
+        left -= size
+    return sizes
+
+
+def rail_pieces(
+    chunks: Sequence[Span], weights: Sequence[float], align: int = 1
+) -> list[list[Span]]:
+    """``pieces[rail][chunk]``: each global chunk cut across rails by ``weights``."""
+    pieces: list[list[Span]] = [[] for _ in weights]
+    for chunk in chunks:
+        start = chunk.start
+        for rail, size in enumerate(rail_sizes(chunk.size, weights, align)):
+            pieces[rail].append(Span(start, start + size))
+            start += size
+    return pieces
+
+
+def sub_spans(span: Span, count: int) -> list[Span]:
+    """Cut ``span`` into ``count`` pipelining sub-spans (some may be empty)."""
+    return [Span(span.start + s.start, span.start + s.stop) for s in even_bounds(span.size, count)]
+
+
+def send_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
+    """Chunk that ``rank`` sends to its right neighbour at ring ``step``.
+
+    With ``shift=0`` rank r starts by sending its own chunk r (all-gather), and an
+    all-reduce leaves it owning the reduced chunk r+1 after the reduce-scatter half,
+    which the all-gather half then sends first; ``shift=-1`` makes a P-1 step
+    reduce-scatter end with rank r owning chunk r. The chunk received at step t is
+    the one sent at step t+1.
+    """
+    return (rank - step + shift) % world
+
+
+def recv_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
+    """Chunk that ``rank`` receives from its left neighbour at ring ``step``."""
+    return (rank - step - 1 + shift) % world

@@ -1,0 +1,166 @@
+"""Call signatures exchanged before each collective, so mismatched calls fail everywhere.
+
+Each rank encodes what it was asked to do into a fixed-size int64 row; one small
+ring all-gather gives every rank every row. All ranks then see the same table, so
+they all reach the same verdict: either proceed, or raise
+:class:`~resilient.errors.CollectiveMismatch` without moving any data.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from resilient.errors import CollectiveMismatch
+
+if TYPE_CHECKING:
+    from resilient.collectives import Reduce, RingEngine
+
+__all__ = ["Signature", "check_signatures"]
+
+_OPS = (
+    "allreduce",
+    "broadcast",
+    "allgather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+_DTYPES = (
+    None,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+)
+_REDUCES = (None, "sum", "avg", "product", "min", "max")
+_MAX_DIMS = 8
+_WIDTH = 8 + _MAX_DIMS
+_FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What one rank was asked to do in one collective."""
+
+    seq: int
+    op: str
+    reduce: str | None
+    dtype: torch.dtype | None
+    tensors: int
+    numel: int
+    root: int
+    shape: tuple[int, ...]
+    shapes_crc: int
+
+    @classmethod
+    def of(
+        cls,
+        op: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        reduce: Reduce | None = None,
+        root: int = -1,
+    ) -> Signature:
+        shapes = [tuple(t.shape) for t in tensors]
+        return cls(
+            seq=0,
+            op=op,
+            reduce=reduce.value if reduce is not None else None,
+            dtype=tensors[0].dtype if tensors else None,
+            tensors=len(tensors),
+            numel=sum(t.numel() for t in tensors),
+            root=root,
+            shape=shapes[0] if shapes else (),
+            shapes_crc=zlib.crc32(repr(shapes).encode()),
+        )
+
+    def with_seq(self, seq: int) -> Signature:
+        return replace(self, seq=seq)
+
+    def encode(self) -> torch.Tensor:
+        dims = list(self.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
+        row = [
+            self.seq,
+            _OPS.index(self.op),
+            _REDUCES.index(self.reduce),
+            _DTYPES.index(self.dtype),
+            self.tensors,
+            self.numel,
+            self.root,
+            len(self.shape) * (1 << 32) + self.shapes_crc,
+            *dims,
+        ]
+        return torch.tensor(row, dtype=torch.int64)
+
+    def describe(self) -> str:
+        parts = [self.op]
+        if self.dtype is not None:
+            parts.append(str(self.dtype).removeprefix("torch."))
+        parts.append(f"shape {self.shape}")
+        if self.tensors != 1:
+            parts.append(f"{self.tensors} tensors, {self.numel} elements")
+        if self.reduce:
+            parts.append(f"op {self.reduce}")
+        if self.root >= 0:
+            parts.append(f"root {self.root}")
+        return " ".join(parts) + f" (call #{self.seq})"
+
+    @classmethod
+    def decode(cls, row: Sequence[int]) -> Signature:
+        ndim = min(row[7] >> 32, _MAX_DIMS)
+        return cls(
+            seq=row[0],
+            op=_OPS[row[1]],
+            reduce=_REDUCES[row[2]],
+            dtype=_DTYPES[row[3]],
+            tensors=row[4],
+            numel=row[5],
+            root=row[6],
+            shape=tuple(row[8 : 8 + ndim]),
+            shapes_crc=row[7] & 0xFFFFFFFF,
+        )
+
+
+def _differences(rows: list[list[int]]) -> list[str]:
+    fields = [name for i, name in enumerate(_FIELDS) if len({r[i] for r in rows}) > 1]
+    if any(r[8:] != rows[0][8:] for r in rows) and "shape" not in fields:
+        fields.append("shape")
+    return fields or ["shape"]
+
+
+def check_signatures(engine: RingEngine, sig: Signature, rank: int) -> None:
+    """All-gather every rank's signature; raise on all ranks if any differ.
+
+    Raises:
+        CollectiveMismatch: names the ranks of each distinct call and the fields.
+        LinkError: the exchange itself failed.
+    """
+    world = engine.world
+    table = torch.zeros((world, _WIDTH), dtype=torch.int64)
+    table[rank] = sig.encode()
+    engine.all_gather(table.view(-1))
+    rows = [[int(v) for v in r] for r in table.tolist()]
+    if all(r == rows[0] for r in rows):
+        return
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(tuple(row), []).append(r)
+    described = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: "
+        f"{Signature.decode(list(row)).describe()}"
+        for row, ranks in groups.items()
+    )
+    fields = _differences(rows)
+    raise CollectiveMismatch(
+        f"ranks called different collectives ({', '.join(fields)} differ): {described}",
+        calls={r: Signature.decode(row).describe() for r, row in enumerate(rows)},
+        fields=tuple(fields),
+    )

@@ -1,0 +1,97 @@
+"""The ``"resilient"`` torch.distributed backend and the one-line ``resilient.init()``.
+
+``dist.init_process_group("resilient")`` works wherever the usual env is set (by
+``resilient run``, torchrun, Slurm or Kubernetes): RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+plus RESILIENT_ETCD (link rendezvous through etcd instead of the init store) and
+RESILIENT_RAILS (addresses or interface names, one per rail).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from resilient._rails import resolve_rails
+from resilient.config import DataPlaneConfig, RankEnv
+from resilient.process_group import ResilientProcessGroup
+
+__all__ = ["BACKEND_NAME", "create_backend", "init", "register"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "resilient"
+_NONCE_KEY = "resilient/link-store-nonce"
+
+
+def _link_store(env: RankEnv, init_store: Store) -> Store:
+    """Where links rendezvous: etcd when configured, else the store torch gave us.
+
+    The etcd prefix carries a nonce agreed through the init store, so keys of an
+    earlier run of the same job name can never meet this run's links.
+    """
+    if env.etcd is None:
+        return init_store
+    from membership.store import EtcdStore
+
+    proposal = secrets.token_hex(8)
+    nonce = init_store.compare_set(_NONCE_KEY, "", proposal).decode()
+    prefix = f"/resilient/{env.job}/store/links-{nonce}/"
+    return EtcdStore(env.etcd, prefix)
+
+
+def create_backend(
+    store: Store, rank: int, world_size: int, timeout: timedelta
+) -> ResilientProcessGroup:
+    """Backend factory torch calls from ``init_process_group``/``new_group``.
+
+    Raises:
+        ConfigError: the RESILIENT_* environment is malformed.
+    """
+    env = RankEnv.from_env(rank=rank, world_size=world_size)
+    config = DataPlaneConfig.from_env()
+    rails = resolve_rails(env.rails, env.master_addr)
+    pg = ResilientProcessGroup(
+        rank=rank,
+        world_size=world_size,
+        rails=rails,
+        store=_link_store(env, store),
+        config=config,
+    )
+    logger.info(
+        "rank %d/%d: resilient process group over %d rail(s) %s (job %s, epoch 0, step 0)",
+        rank,
+        world_size,
+        len(rails),
+        ",".join(rails),
+        env.job,
+    )
+    return pg
+
+
+def register() -> None:
+    """Register the ``"resilient"`` backend with torch.distributed (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+
+
+def init(**kwargs: Any) -> ResilientProcessGroup:
+    """Register the backend and ``init_process_group("resilient", **kwargs)``.
+
+    Returns the world group. Extra ``kwargs`` go to ``init_process_group``.
+    """
+    register()
+    if not dist.is_initialized():
+        dist.init_process_group(BACKEND_NAME, **kwargs)
+    group = dist.group.WORLD
+    if not isinstance(group, ResilientProcessGroup):
+        raise RuntimeError(
+            f"the default process group is {type(group).__name__}, not the resilient one; "
+            "was init_process_group called with another backend first?"
+        )
+    return group

@@ -1,0 +1,264 @@
+"""Collectives as pipelined ring schedules over links, one ring per rail, rails concurrent.
+
+All functions work in place on a flat, contiguous 1-D buffer and must be called
+with the same arguments on every rank. The ring order is identical on every rail
+and every element belongs to a global chunk fixed by ``numel`` and the world size
+(see :mod:`resilient._ring`), so results are bitwise identical on every rank and
+independent of the rail weights.
+
+Pipelining: each piece is cut into sub-chunks. The sub-chunk received (and reduced)
+at ring step t is exactly what is sent at step t+1, so its send is posted the moment
+it is ready, while later sub-chunks are still in flight: sending, receiving and
+reducing overlap.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from resilient._ring import Span, even_bounds, rail_pieces, recv_chunk, send_chunk, sub_spans
+from resilient.errors import ConfigError
+from resilient.links import LinkTable
+
+__all__ = ["Reduce", "RingEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class Reduce(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+def _sum(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.add_(src)
+
+
+def _prod(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.mul_(src)
+
+
+def _min(dst: torch.Tensor, src: torch.Tensor) -> None:
+    torch.minimum(dst, src, out=dst)
+
+
+def _max(dst: torch.Tensor, src: torch.Tensor) -> None:
+    torch.maximum(dst, src, out=dst)
+
+
+_REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    Reduce.SUM: _sum,
+    Reduce.AVG: _sum,
+    Reduce.PRODUCT: _prod,
+    Reduce.MIN: _min,
+    Reduce.MAX: _max,
+}
+
+
+@dataclass(slots=True)
+class _RingPlan:
+    """What one rail does in one ring pass."""
+
+    rail: int
+    pieces: list[Span]  # per global chunk, this rail's part
+    steps: int  # total ring steps
+    reduce_steps: int  # the first steps receive into scratch and reduce
+    shift: int
+    subs: int  # sub-chunks per piece
+
+
+class RingEngine:
+    """Runs ring collectives for one rank over a :class:`LinkTable`."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        links: LinkTable,
+        weights: Sequence[float] | None = None,
+        sub_chunk_bytes: int = 1 << 20,
+    ) -> None:
+        if sub_chunk_bytes < 1024:
+            raise ConfigError(f"sub_chunk_bytes={sub_chunk_bytes}: must be >= 1024")
+        self.rank, self.world, self.links = rank, world, links
+        self.num_rails = len(links.rails)
+        self.weights: tuple[float, ...] = tuple(weights or [1.0] * self.num_rails)
+        if len(self.weights) != self.num_rails:
+            raise ConfigError(f"{len(self.weights)} rail weights for {self.num_rails} rails")
+        self.sub_chunk_bytes = sub_chunk_bytes
+        self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
+
+    @property
+    def left(self) -> int:
+        return (self.rank - 1) % self.world
+
+    @property
+    def right(self) -> int:
+        return (self.rank + 1) % self.world
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- public collectives ------------------------------------------------------------
+    def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
+        """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
+        if self.world > 1:
+            chunks = even_bounds(flat.numel(), self.world)
+            self._ring(
+                flat,
+                chunks,
+                steps=2 * (self.world - 1),
+                reduce_steps=self.world - 1,
+                shift=0,
+                op=op,
+            )
+        self._finish_avg(flat, op)
+
+    def reduce_scatter(self, flat: torch.Tensor, op: Reduce) -> Span:
+        """``flat`` holds ``world`` equal blocks; afterwards block ``rank`` holds the result."""
+        chunks = even_bounds(flat.numel(), self.world)
+        if self.world > 1:
+            self._ring(
+                flat, chunks, steps=self.world - 1, reduce_steps=self.world - 1, shift=-1, op=op
+            )
+        mine = chunks[self.rank]
+        self._finish_avg(flat[mine.start : mine.stop], op)
+        return mine
+
+    def all_gather(self, flat: torch.Tensor) -> None:
+        """``flat`` holds ``world`` equal blocks, block ``rank`` filled; fill the others."""
+        if self.world > 1:
+            chunks = even_bounds(flat.numel(), self.world)
+            self._ring(flat, chunks, steps=self.world - 1, reduce_steps=0, shift=0, op=Reduce.SUM)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Copy ``flat`` from ``root`` to every rank along a pipelined chain per rail."""
+        if self.world == 1:
+            return
+        whole = [Span(0, flat.numel())]
+        pieces = rail_pieces(whole, self.weights)
+        self._run_rails(lambda rail: self._chain(flat, pieces[rail][0], rail, root))
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, dtype=torch.int32), Reduce.SUM)
+
+    # -- ring machinery ----------------------------------------------------------------
+    def _finish_avg(self, t: torch.Tensor, op: Reduce) -> None:
+        if op is Reduce.AVG:
+            if t.is_floating_point():
+                t.div_(self.world)
+            else:
+                t.copy_(torch.div(t, self.world, rounding_mode="trunc"))
+
+    def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
+        largest = max((p.size for p in pieces), default=0) * elem
+        return max(1, -(-largest // self.sub_chunk_bytes))
+
+    def _ring(
+        self,
+        flat: torch.Tensor,
+        chunks: list[Span],
+        *,
+        steps: int,
+        reduce_steps: int,
+        shift: int,
+        op: Reduce,
+    ) -> None:
+        pieces = rail_pieces(chunks, self.weights)
+        self.links.ensure(
+            (peer, rail) for rail in range(self.num_rails) for peer in (self.left, self.right)
+        )
+        elem = flat.element_size()
+        plans = [
+            _RingPlan(
+                rail, pieces[rail], steps, reduce_steps, shift, self._subs_for(pieces[rail], elem)
+            )
+            for rail in range(self.num_rails)
+        ]
+        self._run_rails(lambda rail: self._ring_rail(flat, plans[rail], op))
+
+    def _run_rails(self, fn: Callable[[int], None]) -> None:
+        futures: list[Future[None]] = [
+            self._pool.submit(fn, rail) for rail in range(1, self.num_rails)
+        ]
+        error: BaseException | None = None
+        try:
+            fn(0)
+        except BaseException as exc:
+            error = exc
+        for fut in futures:
+            error = error or fut.exception()
+        if error is not None:
+            raise error
+
+    def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce) -> None:
+        send_link = self.links.get(self.right, plan.rail)
+        recv_link = self.links.get(self.left, plan.rail)
+        reduce = _REDUCERS[op]
+        k, elem = plan.subs, flat.element_size()
+        subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
+        largest = max((sp.size for chunk in subs for sp in chunk), default=0)
+        scratch = [torch.empty(largest, dtype=flat.dtype) for _ in range(k)]
+        sends: list[list[tuple[Any, int]]] = [[] for _ in range(plan.steps)]
+        recvs: list[list[tuple[Any, Span]]] = [[] for _ in range(plan.steps)]
+
+        def post(step: int, j: int) -> None:
+            r = subs[recv_chunk(self.rank, step, self.world, plan.shift)][j]
+            s = subs[send_chunk(self.rank, step, self.world, plan.shift)][j]
+            tag = step * k + j
+            work = None
+            if r.size:
+                into = scratch[j][: r.size] if step < plan.reduce_steps else flat[r.start : r.stop]
+                work = recv_link.irecv(into, tag)
+            recvs[step].append((work, r))
+            if s.size:
+                sends[step].append((send_link.isend(flat[s.start : s.stop], tag), s.size * elem))
+
+        for j in range(k):
+            post(0, j)
+        for step in range(plan.steps):
+            for j, (work, r) in enumerate(recvs[step]):
+                if work is not None:
+                    recv_link.wait(work, r.size * elem)
+                    if step < plan.reduce_steps:
+                        reduce(flat[r.start : r.stop], scratch[j][: r.size])
+                if step + 1 < plan.steps:
+                    post(step + 1, j)  # what just arrived is what goes out next
+            if step >= 1:
+                # Step-1 sends read regions that later steps overwrite: finish them now.
+                for work, nbytes in sends[step - 1]:
+                    send_link.wait(work, nbytes)
+        for work, nbytes in sends[plan.steps - 1]:
+            send_link.wait(work, nbytes)
+
+    def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int) -> None:
+        pos = (self.rank - root) % self.world
+        elem = flat.element_size()
+        subs = sub_spans(piece, self._subs_for([piece], elem))
+        send_link = self.links.get(self.right, rail) if pos < self.world - 1 else None
+        recv_link = self.links.get(self.left, rail) if pos > 0 else None
+        sends: list[tuple[Any, int]] = []
+        recvs = [
+            (recv_link.irecv(flat[s.start : s.stop], j) if recv_link else None, j, s)
+            for j, s in enumerate(subs)
+            if s.size
+        ]
+        for work, j, s in recvs:
+            if recv_link is not None:
+                recv_link.wait(work, s.size * elem)
+            if send_link is not None:
+                sends.append((send_link.isend(flat[s.start : s.stop], j), s.size * elem))
+        for work, nbytes in sends:
+            assert send_link is not None
+            send_link.wait(work, nbytes)

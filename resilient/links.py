@@ -1,0 +1,194 @@
+"""Links: one two-rank gloo group per (rank pair, rail), the unit that fails and is repaired.
+
+A :class:`Link` binds its gloo device to this rank's address on one rail and
+rendezvouses through a store prefix that holds the epoch and a link generation, so
+a rebuilt link never meets stale keys. Every operation has a deadline derived from
+its size and the link's expected bandwidth, with a floor; a missed deadline or a
+gloo error becomes :class:`~resilient.errors.LinkError`. Dead groups are destroyed
+in a background thread, because dropping a gloo group can block for seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
+
+from resilient.config import DataPlaneConfig
+from resilient.errors import ConfigError, LinkError
+
+__all__ = ["Link", "LinkTable"]
+
+logger = logging.getLogger(__name__)
+
+
+class Link:
+    """A two-rank gloo group between ``rank`` and ``peer`` on ``rail``.
+
+    Raises:
+        LinkError: the rendezvous failed or timed out (from the constructor).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        peer: int,
+        rail: int,
+        address: str,
+        store: Store,
+        prefix: str,
+        config: DataPlaneConfig,
+    ) -> None:
+        if rank == peer:
+            raise ConfigError(f"a link needs two ranks, got {rank} twice")
+        self.rank, self.peer, self.rail = rank, peer, rail
+        self.prefix = prefix
+        self.config = config
+        self._peer_index = 0 if peer < rank else 1
+        opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
+        opts._timeout = timedelta(seconds=config.connect_timeout_s)
+        opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+        start = time.monotonic()
+        try:
+            self.pg: Any = ProcessGroupGloo(
+                PrefixStore(prefix, store), 0 if rank < peer else 1, 2, opts
+            )
+        except (RuntimeError, dist.DistError) as exc:
+            raise LinkError(
+                f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
+            ) from exc
+        self.connect_s = time.monotonic() - start
+        self.broken = False
+
+    def __repr__(self) -> str:
+        return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
+
+    def isend(self, tensor: torch.Tensor, tag: int) -> Any:
+        """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
+        try:
+            return self.pg.send([tensor], self._peer_index, tag)
+        except (RuntimeError, dist.DistError) as exc:
+            self.broken = True
+            raise LinkError(f"{self}: send failed: {exc}") from exc
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+        """Post a receive into a contiguous tensor."""
+        try:
+            return self.pg.recv([tensor], self._peer_index, tag)
+        except (RuntimeError, dist.DistError) as exc:
+            self.broken = True
+            raise LinkError(f"{self}: recv failed: {exc}") from exc
+
+    def wait(self, work: Any, nbytes: int) -> None:
+        """Wait for ``work`` within the deadline for ``nbytes``.
+
+        Raises:
+            LinkError: the peer failed, the connection broke or the deadline passed.
+        """
+        timeout = self.config.deadline_s(nbytes)
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as exc:
+            self.broken = True
+            raise LinkError(
+                f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
+            ) from exc
+
+    def close(self, *, background: bool | None = None) -> None:
+        """Drop the group; a broken one in a background thread (closing it can block).
+
+        Healthy groups are dropped synchronously: a gloo group still alive while the
+        interpreter exits can abort the process.
+        """
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is None:
+            return
+        if background if background is not None else self.broken:
+            threading.Thread(target=_drop, args=(pg,), name=f"close-{self!r}", daemon=True).start()
+        else:
+            _drop(pg)
+
+
+def _drop(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except Exception:  # a dead group may refuse a clean shutdown; the sockets still close
+        logger.debug("shutdown of a link group failed", exc_info=True)
+    del pg
+
+
+class LinkTable:
+    """This rank's links, created on first use, keyed by (peer, rail)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        rails: tuple[str, ...],
+        store: Store,
+        config: DataPlaneConfig,
+        epoch: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.rails = rails
+        self.store = store
+        self.config = config
+        self.epoch = epoch
+        self._links: dict[tuple[int, int], Link] = {}
+        self._generation: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
+
+    def prefix(self, peer: int, rail: int) -> str:
+        lo, hi = min(self.rank, peer), max(self.rank, peer)
+        gen = self._generation.get((peer, rail), 0)
+        return f"link/e{self.epoch}/{lo}-{hi}/r{rail}/g{gen}/"
+
+    def ensure(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Create the missing links among ``(peer, rail)`` pairs.
+
+        Links are built in one global order (lowest rank pair first, then rail) on
+        every rank, so blocking rendezvous can never wait in a cycle around a ring.
+        """
+        todo = sorted(
+            {(p, r) for p, r in pairs if (p, r) not in self._links},
+            key=lambda pr: (min(self.rank, pr[0]), max(self.rank, pr[0]), pr[1]),
+        )
+        for peer, rail in todo:
+            with self._lock:
+                if (peer, rail) in self._links:
+                    continue
+                link = Link(
+                    rank=self.rank,
+                    peer=peer,
+                    rail=rail,
+                    address=self.rails[rail],
+                    store=self.store,
+                    prefix=self.prefix(peer, rail),
+                    config=self.config,
+                )
+                self._links[(peer, rail)] = link
+            logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
+
+    def get(self, peer: int, rail: int) -> Link:
+        link = self._links.get((peer, rail))
+        if link is None:
+            self.ensure([(peer, rail)])
+            link = self._links[(peer, rail)]
+        return link
+
+    def links(self) -> dict[tuple[int, int], Link]:
+        return dict(self._links)
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()

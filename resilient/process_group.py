@@ -1,0 +1,442 @@
+"""``ResilientProcessGroup``: a real ``torch.distributed.ProcessGroup`` over links.
+
+Collectives run on one communication thread per group, in the order they were
+issued (every rank issues them in the same order, as with any process group), and
+return a :class:`ResilientWork` whose future completes when the collective does, so
+DDP overlaps them with backward exactly as with gloo. Each collective is a ring
+schedule over two-rank link groups (:mod:`resilient.collectives`).
+
+Before the data moves, ranks exchange a small signature of the call (op, reduce
+op, dtype, shapes, sequence number). If ranks disagree, every rank raises
+:class:`~resilient.errors.CollectiveMismatch` naming the ranks and what differed,
+and the group stays usable, because no data phase was started.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store, Work
+from torch.futures import Future
+
+from resilient._signature import Signature, check_signatures
+from resilient.collectives import Reduce, RingEngine
+from resilient.config import DataPlaneConfig
+from resilient.errors import ResilientError
+from resilient.links import LinkTable
+
+__all__ = ["ResilientProcessGroup", "ResilientWork"]
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+)
+
+_REDUCE_OPS = {
+    dist.ReduceOp.SUM: Reduce.SUM,
+    dist.ReduceOp.AVG: Reduce.AVG,
+    dist.ReduceOp.PRODUCT: Reduce.PRODUCT,
+    dist.ReduceOp.MIN: Reduce.MIN,
+    dist.ReduceOp.MAX: Reduce.MAX,
+}
+
+
+class ResilientWork(Work):
+    """Completes when its collective does; ``wait`` re-raises the collective's error.
+
+    Errors keep their :mod:`resilient.errors` type when waited on from Python.
+    """
+
+    def __init__(self, future: Future[Any], op: str) -> None:
+        super().__init__()
+        self._future = future
+        self._op = op
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())
+            if not done.wait(timeout.total_seconds()):
+                from resilient.errors import CollectiveTimeout
+
+                raise CollectiveTimeout(f"{self._op} not complete after {timeout}")
+        self._future.wait()  # raises the collective's exception
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self._future.value())
+
+
+class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+    """A process group whose collectives are ring schedules over per-rail links.
+
+    Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
+    broadcast, allgather, all_gather_into_tensor, reduce_scatter,
+    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int32/64 CPU
+    tensors, contiguous or not. Anything else raises ``NotImplementedError``
+    naming the op. Errors of a collective surface from ``Work.wait()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        rails: Sequence[str],
+        store: Store,
+        config: DataPlaneConfig | None = None,
+        epoch: int = 0,
+    ) -> None:
+        super().__init__(rank, world_size)  # type: ignore[call-arg]
+        self.config = config or DataPlaneConfig()
+        self.rails = tuple(rails)
+        self.links = LinkTable(
+            rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch
+        )
+        self.engine = RingEngine(
+            rank=rank,
+            world=world_size,
+            links=self.links,
+            weights=self.config.rail_weights,
+            sub_chunk_bytes=self.config.sub_chunk_bytes,
+        )
+        self._seq = 0
+        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"resilient-comm-{rank}", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    # -- plumbing ----------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "resilient"
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "resilient"
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # delivered to whoever waits on the work
+                if not isinstance(exc, ResilientError):
+                    logger.exception("rank %d: collective failed", self.rank())
+                fut.set_exception(exc)
+
+    def _submit(self, op: str, fn: Callable[[], Any]) -> ResilientWork:
+        if self._closed:
+            raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
+        fut: Future[Any] = Future()
+        self._queue.put((fn, fut))
+        return ResilientWork(fut, op)
+
+    def _signed(self, sig: Signature) -> None:
+        """Agree on the call before moving data (runs on the comm thread)."""
+        self._seq += 1
+        if self.config.check_mismatch and self.size() > 1:
+            check_signatures(self.engine, sig.with_seq(self._seq), self.rank())
+
+    def shutdown(self) -> None:
+        """Finish queued collectives, then close every link."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+        self.engine.close()
+        self.links.close()
+
+    # -- argument checks (raise on the caller's thread) ---------------------------------
+    @staticmethod
+    def _check(op: str, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
+            if t.device.type != "cpu":
+                raise NotImplementedError(
+                    f"resilient {op}: {t.device.type} tensors are not supported yet (CPU only)"
+                )
+
+    @staticmethod
+    def _reduce_op(op: str, opts: Any) -> Reduce:
+        # opts.reduceOp is a ReduceOp wrapper (or the bare enum); key on the enum.
+        red = _REDUCE_OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
+        if red is None:
+            raise NotImplementedError(f"resilient {op}: reduce op {opts.reduceOp} is not supported")
+        return red
+
+    # -- collectives -------------------------------------------------------------------
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        opts = opts or dist.AllreduceOptions()
+        self._check("allreduce", tensors)
+        red = self._reduce_op("allreduce", opts)
+        sig = Signature.of("allreduce", tensors, reduce=red)
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            with _Flat(tensors) as flat:
+                self.engine.all_reduce(flat.buffer, red)
+            return tensors
+
+        return self._submit("allreduce", run)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        opts = opts or dist.BroadcastOptions()
+        self._check("broadcast", tensors)
+        root = int(opts.rootRank)
+        sig = Signature.of("broadcast", tensors, root=root)
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            with _Flat(tensors) as flat:
+                self.engine.broadcast(flat.buffer, root)
+            return tensors
+
+        return self._submit("broadcast", run)
+
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
+        outs, inp = output_tensors[0], input_tensors[0]
+        self._check("allgather", [inp, *outs])
+        if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
+            raise ValueError(
+                f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
+            )
+        sig = Signature.of("allgather", [inp])
+
+        def run() -> list[list[torch.Tensor]]:
+            self._signed(sig)
+            buf = self._gather_buffer(inp)
+            for i, out in enumerate(outs):
+                out.copy_(buf[i].view_as(out))
+            return output_tensors
+
+        return self._submit("allgather", run)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        self._check("all_gather_into_tensor", [output, input])
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
+                f"need {input.numel() * self.size()}"
+            )
+        sig = Signature.of("all_gather_into_tensor", [input])
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            buf = self._gather_buffer(input)
+            output.copy_(buf.view_as(output))
+            return [output]
+
+        return self._submit("all_gather_into_tensor", run)
+
+    def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
+        n = inp.numel()
+        buf = torch.empty((self.size(), n), dtype=inp.dtype)
+        buf[self.rank()].copy_(inp.reshape(-1))
+        self.engine.all_gather(buf.view(-1))
+        return buf
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> ResilientWork:
+        opts = opts or dist.ReduceScatterOptions()
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
+        out, ins = output_tensors[0], input_tensors[0]
+        self._check("reduce_scatter", [out, *ins])
+        if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
+            raise ValueError(
+                f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
+            )
+        red = self._reduce_op("reduce_scatter", opts)
+        sig = Signature.of("reduce_scatter", [out], reduce=red)
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            buf = torch.cat([i.reshape(-1) for i in ins])
+            self._scatter_into(buf, out, red)
+            return output_tensors
+
+        return self._submit("reduce_scatter", run)
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        opts = opts or dist.ReduceScatterOptions()
+        self._check("reduce_scatter_tensor", [output, input])
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
+                f"need {output.numel() * self.size()}"
+            )
+        red = self._reduce_op("reduce_scatter_tensor", opts)
+        sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            self._scatter_into(input.reshape(-1).clone(), output, red)
+            return [output]
+
+        return self._submit("reduce_scatter_tensor", run)
+
+    def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
+        mine = self.engine.reduce_scatter(buf, red)
+        out.copy_(buf[mine.start : mine.stop].view_as(out))
+
+    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor here.
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        return self._reduce_scatter_base(output, input, opts)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        return self._last(
+            [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        )
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        return self._last(
+            [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        )
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    @staticmethod
+    def _last(works: list[ResilientWork]) -> ResilientWork:
+        """Works run in order on one thread: the last one completes after the others."""
+        if not works:
+            raise ValueError("resilient: a coalesced call needs at least one tensor pair")
+        return works[-1]
+
+    def barrier(self, opts: Any = None) -> ResilientWork:
+        sig = Signature.of("barrier", [])
+
+        def run() -> list[torch.Tensor]:
+            self._signed(sig)
+            self.engine.barrier()
+            return []
+
+        return self._submit("barrier", run)
+
+    # -- unsupported ops: a clear error instead of torch's generic one ------------------
+    def _unsupported(self, op: str) -> NoReturn:
+        raise NotImplementedError(
+            f"resilient process group: '{op}' is not supported (supported: all_reduce, "
+            "broadcast, all_gather, all_gather_into_tensor, reduce_scatter, "
+            "reduce_scatter_tensor, barrier)"
+        )
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("all_to_all")
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("all_to_all_single")
+
+    def gather(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("gather")
+
+    def scatter(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("scatter")
+
+    def reduce(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("reduce")
+
+    def send(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("send")
+
+    def recv(self, *args: Any, **kwargs: Any) -> ResilientWork:
+        self._unsupported("recv")
+
+
+class _Flat:
+    """A flat contiguous view of ``tensors`` (all one dtype), copied back on exit.
+
+    A single contiguous tensor is used in place; anything else goes through one
+    packed buffer.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        dtypes = {t.dtype for t in self.tensors}
+        if len(dtypes) > 1:
+            raise TypeError(f"resilient: tensors of one call must share a dtype, got {dtypes}")
+        self.inplace = len(self.tensors) == 1 and self.tensors[0].is_contiguous()
+        if self.inplace:
+            self.buffer = self.tensors[0].view(-1)
+        else:
+            self.buffer = torch.cat([t.reshape(-1) for t in self.tensors])
+
+    def __enter__(self) -> _Flat:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is not None or self.inplace:
+            return
+        offset = 0
+        for t in self.tensors:
+            n = t.numel()
+            t.copy_(self.buffer[offset : offset + n].view_as(t))
+            offset += n
