@@ -1,0 +1,95 @@
+"""Run a function on N real processes (spawn) that share a resilient process group."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from resilient._proc import free_port
+
+Target = Callable[..., Any]
+
+
+def _entry(
+    target: Target,
+    rank: int,
+    world: int,
+    rails: int,
+    port: int,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from resilient.config import DataPlaneConfig
+        from resilient.process_group import ResilientProcessGroup
+
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+        pg = ResilientProcessGroup(
+            rank=rank,
+            world_size=world,
+            rails=[f"127.0.{r + 1}.{rank + 1}" for r in range(rails)],
+            store=store,
+            config=DataPlaneConfig(op_timeout_floor_s=20.0),
+        )
+        try:
+            out = target(pg, rank, world, *args)
+        finally:
+            pg.shutdown()
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(
+    target: Target,
+    world: int,
+    *,
+    rails: int = 1,
+    timeout_s: float = 90.0,
+    args: tuple[Any, ...] = (),
+) -> list[Any]:
+    """Run ``target(pg, rank, world, *args)`` on ``world`` processes; return results by rank.
+
+    Raises AssertionError with every failing rank's traceback; always reaps the processes.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(target, r, world, rails, port, results, args), daemon=True)
+        for r in range(world)
+    ]
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(world):
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world)) - set(out) - set(errors))} gave no result "
+                    f"within {timeout_s} s"
+                ) from None
+            (out if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid or 0, 9)
+                p.join(timeout=5)
+    if errors:
+        raise AssertionError(
+            "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        )
+    return [out[r] for r in range(world)]

@@ -1,0 +1,195 @@
+"""Every collective and dtype on 4 real processes over real gloo links (2 rails)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient.errors import CollectiveMismatch
+from tests._dist import run_world
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+}
+
+
+def _input(rank: int, n: int, dtype: torch.dtype, small: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    if dtype.is_floating_point:
+        x = (
+            torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+            if small
+            else torch.randn(n, generator=g, dtype=torch.float64)
+        )
+        return x.to(dtype)
+    lo, hi = (1, 4) if small else (-1000, 1000)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=dtype)
+
+
+def _reference(world: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    xs = [_input(r, n, dtype, small=op == "product") for r in range(world)]
+    wide = torch.stack([x.to(torch.float64) if dtype.is_floating_point else x for x in xs])
+    if op == "sum":
+        return wide.sum(0)
+    if op == "avg":
+        return (
+            wide.sum(0) / world
+            if dtype.is_floating_point
+            else torch.div(wide.sum(0), world, rounding_mode="trunc")
+        )
+    if op == "product":
+        return wide.prod(0)
+    return wide.min(0).values if op == "min" else wide.max(0).values
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    if not dtype.is_floating_point:
+        return torch.equal(got, want.to(dtype))
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-5)
+    return torch.allclose(got.to(torch.float64), want, rtol=tol, atol=tol)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _all_collectives(pg: Any, rank: int, world: int) -> dict[str, str]:
+    digests: dict[str, str] = {}
+    for dtype in DTYPES:
+        for n in (1, 3, 1001, 70_000):
+            for name, op in OPS.items():
+                t = _input(rank, n, dtype, small=name == "product")
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = op
+                pg.allreduce([t], opts).wait()
+                assert _close(t, _reference(world, n, dtype, name), dtype), (dtype, n, name)
+                digests[f"allreduce/{dtype}/{n}/{name}"] = _digest(t)
+        # Non-contiguous input: a transposed view is reduced in place.
+        base = _input(rank, 12 * 7, dtype).view(12, 7)
+        view = base.t()
+        pg.allreduce([view]).wait()
+        want = _reference(world, 12 * 7, dtype, "sum").view(12, 7).t()
+        assert _close(view, want, dtype)
+        digests[f"noncontig/{dtype}"] = _digest(base)
+        # all_gather (list and into-tensor forms)
+        mine = _input(rank, 33, dtype)
+        outs = [torch.empty(33, dtype=dtype) for _ in range(world)]
+        pg.allgather([outs], [mine]).wait()
+        assert all(torch.equal(outs[r], _input(r, 33, dtype)) for r in range(world))
+        flat = torch.empty(world * 33, dtype=dtype)
+        pg._allgather_base(flat, mine).wait()
+        assert torch.equal(flat, torch.cat(outs))
+        # reduce_scatter (list and tensor forms)
+        full = [_input(rank * 10 + c, 17, dtype) for c in range(world)]
+        out = torch.empty(17, dtype=dtype)
+        pg.reduce_scatter([out], [full]).wait()
+        want_rs = sum(_input(r * 10 + rank, 17, dtype).to(torch.float64) for r in range(world))
+        assert _close(out, want_rs if dtype.is_floating_point else want_rs.to(dtype), dtype)
+        out2 = torch.empty(17, dtype=dtype)
+        pg._reduce_scatter_base(out2, torch.cat(full)).wait()
+        assert torch.equal(out, out2)
+        # broadcast from a non-zero root
+        b = _input(rank, 5000, dtype)
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank = 2
+        pg.broadcast([b], bopts).wait()
+        assert torch.equal(b, _input(2, 5000, dtype))
+    pg.barrier().wait()
+    return digests
+
+
+@pytest.mark.timeout(300)
+def test_every_collective_and_dtype_matches_reference_and_is_bitwise_equal_across_ranks() -> None:
+    results = run_world(_all_collectives, 4, rails=2, timeout_s=240)
+    assert results[0], "no collective ran"
+    for other in results[1:]:
+        assert other == results[0]
+
+
+def _weights(pg: Any, rank: int, world: int) -> list[str]:
+    from resilient.collectives import Reduce
+
+    out = []
+    for weights in ((1.0, 1.0), (3.0, 1.0), (1.0, 0.0), (0.2, 5.0)):
+        pg.engine.weights = weights
+        t = _input(rank, 100_003, torch.float32)
+        pg.engine.all_reduce(t, Reduce.SUM)
+        out.append(_digest(t))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_results_bitwise_independent_of_rail_weights() -> None:
+    results = run_world(_weights, 4, rails=2)
+    assert len(set(results[0])) == 1, "rail weights changed the result bits"
+    assert all(r == results[0] for r in results)
+
+
+def _mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[str, ...]]]:
+    seen: list[tuple[str, tuple[str, ...]]] = []
+    cases = [
+        ("shape", lambda: pg.allreduce([torch.zeros(5 if rank != 1 else 6)])),
+        (
+            "dtype",
+            lambda: pg.allreduce(
+                [torch.zeros(5, dtype=torch.float64 if rank == 3 else torch.float32)]
+            ),
+        ),
+        (
+            "op",
+            lambda: pg.allreduce(
+                [torch.zeros(5)], _opts(dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM)
+            ),
+        ),
+        ("collective", lambda: pg.barrier() if rank == 2 else pg.allreduce([torch.zeros(5)])),
+    ]
+    for name, call in cases:
+        try:
+            call().wait()
+        except CollectiveMismatch as exc:
+            seen.append((name, exc.fields))
+            assert len(exc.calls) == world
+        # The group stays usable: a matching call right after works.
+        t = torch.ones(4)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.full((4,), float(world)))
+    return seen
+
+
+def _opts(op: Any) -> Any:
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+@pytest.mark.timeout(120)
+def test_mismatch_raises_on_every_rank_and_group_stays_usable() -> None:
+    results = run_world(_mismatches, 4, rails=1)
+    for seen in results:
+        assert [name for name, _ in seen] == ["shape", "dtype", "op", "collective"]
+        fields = dict(seen)
+        assert "shape" in fields["shape"] and "dtype" in fields["dtype"]
+        assert "reduce" in fields["op"] and "op" in fields["collective"]
+
+
+def _unsupported(pg: Any, rank: int, world: int) -> str:
+    try:
+        pg.alltoall([torch.zeros(1)], [torch.zeros(1)])
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_op_names_the_op() -> None:
+    results = run_world(_unsupported, 2)
+    assert all("all_to_all" in r for r in results)
