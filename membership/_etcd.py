@@ -7,6 +7,9 @@ Everything the project sends to etcd goes through :class:`EtcdClient`, which
   ``retry_budget_s + request_timeout_s``);
 * retries transient errors (unavailable, deadline, no leader, endpoint locked out)
   with exponential backoff (tenacity), re-authenticating when a token expired;
+* fails at once, without retrying, on errors a retry cannot fix: a wrong password,
+  permission denied, no credentials on an auth-enabled server, and a TLS handshake
+  rejected over a certificate (wrong CA, missing or untrusted client certificate);
 * translates whatever gRPC/pyetcd raised into :mod:`resilient.errors` types with
   ``raise ... from exc``.
 
@@ -52,7 +55,31 @@ _TRANSIENT_CODES = {
 _AUTH_CODES = {grpc.StatusCode.UNAUTHENTICATED}
 # Server-side messages that mean "retry later", sent with non-transient codes.
 _TRANSIENT_MESSAGES = ("no leader", "leader changed", "timed out", "too many requests")
-_AUTH_MESSAGES = ("invalid auth token", "token")
+# The token is no longer good but the credentials may be: authenticate again. A simple
+# token dies after --auth-token-ttl (300 s) without use (keep-alives do not count)
+# and on every etcd restart; a JWT token at its ttl. A JWT token also carries the
+# auth revision it was issued at: after any user/role change etcd refuses it with
+# "revision in header is old" (code UNKNOWN, so it would be retried with the same
+# stale token until the budget ran out) or "revision of auth store is old"; etcd's
+# own Go client re-authenticates on those too.
+_AUTH_MESSAGES = ("invalid auth token", "revision in header is old", "auth store is old")
+# TLS failures over a certificate or a host name. gRPC reports them as UNAVAILABLE
+# (pyetcd then raises a detail-less ConnectionFailedError), UNKNOWN or UNAUTHENTICATED,
+# like a down server or an expired token, but retrying cannot fix a wrong CA, a
+# rejected client certificate or an endpoint name the server certificate lacks; and
+# hiding a misconfiguration behind EtcdUnavailable (an "outage" callers ride out)
+# would leave it unnoticed.
+_TLS_MESSAGES = (
+    "certificate_verify_failed",
+    "alert_bad_certificate",
+    "alert_unknown_ca",
+    "alert_certificate_required",
+    "alert_certificate_unknown",
+    "alert_certificate_expired",
+    "does not match ssl server name",
+    "hostname verification check failed",
+    "not in peer certificate",
+)
 
 
 class KeyValue:
@@ -82,7 +109,18 @@ def _grpc_code(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+def _rpc_error(exc: BaseException) -> BaseException:
+    """The gRPC error behind ``exc``: pyetcd replaces UNAVAILABLE, DEADLINE_EXCEEDED and
+    INTERNAL with its own detail-less exceptions, raised inside the handler, so the
+    original (with the reason, e.g. a TLS handshake failure) is the implicit context."""
+    ctx = exc.__context__
+    if isinstance(exc, etcd_exc.Etcd3Exception) and ctx is not None and _grpc_code(ctx):
+        return ctx
+    return exc
+
+
 def _details(exc: BaseException) -> str:
+    exc = _rpc_error(exc)
     details = getattr(exc, "details", None)
     if callable(details):
         try:
@@ -93,14 +131,26 @@ def _details(exc: BaseException) -> str:
 
 
 def is_auth_error(exc: BaseException) -> bool:
+    """True when etcd rejected the token (expired, stale): re-authenticating may help."""
     code = _grpc_code(exc)
     if code in _AUTH_CODES:
         return True
-    return code is not None and "invalid auth token" in _details(exc).lower()
+    msg = _details(exc).lower()
+    return code is not None and any(m in msg for m in _AUTH_MESSAGES)
+
+
+def is_tls_error(exc: BaseException) -> bool:
+    """True when TLS failed over a certificate or host name (a configuration error)."""
+    if _grpc_code(_rpc_error(exc)) is None:
+        return False
+    msg = _details(exc).lower()
+    return any(m in msg for m in _TLS_MESSAGES)
 
 
 def is_transient(exc: BaseException) -> bool:
     """True for errors worth retrying: etcd down, restarting, electing, or token expired."""
+    if is_tls_error(exc):  # first: pyetcd dresses it as a ConnectionFailedError
+        return False
     if isinstance(
         exc,
         etcd_exc.ConnectionFailedError
@@ -111,6 +161,13 @@ def is_transient(exc: BaseException) -> bool:
     ):
         return True
     if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True
+    # Another thread re-authenticated and closed the client this call was using: new
+    # calls see ValueError "Cannot invoke RPC on closed channel!" or "Cannot invoke
+    # RPC: Channel closed!", calls in flight CANCELLED "Channel closed!".
+    if isinstance(exc, ValueError) and "cannot invoke rpc" in str(exc).lower():
+        return True
+    if _grpc_code(exc) == grpc.StatusCode.CANCELLED and "channel closed" in _details(exc).lower():
         return True
     if is_auth_error(exc):
         return True
@@ -155,7 +212,9 @@ class EtcdClient:
                 )
             )
         try:
-            return pyetcd.MultiEndpointEtcd3Client(
+            # With user/password this authenticates at once: a wrong password raises
+            # a raw grpc.RpcError (INVALID_ARGUMENT) here, translated by call().
+            client = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints,
                 timeout=cfg.request_timeout_s,
                 user=cfg.user,
@@ -166,6 +225,12 @@ class EtcdClient:
             for ep in endpoints:
                 ep.close()
             raise
+        # pyetcd sends the token twice: as metadata and as per-call credentials. gRPC
+        # refuses call credentials on a plaintext channel ("Established channel does
+        # not have a sufficient security level"), which broke user/password without
+        # TLS; the metadata alone carries the token on both kinds of channel.
+        client.call_credentials = None
+        return client
 
     def raw(self) -> Any:
         """The underlying pyetcd client, connecting (and authenticating) if needed."""
@@ -176,8 +241,16 @@ class EtcdClient:
                 self._client = self._build()
             return self._client
 
-    def _reset(self) -> None:
+    def _reset(self, failed: Any = None) -> None:
+        """Drop (and close) the current client; with ``failed``, only if it still is that one.
+
+        The check matters when a token expires under several threads at once: each
+        sees the auth error, and without it a late thread would close the client
+        that an earlier one had just authenticated, failing that thread's calls.
+        """
         with self._lock:
+            if failed is not None and self._client is not failed:
+                return
             old, self._client = self._client, None
         if old is not None:
             try:
@@ -201,18 +274,29 @@ class EtcdClient:
     ) -> T:
         """Run ``fn(raw_client)``, retrying transient failures within the budget.
 
-        Exceptions of the ``passthrough`` types are re-raised untranslated.
+        Exceptions of the ``passthrough`` types are re-raised untranslated. A rejected
+        token (expired, or issued before a user/role change) makes the next attempt
+        build a new client, which authenticates again.
 
         Raises:
             EtcdUnavailable: still failing when the budget ran out.
-            MembershipError: a non-transient etcd error (the cause is chained).
+            MembershipError: a non-transient etcd error (the cause is chained): wrong
+                password, permission denied, no credentials where auth is on, or a TLS
+                handshake rejected over a certificate. These are not retried.
         """
         budget = self.config.retry_budget_s if budget_s is None else budget_s
 
+        def attempt() -> T:
+            client = self.raw()
+            try:
+                return fn(client)
+            except Exception as exc:
+                if is_auth_error(exc):
+                    self._reset(client)
+                raise
+
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            if exc is not None and is_auth_error(exc):
-                self._reset()  # simple-token expired: authenticate again
             logger.debug(
                 "etcd %s: attempt %d failed (%r); retrying", what, state.attempt_number, exc
             )
@@ -225,12 +309,18 @@ class EtcdClient:
             reraise=True,
         )
         try:
-            return retrying(lambda: fn(self.raw()))
+            return retrying(attempt)
         except MembershipError:
             raise
         except Exception as exc:
             if isinstance(exc, passthrough):
                 raise
+            if is_tls_error(exc):
+                raise MembershipError(
+                    f"etcd {what} at {self.url}: TLS failed; check ca_cert, cert and key "
+                    f"against the server's certificate, its CA and its host names "
+                    f"({_details(exc)[-300:]})"
+                ) from exc
             if is_transient(exc):
                 raise EtcdUnavailable(
                     f"etcd {what}: no answer from {self.url} within {budget:.1f} s "

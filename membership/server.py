@@ -19,9 +19,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from resilient._proc import free_port, spawn, stop_process
 from resilient.errors import ConfigError, MembershipError
@@ -56,17 +58,44 @@ def find_etcd_binary() -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerTLS:
-    """Server-side TLS: ``cert``/``key`` serve clients; ``ca`` verifies client certs."""
+    """Server-side TLS: ``cert``/``key`` serve clients; ``ca`` verifies client certs.
+
+    The cluster itself talks to its members (health probe, :meth:`EtcdCluster.enable_auth`)
+    as a TLS client. It presents ``client_cert``/``client_key`` when given, else
+    ``cert``/``key``, which then need the ``clientAuth`` extended key usage too:
+    etcd rejects a client certificate that is marked ``serverAuth`` only.
+    """
 
     cert: str
     key: str
     ca: str
     client_cert_auth: bool = True
+    client_cert: str | None = None
+    client_key: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("cert", "key", "ca"):
-            if not os.path.isfile(getattr(self, name)):
-                raise ConfigError(f"ServerTLS.{name}: file {getattr(self, name)!r} does not exist")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ConfigError("ServerTLS: client_cert and client_key must be given together")
+        for name in ("cert", "key", "ca", "client_cert", "client_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"ServerTLS.{name}: file {path!r} does not exist")
+
+    @property
+    def own_client_pair(self) -> tuple[str, str]:
+        """(cert, key) the cluster presents when it connects to its own members."""
+        if self.client_cert is not None and self.client_key is not None:
+            return self.client_cert, self.client_key
+        return self.cert, self.key
+
+
+def _auth_rpc(method: str, request: Any, timeout_s: float) -> Callable[[Any], Any]:
+    """A call for :meth:`EtcdClient.call` that sends ``request`` to etcd's Auth service."""
+
+    def run(client: Any) -> Any:
+        return getattr(client.authstub, method)(request, timeout_s)
+
+    return run
 
 
 @dataclass(slots=True)
@@ -82,6 +111,8 @@ class EtcdCluster:
     """``size`` local etcd members on free loopback ports, each with its own data dir.
 
     Use as a context manager; ``kill``/``restart`` one member to simulate its loss.
+    ``extra_args`` are appended to every member's command line (e.g.
+    ``["--auth-token-ttl=2"]``); :meth:`enable_auth` turns on user/password auth.
 
     Raises:
         MembershipError: the binary is missing or the cluster is not healthy in time.
@@ -96,6 +127,7 @@ class EtcdCluster:
         fsync: bool = True,
         start_timeout_s: float = 20.0,
         host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
     ) -> None:
         if size < 1:
             raise ConfigError(f"EtcdCluster size={size}: must be >= 1")
@@ -106,6 +138,7 @@ class EtcdCluster:
         self._fsync = fsync
         self._start_timeout_s = start_timeout_s
         self._host = host
+        self._extra_args = tuple(extra_args)
         self._members = [
             _Member(f"m{i}", free_port(host), free_port(host), self._root / f"m{i}")
             for i in range(size)
@@ -169,6 +202,107 @@ class EtcdCluster:
         if self._owns_dir:
             shutil.rmtree(self._root, ignore_errors=True)
 
+    def enable_auth(
+        self,
+        root_password: str,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        prefix: str = "/",
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Create user ``root`` (role ``root``) with ``root_password`` and turn etcd auth on.
+
+        With ``user``/``password`` also create that user and a role ``<user>-rw``
+        granting read-write on every key under ``prefix``. Afterwards clients need
+        credentials (``EtcdConfig.user``/``password``); with ``--client-cert-auth`` a
+        client without them is known by its certificate's CN, which must then be a user.
+        Auth state is in the data dir, so it survives :meth:`restart`.
+
+        Each step is sent once through :class:`~membership._etcd.EtcdClient` (transient
+        errors retried within ``timeout_s``); the steps are not idempotent, so a second
+        call fails.
+
+        Raises:
+            ConfigError: an empty password, or ``user`` without ``password`` (or the reverse).
+            MembershipError: etcd refused a step (auth already enabled, user exists) or
+                did not answer within ``timeout_s`` (then :class:`EtcdUnavailable`).
+        """
+        if not root_password:
+            raise ConfigError("enable_auth: root_password must not be empty")
+        if (user is None) != (password is None) or password == "":
+            raise ConfigError("enable_auth: user and a non-empty password go together")
+        # Imported here: grpc/pyetcd are heavy and only this method needs them.
+        from pyetcd import etcdrpc
+        from pyetcd.utils import prefix_range_end
+
+        from membership._etcd import EtcdClient
+        from resilient.config import EtcdConfig
+
+        ca = cert = key = None
+        if self._tls is not None:
+            ca = self._tls.ca
+            cert, key = self._tls.own_client_pair
+        client = EtcdClient(
+            EtcdConfig(
+                endpoints=self.endpoints,
+                ca_cert=ca,
+                cert=cert,
+                key=key,
+                request_timeout_s=min(2.0, timeout_s),
+                retry_budget_s=timeout_s,
+            )
+        )
+        steps: list[tuple[str, str, Any]] = [
+            ("add role root", "RoleAdd", etcdrpc.AuthRoleAddRequest(name="root")),
+            (
+                "add user root",
+                "UserAdd",
+                etcdrpc.AuthUserAddRequest(name="root", password=root_password),
+            ),
+            (
+                "grant role root to root",
+                "UserGrantRole",
+                etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"),
+            ),
+        ]
+        if user is not None:
+            role = f"{user}-rw"
+            perm = etcdrpc.Permission(
+                permType=etcdrpc.Permission.READWRITE,
+                key=prefix.encode(),
+                range_end=prefix_range_end(prefix.encode()),
+            )
+            steps += [
+                (f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role)),
+                (
+                    f"grant {role} read-write on {prefix!r}",
+                    "RoleGrantPermission",
+                    etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
+                ),
+                (
+                    f"add user {user}",
+                    "UserAdd",
+                    etcdrpc.AuthUserAddRequest(name=user, password=password),
+                ),
+                (
+                    f"grant role {role} to {user}",
+                    "UserGrantRole",
+                    etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
+                ),
+            ]
+        # Last: once auth is on, this unauthenticated client may do nothing more.
+        steps.append(("enable auth", "AuthEnable", etcdrpc.AuthEnableRequest()))
+        rpc_timeout = client.config.request_timeout_s
+        try:
+            for what, method, request in steps:
+                client.call(what, _auth_rpc(method, request, rpc_timeout))
+        finally:
+            client.close()
+        logger.info(
+            "etcd auth enabled at %s (users: root%s)", self.url, f", {user}" if user else ""
+        )
+
     def __enter__(self) -> EtcdCluster:
         return self.start()
 
@@ -204,6 +338,8 @@ class EtcdCluster:
             argv += [f"--trusted-ca-file={self._tls.ca}"]
             if self._tls.client_cert_auth:
                 argv.append("--client-cert-auth")
+        # Last, so that a caller's flag (e.g. --auth-token-ttl) overrides ours.
+        argv += self._extra_args
         return argv
 
     def _start_member(self, m: _Member) -> None:
@@ -235,7 +371,7 @@ class EtcdCluster:
         ctx: ssl.SSLContext | None = None
         if self._tls is not None:
             ctx = ssl.create_default_context(cafile=self._tls.ca)
-            ctx.load_cert_chain(self._tls.cert, self._tls.key)
+            ctx.load_cert_chain(*self._tls.own_client_pair)
         try:
             with urllib.request.urlopen(url, timeout=1.0, context=ctx) as resp:
                 body = json.loads(resp.read() or b"{}")
@@ -260,9 +396,15 @@ class EmbeddedEtcd(EtcdCluster):
         tls: ServerTLS | None = None,
         fsync: bool = True,
         start_timeout_s: float = 20.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         super().__init__(
-            1, data_dir=data_dir, tls=tls, fsync=fsync, start_timeout_s=start_timeout_s
+            1,
+            data_dir=data_dir,
+            tls=tls,
+            fsync=fsync,
+            start_timeout_s=start_timeout_s,
+            extra_args=extra_args,
         )
 
     def __enter__(self) -> EmbeddedEtcd:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from resilient._ring import (
@@ -21,7 +23,7 @@ def test_even_bounds_cover_exactly(n: int, parts: int) -> None:
     spans = even_bounds(n, parts)
     assert len(spans) == parts
     assert spans[0].start == 0 and spans[-1].stop == n
-    assert all(a.stop == b.start for a, b in zip(spans, spans[1:], strict=False))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
     assert max(s.size for s in spans) - min(s.size for s in spans) <= 1
 
 
