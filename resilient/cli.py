@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from resilient.config import env_token
 from resilient.errors import ConfigError, LauncherError
 from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
 
@@ -209,6 +210,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
         job=args.job if args.job is not None else new_job_name(),
+        **({"token": token} if (token := env_token()) else {}),
     )
     return Launcher(config).run()
 

@@ -21,6 +21,7 @@ __all__ = [
     "EtcdConfig",
     "MembershipConfig",
     "RankEnv",
+    "env_token",
     "parse_endpoints",
     "validate_job_name",
 ]
@@ -193,6 +194,13 @@ class DataPlaneConfig:
             op_timeout_floor_s=_env_float(env, p + "OP_TIMEOUT_S", 10.0),
             check_mismatch=check in ("1", "true", "yes"),
         )
+
+
+def env_token(env: Mapping[str, str] | None = None) -> str | None:
+    """The job token from ``RESILIENT_TOKEN`` (the launcher passes it on; never a flag,
+    so it does not show in ``ps``), or None."""
+    env = os.environ if env is None else env
+    return env.get(ENV_PREFIX + "TOKEN") or None
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:

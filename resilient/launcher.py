@@ -104,7 +104,8 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.MASTER_PORT: "a free TCP port, the same for every rank and restart",
         RankVar.ETCD: "etcd client URL(s), comma-separated (--etcd or the embedded one)",
         RankVar.JOB: "job name (--job), the key prefix of the job in etcd",
-        RankVar.TOKEN: "secret shared by the ranks of this job (random per launch)",
+        RankVar.TOKEN: "secret shared by the ranks of this job (random per launch unless "
+        "RESILIENT_TOKEN is set in the launcher's environment, to re-join an existing job)",
         RankVar.RAILS: "this rank's rail addresses, comma-separated: 127.0.<rail+1>.<rank+1>",
         RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
         RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",

@@ -183,3 +183,19 @@ def test_python_dash_m_resilient_and_import_stays_light(tmp_path: Path) -> None:
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(30)
+def test_token_from_launcher_env_reaches_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "tok.py"
+    out = tmp_path / "tok.txt"
+    script.write_text(f"import os\nopen({str(out)!r}, 'w').write(os.environ['RESILIENT_TOKEN'])\n")
+    monkeypatch.setenv("RESILIENT_TOKEN", "rejoin-secret")
+    assert main(["run", "--etcd", NO_ETCD, str(script)]) == 0
+    assert out.read_text() == "rejoin-secret"
+    monkeypatch.delenv("RESILIENT_TOKEN")
+    assert main(["run", "--etcd", NO_ETCD, str(script)]) == 0
+    generated = out.read_text()
+    assert generated and generated != "rejoin-secret"
