@@ -14,6 +14,7 @@ __all__ = [
     "EmbeddedEtcd",
     "EtcdClient",
     "EtcdCluster",
+    "EtcdStore",
     "HealthPublisher",
     "MemberInfo",
     "Membership",
@@ -22,3 +23,12 @@ __all__ = [
     "WatchEvent",
     "find_etcd_binary",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # EtcdStore needs torch; importing it lazily keeps `import membership` light.
+    if name == "EtcdStore":
+        from membership.store import EtcdStore
+
+        return EtcdStore
+    raise AttributeError(f"module 'membership' has no attribute {name!r}")

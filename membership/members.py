@@ -367,10 +367,13 @@ class Membership:
         kv = self.client.get(self.keys.epoch)
         return int(kv.value) if kv is not None else 0
 
-    def bump_epoch(self, expected: int, reason: str) -> int:
+    def bump_epoch(
+        self, expected: int, reason: str, *, view: Mapping[str, Any] | None = None
+    ) -> int:
         """Advance the epoch from ``expected`` to ``expected + 1`` by compare-and-swap.
 
-        Also records ``reason`` under ``epochs/<n>`` in the same transaction.
+        Also records ``reason`` (and ``view``, e.g. the member set the new epoch stands
+        for) under ``epochs/<n>`` in the same transaction; see :meth:`epoch_record`.
 
         Raises:
             StaleEpoch: the epoch is no longer ``expected`` (another member won).
@@ -381,6 +384,7 @@ class Membership:
             {
                 "epoch": new,
                 "reason": reason,
+                "view": dict(view) if view is not None else None,
                 "rank": info.rank,
                 "incarnation": info.incarnation,
                 "ts": time.time(),
@@ -402,6 +406,12 @@ class Membership:
             "job %s: rank %d epoch %d -> %d (%s)", self.job, info.rank, expected, new, reason
         )
         return new
+
+    def epoch_record(self, epoch: int) -> dict[str, Any] | None:
+        """What was recorded when ``epoch`` began (reason, view, who, when), if anything."""
+        self._require_joined()
+        kv = self.client.get(self.keys.epoch_record(epoch))
+        return json.loads(kv.value) if kv is not None else None
 
     def watch_epoch(self, callback: Callable[[int], None]) -> PrefixWatch:
         """Call ``callback(epoch)`` whenever the epoch changes."""

@@ -1,0 +1,110 @@
+"""The shipped examples end to end, through the real launcher, etcd and gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient._proc import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_ddp_over_resilient_matches_ddp_over_gloo(tmp_path: Path) -> None:
+    args = ["examples/train_ddp.py", "--steps", "8", "--width", "256"]
+    res_json, gloo_json = tmp_path / "res.json", tmp_path / "gloo.json"
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "resilient",
+            "run",
+            "--nproc",
+            "4",
+            "--rails",
+            "2",
+            *args,
+            "--json-out",
+            str(res_json),
+        ],
+        timeout=150,
+    )
+    hashes = set(re.findall(r"final params sha256 ([0-9a-f]{64})", out))
+    assert len(re.findall(r"final params sha256", out)) == 4, out
+    assert len(hashes) == 1, f"ranks ended with different parameters: {hashes}"
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(free_port()),
+            *args,
+            "--backend",
+            "gloo",
+            "--json-out",
+            str(gloo_json),
+        ],
+        timeout=150,
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )
+    res, gloo = json.loads(res_json.read_text()), json.loads(gloo_json.read_text())
+    assert len(res["losses"]) == len(gloo["losses"]) == 8
+    assert res["losses"] == pytest.approx(gloo["losses"], rel=1e-4, abs=1e-6)
+    assert res["losses"][-1] < res["losses"][0]  # it trains
+
+
+@pytest.mark.timeout(120)
+def test_membership_demo_restarts_one_rank() -> None:
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "resilient",
+            "run",
+            "--nproc",
+            "4",
+            "--max-restarts",
+            "1",
+            "--lease-ttl",
+            "3",
+            "examples/membership_demo.py",
+            "--steps",
+            "10",
+            "--step-s",
+            "0.15",
+        ],
+        timeout=100,
+    )
+    assert "rank 2 exited with code -9 (SIGKILL); restarting as incarnation 1" in out, out
+    assert "rank 2: finished as incarnation 1" in out, out
+    assert "4 of 4 ranks finished" in out
+    # One epoch when the job formed, one when rank 2 came back: each change is
+    # agreed once, whatever the number of ranks racing to bump it.
+    assert "epoch history (final epoch 2)" in out, out
+    assert "epoch 2: rank 2 rejoined as incarnation 1" in out, out
