@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.backend == "resilient":
-        import resilient.backend
+        import resilient
 
-        resilient.backend.register()
-    dist.init_process_group(args.backend)
+        resilient.init()  # registers the backend, then init_process_group("resilient")
+    else:
+        dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args.width, args.seed)
     ddp = nn.parallel.DistributedDataParallel(model)
