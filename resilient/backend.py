@@ -77,7 +77,7 @@ def register() -> None:
     """Register the ``"resilient"`` backend with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
 
 
 def init(**kwargs: Any) -> ResilientProcessGroup:

@@ -209,7 +209,7 @@ class RingEngine:
         k, elem = plan.subs, flat.element_size()
         subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
         largest = max((sp.size for chunk in subs for sp in chunk), default=0)
-        scratch = [torch.empty(largest, dtype=flat.dtype) for _ in range(k)]
+        scratch = [torch.empty(largest, dtype=flat.dtype, device=flat.device) for _ in range(k)]
         sends: list[list[tuple[Any, int]]] = [[] for _ in range(plan.steps)]
         recvs: list[list[tuple[Any, Span]]] = [[] for _ in range(plan.steps)]
 

@@ -29,8 +29,31 @@ __all__ = ["Link", "LinkTable"]
 logger = logging.getLogger(__name__)
 
 
+def _gloo_pair(store: Store, index: int, address: str, config: DataPlaneConfig) -> Any:
+    opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
+    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    return ProcessGroupGloo(store, index, 2, opts)
+
+
+def _nccl_pair(store: Store, index: int, config: DataPlaneConfig) -> Any:
+    """A two-rank NCCL communicator for CUDA tensors (ranks on distinct GPUs).
+
+    NCCL picks its own NIC (NCCL_SOCKET_IFNAME / NCCL_IB_HCA), so a CUDA link is not
+    bound to one rail's address the way a gloo link is; the rail split still gives
+    each rail its own communicator and its own share of the bytes.
+    """
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds
+
+    opts: Any = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    return ProcessGroupNCCL(store, index, 2, opts)
+
+
 class Link:
-    """A two-rank gloo group between ``rank`` and ``peer`` on ``rail``.
+    """A two-rank group between ``rank`` and ``peer`` on ``rail``.
+
+    ``device_type`` "cpu" builds a gloo pair bound to ``address``; "cuda" an NCCL pair.
 
     Raises:
         LinkError: the rendezvous failed or timed out (from the constructor).
@@ -46,21 +69,22 @@ class Link:
         store: Store,
         prefix: str,
         config: DataPlaneConfig,
+        device_type: str = "cpu",
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
         self.rank, self.peer, self.rail = rank, peer, rail
         self.prefix = prefix
         self.config = config
+        self.device_type = device_type
         self._peer_index = 0 if peer < rank else 1
-        opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
-        opts._timeout = timedelta(seconds=config.connect_timeout_s)
-        opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+        index = 0 if rank < peer else 1
         start = time.monotonic()
         try:
-            self.pg: Any = ProcessGroupGloo(
-                PrefixStore(prefix, store), 0 if rank < peer else 1, 2, opts
-            )
+            if device_type == "cuda":
+                self.pg: Any = _nccl_pair(PrefixStore(prefix, store), index, config)
+            else:
+                self.pg = _gloo_pair(PrefixStore(prefix, store), index, address, config)
         except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
@@ -136,7 +160,9 @@ class LinkTable:
         store: Store,
         config: DataPlaneConfig,
         epoch: int = 0,
+        device_type: str = "cpu",
     ) -> None:
+        self.device_type = device_type
         self.rank = rank
         self.rails = rails
         self.store = store
@@ -149,7 +175,7 @@ class LinkTable:
     def prefix(self, peer: int, rail: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
         gen = self._generation.get((peer, rail), 0)
-        return f"link/e{self.epoch}/{lo}-{hi}/r{rail}/g{gen}/"
+        return f"link/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
     def ensure(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Create the missing links among ``(peer, rail)`` pairs.
@@ -173,6 +199,7 @@ class LinkTable:
                     store=self.store,
                     prefix=self.prefix(peer, rail),
                     config=self.config,
+                    device_type=self.device_type,
                 )
                 self._links[(peer, rail)] = link
             logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)

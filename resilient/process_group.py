@@ -100,8 +100,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
     broadcast, allgather, all_gather_into_tensor, reduce_scatter,
-    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int32/64 CPU
-    tensors, contiguous or not. Anything else raises ``NotImplementedError``
+    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int32/64
+    tensors, contiguous or not, on CPU (gloo links) or CUDA (NCCL pair links, one
+    GPU per rank). Anything else raises ``NotImplementedError``
     naming the op. Errors of a collective surface from ``Work.wait()``.
     """
 
@@ -128,6 +129,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             weights=self.config.rail_weights,
             sub_chunk_bytes=self.config.sub_chunk_bytes,
         )
+        self._store, self._epoch = store, epoch
+        self._cuda: RingEngine | None = None
         self._seq = 0
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -177,19 +180,52 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
-        self.engine.close()
-        self.links.close()
+        for engine in (self.engine, self._cuda):
+            if engine is not None:
+                engine.close()
+                engine.links.close()
 
     # -- argument checks (raise on the caller's thread) ---------------------------------
     @staticmethod
     def _check(op: str, tensors: Sequence[torch.Tensor]) -> None:
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(
+                f"resilient {op}: tensors on several devices {sorted(map(str, devices))}"
+            )
         for t in tensors:
             if t.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
-            if t.device.type != "cpu":
+            if t.device.type == "cuda" and not dist.is_nccl_available():
                 raise NotImplementedError(
-                    f"resilient {op}: {t.device.type} tensors are not supported yet (CPU only)"
+                    f"resilient {op}: CUDA tensors need NCCL, which this torch build lacks"
                 )
+            if t.device.type not in ("cpu", "cuda"):
+                raise NotImplementedError(
+                    f"resilient {op}: {t.device.type} tensors are not supported (cpu, cuda)"
+                )
+
+    def _engine_for(self, t: torch.Tensor) -> RingEngine:
+        """The CPU engine (gloo links), or the CUDA one (NCCL pair links), built lazily."""
+        if t.device.type != "cuda":
+            return self.engine
+        if self._cuda is None:
+            links = LinkTable(
+                rank=self.rank(),
+                rails=self.rails,
+                store=self._store,
+                config=self.config,
+                epoch=self._epoch,
+                device_type="cuda",
+            )
+            self._cuda = RingEngine(
+                rank=self.rank(),
+                world=self.size(),
+                links=links,
+                weights=self.config.rail_weights,
+                sub_chunk_bytes=self.config.sub_chunk_bytes,
+            )
+        return self._cuda
 
     @staticmethod
     def _reduce_op(op: str, opts: Any) -> Reduce:
@@ -211,7 +247,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         def run() -> list[torch.Tensor]:
             self._signed(sig)
             with _Flat(tensors) as flat:
-                self.engine.all_reduce(flat.buffer, red)
+                self._engine_for(flat.buffer).all_reduce(flat.buffer, red)
             return tensors
 
         return self._submit("allreduce", run)
@@ -230,7 +266,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         def run() -> list[torch.Tensor]:
             self._signed(sig)
             with _Flat(tensors) as flat:
-                self.engine.broadcast(flat.buffer, root)
+                self._engine_for(flat.buffer).broadcast(flat.buffer, root)
             return tensors
 
         return self._submit("broadcast", run)
@@ -281,9 +317,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
         n = inp.numel()
-        buf = torch.empty((self.size(), n), dtype=inp.dtype)
+        buf = torch.empty((self.size(), n), dtype=inp.dtype, device=inp.device)
         buf[self.rank()].copy_(inp.reshape(-1))
-        self.engine.all_gather(buf.view(-1))
+        self._engine_for(buf).all_gather(buf.view(-1))
         return buf
 
     def reduce_scatter(  # type: ignore[override]
@@ -333,7 +369,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._submit("reduce_scatter_tensor", run)
 
     def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
-        mine = self.engine.reduce_scatter(buf, red)
+        mine = self._engine_for(buf).reduce_scatter(buf, red)
         out.copy_(buf[mine.start : mine.stop].view_as(out))
 
     # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor here.
