@@ -2,34 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from resilient._proc import free_port
+from resilient._proc import free_port, spawn, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run(
+    """Run ``argv`` in its own session; on timeout the whole session is killed, so
+    no rank of a hung launcher (torchrun's included) outlives the test."""
+    proc = spawn(
         argv,
-        cwd=REPO,
         env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc.stdout + proc.stderr
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_process(proc, grace_s=2.0)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s:\n{out.decode()[-3000:]}") from None
+    finally:
+        stop_process(proc, grace_s=2.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # any rank left in the session
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{text[-4000:]}"
+    return text
 
 
 @pytest.mark.timeout(180)

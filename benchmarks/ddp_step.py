@@ -1,0 +1,258 @@
+"""DDP step time: the resilient process group against gloo, interleaved in one run.
+
+    python benchmarks/ddp_step.py --ranks 4 --steps 50
+
+Each of ``--ranks`` processes builds the examples/train_ddp.py model twice (same
+seed), wraps one copy in DDP over a ``ResilientProcessGroup`` and the other in DDP over
+a ``ProcessGroupGloo`` bound to rail 0's address, and alternates training steps
+between them (order swapped every step), each step started after a barrier. A step
+(batch, forward, backward with gradient all-reduce, SGD update) is timed on every
+rank; a step's time is the slowest rank's. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from _common import (
+    CpuMeter,
+    control_barrier,
+    gloo_group,
+    gloo_process_group,
+    load_line,
+    max_over_ranks,
+    print_table,
+    rail_address,
+    run_ranks,
+    summarise,
+    tcp_store,
+)
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
+NAMES = ("resilient", "gloo")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    world: int
+    steps: int
+    warmup: int
+    width: int
+    batch: int
+    rails: int
+    check_mismatch: bool = True
+    lr: float = 0.05
+    seed: int = 0
+    timeout_s: float = 120.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per backend (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
+    p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
+    p.add_argument(
+        "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
+    )
+    p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")
+    return p.parse_args(argv)
+
+
+def load_example() -> ModuleType:
+    """examples/train_ddp.py as a module (for ``build_model`` and ``batch``)."""
+    spec = importlib.util.spec_from_file_location("train_ddp_example", EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- rank side -------------------------------------------------------------------------
+class Trainer:
+    """One DDP replica of the example model over one process group."""
+
+    def __init__(self, example: ModuleType, pg: Any, plan: Plan, rank: int) -> None:
+        import torch
+        from torch import nn
+
+        self.example, self.plan = example, plan
+        self.model = example.build_model(plan.width, plan.seed)
+        self.ddp = nn.parallel.DistributedDataParallel(self.model, process_group=pg)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=plan.lr)
+        self.gen = torch.Generator().manual_seed(plan.seed * 100_003 + rank)
+
+    def step(self) -> float:
+        """One training step; returns its wall time in ms."""
+        from torch import nn
+
+        start = time.perf_counter()
+        x, y = self.example.batch(self.gen, self.plan.width, self.plan.batch)
+        loss = nn.functional.mse_loss(self.ddp(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+        return (time.perf_counter() - start) * 1e3
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p in self.model.parameters():
+            h.update(p.detach().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+
+def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
+    from resilient.config import DataPlaneConfig
+    from resilient.process_group import ResilientProcessGroup
+
+    t, w = plan.timeout_s, plan.world
+    gloo, gloo_backend = gloo_process_group(store, "ddp/gloo", rank, w, [rail_address(rank, 0)], t)
+    return {
+        "control": gloo_group(store, "ddp/control", rank, w, ["127.0.0.1"], t),
+        "gloo": gloo,
+        "gloo_backend": gloo_backend,
+        "resilient": ResilientProcessGroup(
+            rank=rank,
+            world_size=w,
+            rails=[rail_address(rank, r) for r in range(plan.rails)],
+            store=store,
+            config=DataPlaneConfig(
+                connect_timeout_s=t, op_timeout_floor_s=t, check_mismatch=plan.check_mismatch
+            ),
+        ),
+    }
+
+
+def train(trainers: dict[str, Trainer], control: Any, plan: Plan) -> dict[str, list[float]]:
+    """Alternate steps between the replicas; keep the times after warm-up."""
+    times: dict[str, list[float]] = {n: [] for n in NAMES}
+    for step in range(plan.warmup + plan.steps):
+        order = NAMES if step % 2 == 0 else NAMES[::-1]
+        for name in order:
+            control_barrier(control, plan.timeout_s)
+            elapsed = trainers[name].step()
+            if step >= plan.warmup:
+                times[name].append(elapsed)
+    control_barrier(control, plan.timeout_s)  # DDP work of the last step is done everywhere
+    return times
+
+
+def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    example = load_example()
+    store = tcp_store(rank, world, port, plan.timeout_s)
+    groups = make_groups(rank, store, plan)
+    try:
+        trainers = {n: Trainer(example, groups[n], plan, rank) for n in NAMES}
+        times = train(trainers, groups["control"], plan)
+        digests = {n: t.digest() for n, t in trainers.items()}
+        diff = max(
+            float((a.detach() - b.detach()).abs().max())
+            for a, b in zip(
+                trainers["resilient"].model.parameters(),
+                trainers["gloo"].model.parameters(),
+                strict=True,
+            )
+        )
+        del trainers
+    finally:
+        groups["resilient"].shutdown()
+        groups.pop("gloo")
+        for name in ("gloo_backend", "control"):
+            groups.pop(name).shutdown()
+    return {"times": times, "digests": digests, "max_param_diff": diff}
+
+
+# -- parent side -----------------------------------------------------------------------
+def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> dict[str, Any]:
+    per_step = max_over_ranks([r["times"] for r in results])
+    stats = {n: summarise(v) for n, v in per_step.items()}
+    res, gloo = stats["resilient"]["median"], stats["gloo"]["median"]
+    return {
+        "bench": "ddp_step",
+        "ranks": plan.world,
+        "steps": plan.steps,
+        "warmup": plan.warmup,
+        "width": plan.width,
+        "batch": plan.batch,
+        "rails": plan.rails,
+        "check_mismatch": plan.check_mismatch,
+        "resilient_step_ms": round(res, 2),
+        "gloo_step_ms": round(gloo, 2),
+        "overhead": round(res / gloo - 1, 4),
+        "min_max_ms": {n: [round(s["min"], 2), round(s["max"], 2)] for n, s in stats.items()},
+        "samples_ms": {n: [round(v, 1) for v in vs] for n, vs in per_step.items()},
+        "resilient_identical_across_ranks": len({r["digests"]["resilient"] for r in results}) == 1,
+        "gloo_identical_across_ranks": len({r["digests"]["gloo"] for r in results}) == 1,
+        "max_param_diff_vs_gloo": max(r["max_param_diff"] for r in results),
+        "threads_per_rank": 1,
+        "load": loads,
+    }
+
+
+def print_report(s: dict[str, Any]) -> None:
+    print(
+        f"DDP step, {s['ranks']} ranks, width {s['width']}, batch {s['batch']}/rank, "
+        f"resilient over {s['rails']} rail(s); median of {s['steps']} steps each "
+        f"(max over ranks), torch.set_num_threads(1) per rank"
+    )
+    print("load:", " / ".join(s["load"]), "(before / after)")
+    cpu = s["cpu"]
+    print(
+        f"CPU during the run: ours {cpu['own_cpu_s']} s, other processes {cpu['other_cpu_s']} s "
+        f"in {cpu['wall_s']} s (other load {cpu['other_load']:.2f} CPUs)"
+    )
+    rows = [
+        [n, f"{s[f'{n}_step_ms']:.2f}", f"{lo:.2f}", f"{hi:.2f}"]
+        for n, (lo, hi) in s["min_max_ms"].items()
+    ]
+    print_table(["backend", "median ms", "min ms", "max ms"], rows)
+    print(
+        f"overhead (resilient/gloo - 1): {s['overhead'] * 100:+.1f}%; replicas identical "
+        f"across ranks: resilient {s['resilient_identical_across_ranks']}, gloo "
+        f"{s['gloo_identical_across_ranks']}; max |param diff| resilient vs gloo "
+        f"{s['max_param_diff_vs_gloo']:.2e}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.ranks < 2 or args.steps < 1 or args.warmup < 0 or args.rails < 1:
+        raise SystemExit("need --ranks >= 2, --steps >= 1, --warmup >= 0, --rails >= 1")
+    plan = Plan(
+        world=args.ranks,
+        steps=args.steps,
+        warmup=args.warmup,
+        width=args.width,
+        batch=args.batch,
+        rails=args.rails,
+        check_mismatch=not args.no_check_mismatch,
+    )
+    timeout_s = args.timeout or 300.0 + 2 * (plan.steps + plan.warmup) * 2.0
+    loads, meter = [load_line()], CpuMeter()
+    results = run_ranks(rank_main, plan.world, (plan,), timeout_s)
+    loads.append(load_line())
+    summary = summary_of(plan, results, loads)
+    summary["cpu"] = meter.report()
+    print_report(summary)
+    print(json.dumps(summary), flush=True)
+    ok = summary["resilient_identical_across_ranks"] and summary["gloo_identical_across_ranks"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
