@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from resilient._mesh import MeshRail
 from resilient._ring import Span, even_bounds, rail_pieces, recv_chunk, send_chunk, sub_spans
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
@@ -88,6 +89,8 @@ class RingEngine:
         links: LinkTable,
         weights: Sequence[float] | None = None,
         sub_chunk_bytes: int = 1 << 20,
+        mesh: bool = False,
+        single_rail_below_bytes: int = 256 << 10,
     ) -> None:
         if sub_chunk_bytes < 1024:
             raise ConfigError(f"sub_chunk_bytes={sub_chunk_bytes}: must be >= 1024")
@@ -97,6 +100,8 @@ class RingEngine:
         if len(self.weights) != self.num_rails:
             raise ConfigError(f"{len(self.weights)} rail weights for {self.num_rails} rails")
         self.sub_chunk_bytes = sub_chunk_bytes
+        self.mesh = mesh and world > 2  # with two ranks a ring already is a mesh
+        self.single_rail_below_bytes = single_rail_below_bytes
         self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
 
     @property
@@ -115,20 +120,25 @@ class RingEngine:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            self._ring(
-                flat,
-                chunks,
-                steps=2 * (self.world - 1),
-                reduce_steps=self.world - 1,
-                shift=0,
-                op=op,
-            )
+            if self.mesh:
+                self._mesh(flat, chunks, op, gather=True)
+            else:
+                self._ring(
+                    flat,
+                    chunks,
+                    steps=2 * (self.world - 1),
+                    reduce_steps=self.world - 1,
+                    shift=0,
+                    op=op,
+                )
         self._finish_avg(flat, op)
 
     def reduce_scatter(self, flat: torch.Tensor, op: Reduce) -> Span:
         """``flat`` holds ``world`` equal blocks; afterwards block ``rank`` holds the result."""
         chunks = even_bounds(flat.numel(), self.world)
-        if self.world > 1:
+        if self.world > 1 and self.mesh:
+            self._mesh(flat, chunks, op, gather=False)
+        elif self.world > 1:
             self._ring(
                 flat, chunks, steps=self.world - 1, reduce_steps=self.world - 1, shift=-1, op=op
             )
@@ -140,14 +150,19 @@ class RingEngine:
         """``flat`` holds ``world`` equal blocks, block ``rank`` filled; fill the others."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            self._ring(flat, chunks, steps=self.world - 1, reduce_steps=0, shift=0, op=Reduce.SUM)
+            if self.mesh:
+                self._mesh(flat, chunks, None, gather=True)
+            else:
+                self._ring(
+                    flat, chunks, steps=self.world - 1, reduce_steps=0, shift=0, op=Reduce.SUM
+                )
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
         """Copy ``flat`` from ``root`` to every rank along a pipelined chain per rail."""
         if self.world == 1:
             return
         whole = [Span(0, flat.numel())]
-        pieces = rail_pieces(whole, self.weights)
+        pieces = rail_pieces(whole, self._weights_for(flat))
         self._run_rails(lambda rail: self._chain(flat, pieces[rail][0], rail, root))
 
     def barrier(self) -> None:
@@ -160,6 +175,43 @@ class RingEngine:
                 t.div_(self.world)
             else:
                 t.copy_(torch.div(t, self.world, rounding_mode="trunc"))
+
+    def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
+        """The rail weights for this tensor: only the heaviest rail for small ones."""
+        nbytes = flat.numel() * flat.element_size()
+        if self.num_rails == 1 or nbytes >= self.single_rail_below_bytes:
+            return self.weights
+        best = max(range(self.num_rails), key=lambda r: self.weights[r])
+        return tuple(1.0 if r == best else 0.0 for r in range(self.num_rails))
+
+    def _mesh(
+        self, flat: torch.Tensor, chunks: list[Span], op: Reduce | None, *, gather: bool
+    ) -> None:
+        """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``."""
+        pieces = rail_pieces(chunks, self._weights_for(flat))
+        rails = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
+        peers = [p for p in range(self.world) if p != self.rank]
+        self.links.ensure((p, rail) for rail in rails for p in peers)
+        elem = flat.element_size()
+
+        def run(rail: int) -> None:
+            if rail not in rails:
+                return
+            m = MeshRail(
+                rank=self.rank,
+                world=self.world,
+                rail=rail,
+                links=self.links,
+                flat=flat,
+                pieces=pieces[rail],
+                subs=self._subs_for(pieces[rail], elem),
+            )
+            if op is None:
+                m.all_gather()
+            else:
+                m.reduce_scatter(_REDUCERS[op], then_gather=gather)
+
+        self._run_rails(run)
 
     def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
         largest = max((p.size for p in pieces), default=0) * elem
@@ -175,7 +227,7 @@ class RingEngine:
         shift: int,
         op: Reduce,
     ) -> None:
-        pieces = rail_pieces(chunks, self.weights)
+        pieces = rail_pieces(chunks, self._weights_for(flat))
         self.links.ensure(
             (peer, rail) for rail in range(self.num_rails) for peer in (self.left, self.right)
         )

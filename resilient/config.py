@@ -140,6 +140,10 @@ class DataPlaneConfig:
     a new link's rendezvous within ``connect_timeout_s``. ``sub_chunk_bytes`` is the
     pipelining grain. ``check_mismatch`` exchanges a small signature before each
     collective so that ranks calling different collectives all raise instead of hanging.
+    ``topology``: "ring" (2(P-1) hops, links to neighbours only), "mesh" (2 hops, links
+    to every peer) or "auto" (mesh up to ``mesh_max_world`` ranks, ring beyond).
+    Collectives under ``single_rail_below_bytes`` use only the heaviest rail: below
+    that, splitting costs more in per-op latency than it gains in bandwidth.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -148,8 +152,15 @@ class DataPlaneConfig:
     op_timeout_floor_s: float = 10.0
     expected_link_bytes_per_s: float = 50e6
     check_mismatch: bool = True
+    topology: str = "auto"
+    mesh_max_world: int = 8
+    single_rail_below_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
+        if self.topology not in ("auto", "ring", "mesh"):
+            raise ConfigError(f"topology={self.topology!r}: use auto, ring or mesh")
+        if self.mesh_max_world < 1 or self.single_rail_below_bytes < 0:
+            raise ConfigError("mesh_max_world must be >= 1, single_rail_below_bytes >= 0")
         if self.rail_weights is not None:
             if not self.rail_weights or any(w < 0 for w in self.rail_weights):
                 raise ConfigError(f"rail_weights={self.rail_weights}: need >= 1 weight, all >= 0")
@@ -169,8 +180,8 @@ class DataPlaneConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DataPlaneConfig:
         """Read ``RESILIENT_SUB_CHUNK_BYTES``, ``RESILIENT_OP_TIMEOUT_S``,
-        ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``) and
-        ``RESILIENT_CHECK_MISMATCH`` (0/1).
+        ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
+        ``RESILIENT_TOPOLOGY`` (auto/ring/mesh) and ``RESILIENT_CHECK_MISMATCH`` (0/1).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -193,6 +204,7 @@ class DataPlaneConfig:
             connect_timeout_s=_env_float(env, p + "CONNECT_TIMEOUT_S", 60.0),
             op_timeout_floor_s=_env_float(env, p + "OP_TIMEOUT_S", 10.0),
             check_mismatch=check in ("1", "true", "yes"),
+            topology=env.get(p + "TOPOLOGY", "auto").strip().lower() or "auto",
         )
 
 

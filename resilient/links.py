@@ -29,10 +29,29 @@ __all__ = ["Link", "LinkTable"]
 logger = logging.getLogger(__name__)
 
 
+_DEVICES: dict[str, Any] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def _rail_device(address: str) -> Any:
+    """One gloo device per rail address, shared by every link on that rail.
+
+    Each gloo device runs its own event-loop thread; one per link would mean a
+    thread per peer and rail, and on a busy CPU their wake-ups cost more than the
+    transfers. Links stay separate groups (separate pairs and failure domains); a
+    rail's links share its NIC anyway.
+    """
+    with _DEVICES_LOCK:
+        device = _DEVICES.get(address)
+        if device is None:
+            device = _DEVICES[address] = ProcessGroupGloo.create_device(hostname=address)
+        return device
+
+
 def _gloo_pair(store: Store, index: int, address: str, config: DataPlaneConfig) -> Any:
     opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
     opts._timeout = timedelta(seconds=config.connect_timeout_s)
-    opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    opts._devices = [_rail_device(address)]
     return ProcessGroupGloo(store, index, 2, opts)
 
 

@@ -128,6 +128,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             links=self.links,
             weights=self.config.rail_weights,
             sub_chunk_bytes=self.config.sub_chunk_bytes,
+            mesh=self._mesh(world_size),
+            single_rail_below_bytes=self.config.single_rail_below_bytes,
         )
         self._store, self._epoch = store, epoch
         self._cuda: RingEngine | None = None
@@ -224,8 +226,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 links=links,
                 weights=self.config.rail_weights,
                 sub_chunk_bytes=self.config.sub_chunk_bytes,
+                mesh=self._mesh(self.size()),
+                single_rail_below_bytes=self.config.single_rail_below_bytes,
             )
         return self._cuda
+
+    def _mesh(self, world: int) -> bool:
+        topo = self.config.topology
+        return topo == "mesh" or (topo == "auto" and world <= self.config.mesh_max_world)
 
     @staticmethod
     def _reduce_op(op: str, opts: Any) -> Reduce:
