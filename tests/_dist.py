@@ -23,6 +23,7 @@ def _entry(
     port: int,
     results: Any,
     args: tuple[Any, ...],
+    config: dict[str, Any],
 ) -> None:
     try:
         import torch
@@ -38,7 +39,7 @@ def _entry(
             world_size=world,
             rails=[f"127.0.{r + 1}.{rank + 1}" for r in range(rails)],
             store=store,
-            config=DataPlaneConfig(op_timeout_floor_s=20.0),
+            config=DataPlaneConfig(**{"op_timeout_floor_s": 20.0, **config}),
         )
         try:
             out = target(pg, rank, world, *args)
@@ -56,8 +57,11 @@ def run_world(
     rails: int = 1,
     timeout_s: float = 90.0,
     args: tuple[Any, ...] = (),
+    config: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``target(pg, rank, world, *args)`` on ``world`` processes; return results by rank.
+
+    ``config`` holds ``DataPlaneConfig`` fields for the group.
 
     Raises AssertionError with every failing rank's traceback; always reaps the processes.
     """
@@ -65,7 +69,11 @@ def run_world(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(target, r, world, rails, port, results, args), daemon=True)
+        ctx.Process(
+            target=_entry,
+            args=(target, r, world, rails, port, results, args, config or {}),
+            daemon=True,
+        )
         for r in range(world)
     ]
     out: dict[int, Any] = {}

@@ -108,8 +108,11 @@ def _all_collectives(pg: Any, rank: int, world: int) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-def test_every_collective_and_dtype_matches_reference_and_is_bitwise_equal_across_ranks() -> None:
-    results = run_world(_all_collectives, 4, rails=2, timeout_s=240)
+@pytest.mark.parametrize("topology", ["ring", "mesh"])
+def test_every_collective_and_dtype_matches_reference_and_is_bitwise_equal_across_ranks(
+    topology: str,
+) -> None:
+    results = run_world(_all_collectives, 4, rails=2, timeout_s=240, config={"topology": topology})
     assert results[0], "no collective ran"
     for other in results[1:]:
         assert other == results[0]
@@ -128,8 +131,9 @@ def _weights(pg: Any, rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_results_bitwise_independent_of_rail_weights() -> None:
-    results = run_world(_weights, 4, rails=2)
+@pytest.mark.parametrize("topology", ["ring", "mesh"])
+def test_results_bitwise_independent_of_rail_weights(topology: str) -> None:
+    results = run_world(_weights, 4, rails=2, config={"topology": topology})
     assert len(set(results[0])) == 1, "rail weights changed the result bits"
     assert all(r == results[0] for r in results)
 
