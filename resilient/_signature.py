@@ -1,9 +1,14 @@
 """Call signatures exchanged before each collective, so mismatched calls fail everywhere.
 
 Each rank encodes what it was asked to do into a fixed-size int64 row; one small
-ring all-gather gives every rank every row. All ranks then see the same table, so
-they all reach the same verdict: either proceed, or raise
+all-gather gives every rank every row. All ranks then see the same table, so they
+all reach the same verdict: either proceed, or raise
 :class:`~resilient.errors.CollectiveMismatch` without moving any data.
+
+Each row also has room for :data:`INLINE_BYTES` of payload. Collectives that small
+travel inside the signature exchange itself and need no data phase. The row width
+is the same for every call, whatever its size: a message size that differed between
+ranks would make gloo abort the process.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ _DTYPES = (
 )
 _REDUCES = (None, "sum", "avg", "product", "min", "max")
 _MAX_DIMS = 8
-_WIDTH = 8 + _MAX_DIMS
+_HEADER = 8 + _MAX_DIMS
+INLINE_BYTES = 2048
+_WIDTH = _HEADER + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -136,8 +143,14 @@ def _differences(rows: list[list[int]]) -> list[str]:
     return fields or ["shape"]
 
 
-def check_signatures(engine: RingEngine, sig: Signature, rank: int) -> None:
-    """All-gather every rank's signature; raise on all ranks if any differ.
+def check_signatures(
+    engine: RingEngine, sig: Signature, rank: int, payload: torch.Tensor | None = None
+) -> torch.Tensor:
+    """All-gather every rank's signature (and up to INLINE_BYTES of ``payload``).
+
+    Returns every rank's payload bytes as a ``(world, INLINE_BYTES)`` uint8 tensor
+    (all-zero rows where no payload was given). Raises on all ranks if signatures
+    differ, before any data moved.
 
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.
@@ -145,11 +158,17 @@ def check_signatures(engine: RingEngine, sig: Signature, rank: int) -> None:
     """
     world = engine.world
     table = torch.zeros((world, _WIDTH), dtype=torch.int64)
-    table[rank] = sig.encode()
+    table[rank, :_HEADER] = sig.encode()
+    if payload is not None:
+        raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+        if raw.numel() > INLINE_BYTES:
+            raise ValueError(f"inline payload of {raw.numel()} B exceeds {INLINE_BYTES} B")
+        table[rank, _HEADER:].view(torch.uint8)[: raw.numel()].copy_(raw)
     engine.all_gather(table.view(-1))
-    rows = [[int(v) for v in r] for r in table.tolist()]
+    inline = table[:, _HEADER:].contiguous().view(torch.uint8)
+    rows = [[int(v) for v in r] for r in table[:, :_HEADER].tolist()]
     if all(r == rows[0] for r in rows):
-        return
+        return inline
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(tuple(row), []).append(r)

@@ -28,7 +28,7 @@ from resilient._ring import Span, even_bounds, rail_pieces, recv_chunk, send_chu
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
-__all__ = ["Reduce", "RingEngine"]
+__all__ = ["Reduce", "RingEngine", "fold_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,23 @@ _REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
     Reduce.MIN: _min,
     Reduce.MAX: _max,
 }
+
+
+def fold_rows(rows: torch.Tensor, op: Reduce) -> torch.Tensor:
+    """Reduce ``rows[0] op rows[1] op ...`` in rank order (the mesh order, bit for bit).
+
+    AVG divides the sum by the number of rows, as the collectives do.
+    """
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        _REDUCERS[op](acc, row)
+    if op is Reduce.AVG:
+        world = rows.shape[0]
+        if acc.is_floating_point():
+            acc.div_(world)
+        else:
+            acc.copy_(torch.div(acc, world, rounding_mode="trunc"))
+    return acc
 
 
 @dataclass(slots=True)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store, Work
 from torch.futures import Future
 
-from resilient._signature import Signature, check_signatures
-from resilient.collectives import Reduce, RingEngine
+from resilient._signature import INLINE_BYTES, Signature, check_signatures
+from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import ResilientError
 from resilient.links import LinkTable
@@ -169,11 +169,30 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._queue.put((fn, fut))
         return ResilientWork(fut, op)
 
-    def _signed(self, sig: Signature) -> None:
-        """Agree on the call before moving data (runs on the comm thread)."""
+    def _signed(self, sig: Signature, payload: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Agree on the call before moving data (runs on the comm thread).
+
+        Returns every rank's inline payload (see :func:`check_signatures`) when the
+        exchange ran, None when mismatch checks are off.
+        """
         self._seq += 1
         if self.config.check_mismatch and self.size() > 1:
-            check_signatures(self.engine, sig.with_seq(self._seq), self.rank())
+            return check_signatures(self.engine, sig.with_seq(self._seq), self.rank(), payload)
+        return None
+
+    def _inline(self, buf: torch.Tensor) -> bool:
+        """Small enough to travel inside the signature exchange (same verdict on all
+        ranks once their signatures matched: it depends only on numel and dtype)."""
+        return (
+            self.config.check_mismatch
+            and self.size() > 1
+            and buf.numel() * buf.element_size() <= INLINE_BYTES
+        )
+
+    @staticmethod
+    def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        nbytes = buf.numel() * buf.element_size()
+        return table[:, :nbytes].contiguous().view(buf.dtype)
 
     def shutdown(self) -> None:
         """Finish queued collectives, then close every link."""
@@ -253,9 +272,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         sig = Signature.of("allreduce", tensors, reduce=red)
 
         def run() -> list[torch.Tensor]:
-            self._signed(sig)
             with _Flat(tensors) as flat:
-                self._engine_for(flat.buffer).all_reduce(flat.buffer, red)
+                buf = flat.buffer
+                inline = self._inline(buf)
+                table = self._signed(sig, buf if inline else None)
+                if inline and table is not None:
+                    buf.copy_(fold_rows(self._rows(table, buf), red))
+                else:
+                    self._engine_for(buf).all_reduce(buf, red)
             return tensors
 
         return self._submit("allreduce", run)
@@ -272,9 +296,15 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         sig = Signature.of("broadcast", tensors, root=root)
 
         def run() -> list[torch.Tensor]:
-            self._signed(sig)
             with _Flat(tensors) as flat:
-                self._engine_for(flat.buffer).broadcast(flat.buffer, root)
+                buf = flat.buffer
+                inline = self._inline(buf)
+                mine = buf if inline and self.rank() == root else None
+                table = self._signed(sig, mine)
+                if inline and table is not None:
+                    buf.copy_(self._rows(table, buf)[root])
+                else:
+                    self._engine_for(buf).broadcast(buf, root)
             return tensors
 
         return self._submit("broadcast", run)
@@ -419,8 +449,10 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         sig = Signature.of("barrier", [])
 
         def run() -> list[torch.Tensor]:
-            self._signed(sig)
-            self.engine.barrier()
+            # The signature all-gather completes only once every rank has entered:
+            # that already is a barrier. Without it, run one explicitly.
+            if self._signed(sig) is None:
+                self.engine.barrier()
             return []
 
         return self._submit("barrier", run)
