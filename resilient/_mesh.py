@@ -44,6 +44,7 @@ class MeshRail:
         flat: torch.Tensor,
         pieces: list[Span],
         subs: int,
+        scratch: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.rank, self.world, self.rail = rank, world, rail
         self.flat = flat
@@ -52,6 +53,7 @@ class MeshRail:
         self.subs = [sub_spans(p, subs) for p in pieces]  # subs[chunk][j]
         self.peers = [p for p in range(world) if p != rank]
         self.link = {p: links.get(p, rail) for p in self.peers}
+        self._scratch = scratch or (lambda n: torch.empty(n, dtype=flat.dtype, device=flat.device))
         # Sends of the reduce-scatter and of the all-gather are waited for apart: a
         # rank must not wait for its gather sends before posting its gather receives,
         # or two ranks would wait for each other once messages exceed socket buffers.
@@ -75,13 +77,16 @@ class MeshRail:
     def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
         """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does."""
         own = self.subs[self.rank]
+        pool = self._scratch(len(self.peers) * sum(s.size for s in own))
         scratch: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[int, int], Any] = {}
+        offset = 0
         for j in range(self.k):
             for p in self.peers:
                 self._send(self.rs_sends, p, self.subs[p][j], j)
                 if own[j].size:
-                    buf = torch.empty(own[j].size, dtype=self.flat.dtype, device=self.flat.device)
+                    buf = pool[offset : offset + own[j].size]
+                    offset += own[j].size
                     scratch[(p, j)] = buf
                     recvs[(p, j)] = self.link[p].irecv(buf, j)
         gathers: list[tuple[int, int]] = []

@@ -66,6 +66,9 @@ _REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
 }
 
 
+MAX_SUBS = 8
+
+
 def fold_rows(rows: torch.Tensor, op: Reduce) -> torch.Tensor:
     """Reduce ``rows[0] op rows[1] op ...`` in rank order (the mesh order, bit for bit).
 
@@ -107,6 +110,7 @@ class RingEngine:
         weights: Sequence[float] | None = None,
         sub_chunk_bytes: int = 1 << 20,
         mesh: bool = False,
+        mesh_below_bytes: int = 8 << 20,
         single_rail_below_bytes: int = 256 << 10,
     ) -> None:
         if sub_chunk_bytes < 1024:
@@ -118,7 +122,9 @@ class RingEngine:
             raise ConfigError(f"{len(self.weights)} rail weights for {self.num_rails} rails")
         self.sub_chunk_bytes = sub_chunk_bytes
         self.mesh = mesh and world > 2  # with two ranks a ring already is a mesh
+        self.mesh_below_bytes = mesh_below_bytes
         self.single_rail_below_bytes = single_rail_below_bytes
+        self._scratch: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
 
     @property
@@ -137,7 +143,7 @@ class RingEngine:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            if self.mesh:
+            if self._use_mesh(flat):
                 self._mesh(flat, chunks, op, gather=True)
             else:
                 self._ring(
@@ -153,7 +159,7 @@ class RingEngine:
     def reduce_scatter(self, flat: torch.Tensor, op: Reduce) -> Span:
         """``flat`` holds ``world`` equal blocks; afterwards block ``rank`` holds the result."""
         chunks = even_bounds(flat.numel(), self.world)
-        if self.world > 1 and self.mesh:
+        if self.world > 1 and self._use_mesh(flat):
             self._mesh(flat, chunks, op, gather=False)
         elif self.world > 1:
             self._ring(
@@ -167,7 +173,7 @@ class RingEngine:
         """``flat`` holds ``world`` equal blocks, block ``rank`` filled; fill the others."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            if self.mesh:
+            if self._use_mesh(flat):
                 self._mesh(flat, chunks, None, gather=True)
             else:
                 self._ring(
@@ -192,6 +198,22 @@ class RingEngine:
                 t.div_(self.world)
             else:
                 t.copy_(torch.div(t, self.world, rounding_mode="trunc"))
+
+    def scratch(self, rail: int, flat: torch.Tensor, numel: int) -> torch.Tensor:
+        """A receive buffer of ``numel`` elements, reused across calls (one per rail,
+        dtype and device): fresh large buffers cost page faults and zeroing every call."""
+        key = (rail, flat.dtype, str(flat.device))
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[key] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+        return buf[:numel]
+
+    def _use_mesh(self, flat: torch.Tensor) -> bool:
+        """Mesh (2 hops) while hops dominate; the ring's locality wins on large tensors.
+
+        Every rank decides alike: the inputs are the same numel and dtype everywhere.
+        """
+        return self.mesh and flat.numel() * flat.element_size() < self.mesh_below_bytes
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""
@@ -222,6 +244,7 @@ class RingEngine:
                 flat=flat,
                 pieces=pieces[rail],
                 subs=self._subs_for(pieces[rail], elem),
+                scratch=lambda n: self.scratch(rail, flat, n),
             )
             if op is None:
                 m.all_gather()
@@ -231,8 +254,13 @@ class RingEngine:
         self._run_rails(run)
 
     def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
+        """Sub-chunks per piece: ``sub_chunk_bytes`` each, but at most MAX_SUBS.
+
+        Enough to overlap sending, receiving and reducing; more only adds per-op
+        cost (each gloo op costs tens of microseconds of CPU) on large tensors.
+        """
         largest = max((p.size for p in pieces), default=0) * elem
-        return max(1, -(-largest // self.sub_chunk_bytes))
+        return max(1, min(MAX_SUBS, -(-largest // self.sub_chunk_bytes)))
 
     def _ring(
         self,
@@ -278,7 +306,8 @@ class RingEngine:
         k, elem = plan.subs, flat.element_size()
         subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
         largest = max((sp.size for chunk in subs for sp in chunk), default=0)
-        scratch = [torch.empty(largest, dtype=flat.dtype, device=flat.device) for _ in range(k)]
+        pool = self.scratch(plan.rail, flat, largest * k)
+        scratch = [pool[j * largest : (j + 1) * largest] for j in range(k)]
         sends: list[list[tuple[Any, int]]] = [[] for _ in range(plan.steps)]
         recvs: list[list[tuple[Any, Span]]] = [[] for _ in range(plan.steps)]
 

@@ -141,7 +141,8 @@ class DataPlaneConfig:
     pipelining grain. ``check_mismatch`` exchanges a small signature before each
     collective so that ranks calling different collectives all raise instead of hanging.
     ``topology``: "ring" (2(P-1) hops, links to neighbours only), "mesh" (2 hops, links
-    to every peer) or "auto" (mesh up to ``mesh_max_world`` ranks, ring beyond).
+    to every peer) or "auto" (mesh up to ``mesh_max_world`` ranks for tensors under
+    ``mesh_below_bytes``, ring otherwise).
     Collectives under ``single_rail_below_bytes`` use only the heaviest rail: below
     that, splitting costs more in per-op latency than it gains in bandwidth.
     """
@@ -154,6 +155,7 @@ class DataPlaneConfig:
     check_mismatch: bool = True
     topology: str = "auto"
     mesh_max_world: int = 8
+    mesh_below_bytes: int = 8 << 20
     single_rail_below_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:

@@ -129,6 +129,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             weights=self.config.rail_weights,
             sub_chunk_bytes=self.config.sub_chunk_bytes,
             mesh=self._mesh(world_size),
+            mesh_below_bytes=self._mesh_below(),
             single_rail_below_bytes=self.config.single_rail_below_bytes,
         )
         self._store, self._epoch = store, epoch
@@ -246,9 +247,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 weights=self.config.rail_weights,
                 sub_chunk_bytes=self.config.sub_chunk_bytes,
                 mesh=self._mesh(self.size()),
+                mesh_below_bytes=self._mesh_below(),
                 single_rail_below_bytes=self.config.single_rail_below_bytes,
             )
         return self._cuda
+
+    def _mesh_below(self) -> int:
+        # An explicit "mesh" means mesh for every size.
+        return 1 << 62 if self.config.topology == "mesh" else self.config.mesh_below_bytes
 
     def _mesh(self, world: int) -> bool:
         topo = self.config.topology
