@@ -180,7 +180,9 @@ class LinkTable:
         config: DataPlaneConfig,
         epoch: int = 0,
         device_type: str = "cpu",
+        name: str = "link",
     ) -> None:
+        self.name = name  # rendezvous namespace: data links and control links differ
         self.device_type = device_type
         self.rank = rank
         self.rails = rails
@@ -194,7 +196,7 @@ class LinkTable:
     def prefix(self, peer: int, rail: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
         gen = self._generation.get((peer, rail), 0)
-        return f"link/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
+        return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
     def ensure(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Create the missing links among ``(peer, rail)`` pairs.

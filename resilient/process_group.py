@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store, Work
 from torch.futures import Future
 
-from resilient._signature import INLINE_BYTES, Signature, check_signatures
+from resilient._precheck import Payload, SignatureChannel
+from resilient._signature import INLINE_BYTES, Signature
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import ResilientError
@@ -134,7 +135,16 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         self._store, self._epoch = store, epoch
         self._cuda: RingEngine | None = None
-        self._seq = 0
+        self._channel: SignatureChannel | None = None
+        if self.config.check_mismatch and world_size > 1:
+            self._channel = SignatureChannel(
+                rank=rank,
+                world=world_size,
+                rail_address=self.rails[0],
+                store=store,
+                config=self.config,
+                epoch=epoch,
+            )
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-comm-{rank}", daemon=True
@@ -163,32 +173,38 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     logger.exception("rank %d: collective failed", self.rank())
                 fut.set_exception(exc)
 
-    def _submit(self, op: str, fn: Callable[[], Any]) -> ResilientWork:
+    def _submit(
+        self,
+        op: str,
+        sig: Signature,
+        fn: Callable[[torch.Tensor | None], Any],
+        *,
+        payload: Payload | None = None,
+        after_previous: bool = False,
+    ) -> ResilientWork:
+        """Queue ``fn(table)``: ``table`` holds every rank's inline bytes once the
+        signatures matched (None with checks off); a mismatch raises before ``fn``."""
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
+        channel = self._channel
+        verdict = channel.submit(sig, payload, after_previous=after_previous) if channel else None
+
+        def run() -> Any:
+            try:
+                return fn(verdict.result() if verdict is not None else None)
+            finally:
+                if channel is not None:
+                    channel.mark_done()
+
         fut: Future[Any] = Future()
-        self._queue.put((fn, fut))
+        self._queue.put((run, fut))
         return ResilientWork(fut, op)
 
-    def _signed(self, sig: Signature, payload: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Agree on the call before moving data (runs on the comm thread).
-
-        Returns every rank's inline payload (see :func:`check_signatures`) when the
-        exchange ran, None when mismatch checks are off.
-        """
-        self._seq += 1
-        if self.config.check_mismatch and self.size() > 1:
-            return check_signatures(self.engine, sig.with_seq(self._seq), self.rank(), payload)
-        return None
-
-    def _inline(self, buf: torch.Tensor) -> bool:
+    def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Small enough to travel inside the signature exchange (same verdict on all
         ranks once their signatures matched: it depends only on numel and dtype)."""
-        return (
-            self.config.check_mismatch
-            and self.size() > 1
-            and buf.numel() * buf.element_size() <= INLINE_BYTES
-        )
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._channel is not None and nbytes <= INLINE_BYTES
 
     @staticmethod
     def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -202,6 +218,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=60)
+        if self._channel is not None:
+            self._channel.close()
         for engine in (self.engine, self._cuda):
             if engine is not None:
                 engine.close()
@@ -277,18 +295,19 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         red = self._reduce_op("allreduce", opts)
         sig = Signature.of("allreduce", tensors, reduce=red)
 
-        def run() -> list[torch.Tensor]:
+        inline = self._inline(tensors)
+
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
             with _Flat(tensors) as flat:
                 buf = flat.buffer
-                inline = self._inline(buf)
-                table = self._signed(sig, buf if inline else None)
                 if inline and table is not None:
                     buf.copy_(fold_rows(self._rows(table, buf), red))
                 else:
                     self._engine_for(buf).all_reduce(buf, red)
             return tensors
 
-        return self._submit("allreduce", run)
+        payload = (lambda: _packed(tensors)) if inline else None
+        return self._submit("allreduce", sig, run, payload=payload)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
         return self.allreduce(tensors, opts)
@@ -301,19 +320,20 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         root = int(opts.rootRank)
         sig = Signature.of("broadcast", tensors, root=root)
 
-        def run() -> list[torch.Tensor]:
+        inline = self._inline(tensors)
+
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
             with _Flat(tensors) as flat:
                 buf = flat.buffer
-                inline = self._inline(buf)
-                mine = buf if inline and self.rank() == root else None
-                table = self._signed(sig, mine)
                 if inline and table is not None:
                     buf.copy_(self._rows(table, buf)[root])
                 else:
                     self._engine_for(buf).broadcast(buf, root)
             return tensors
 
-        return self._submit("broadcast", run)
+        # Only the root's bytes matter, but every rank waits for earlier calls alike.
+        payload = (lambda: _packed(tensors) if self.rank() == root else None) if inline else None
+        return self._submit("broadcast", sig, run, payload=payload, after_previous=inline)
 
     def allgather(  # type: ignore[override]
         self,
@@ -331,14 +351,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             )
         sig = Signature.of("allgather", [inp])
 
-        def run() -> list[list[torch.Tensor]]:
-            self._signed(sig)
+        def run(_: torch.Tensor | None) -> list[list[torch.Tensor]]:
             buf = self._gather_buffer(inp)
             for i, out in enumerate(outs):
                 out.copy_(buf[i].view_as(out))
             return output_tensors
 
-        return self._submit("allgather", run)
+        return self._submit("allgather", sig, run)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -351,13 +370,12 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             )
         sig = Signature.of("all_gather_into_tensor", [input])
 
-        def run() -> list[torch.Tensor]:
-            self._signed(sig)
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
             buf = self._gather_buffer(input)
             output.copy_(buf.view_as(output))
             return [output]
 
-        return self._submit("all_gather_into_tensor", run)
+        return self._submit("all_gather_into_tensor", sig, run)
 
     def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
         n = inp.numel()
@@ -384,13 +402,12 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         red = self._reduce_op("reduce_scatter", opts)
         sig = Signature.of("reduce_scatter", [out], reduce=red)
 
-        def run() -> list[torch.Tensor]:
-            self._signed(sig)
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
             buf = torch.cat([i.reshape(-1) for i in ins])
             self._scatter_into(buf, out, red)
             return output_tensors
 
-        return self._submit("reduce_scatter", run)
+        return self._submit("reduce_scatter", sig, run)
 
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -405,12 +422,11 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         red = self._reduce_op("reduce_scatter_tensor", opts)
         sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
 
-        def run() -> list[torch.Tensor]:
-            self._signed(sig)
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
             self._scatter_into(input.reshape(-1).clone(), output, red)
             return [output]
 
-        return self._submit("reduce_scatter_tensor", run)
+        return self._submit("reduce_scatter_tensor", sig, run)
 
     def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
         mine = self._engine_for(buf).reduce_scatter(buf, red)
@@ -454,14 +470,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def barrier(self, opts: Any = None) -> ResilientWork:
         sig = Signature.of("barrier", [])
 
-        def run() -> list[torch.Tensor]:
-            # The signature all-gather completes only once every rank has entered:
-            # that already is a barrier. Without it, run one explicitly.
-            if self._signed(sig) is None:
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
+            # The exchange ran only once every rank had finished its earlier calls
+            # and entered: that already is a barrier. Without checks, run one.
+            if table is None:
                 self.engine.barrier()
             return []
 
-        return self._submit("barrier", run)
+        return self._submit("barrier", sig, run, after_previous=True)
 
     # -- unsupported ops: a clear error instead of torch's generic one ------------------
     def _unsupported(self, op: str) -> NoReturn:
@@ -491,6 +507,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def recv(self, *args: Any, **kwargs: Any) -> ResilientWork:
         self._unsupported("recv")
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values as one flat buffer (read when the exchange runs)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 class _Flat:

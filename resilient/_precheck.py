@@ -1,0 +1,111 @@
+"""Signature exchange ahead of the data, on its own links and thread.
+
+Checking every call's signature before its data moves costs one hop. Done on the
+communication thread, that hop adds to every collective. Here it runs on a control
+thread over separate control links (rail 0, mesh), as soon as a call is submitted:
+while call k moves its data, call k+1's signature is already being agreed on, so
+back-to-back collectives (DDP's buckets) stop paying for it.
+
+Calls whose exchange reads tensor data (inline payloads) or must mean "everyone got
+here" (barrier) are exchanged only once every earlier call finished locally, so they
+see the results of earlier collectives. Every rank exchanges in submission order,
+on links no data phase uses, so the exchanges always pair up.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+from torch._C._distributed_c10d import Store
+
+from resilient._signature import Signature, check_signatures
+from resilient.collectives import RingEngine
+from resilient.config import DataPlaneConfig
+from resilient.links import LinkTable
+
+__all__ = ["SignatureChannel"]
+
+logger = logging.getLogger(__name__)
+
+Payload = Callable[[], torch.Tensor | None]
+
+
+class SignatureChannel:
+    """Agrees on each call's signature (and small payload) for one process group."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        rail_address: str,
+        store: Store,
+        config: DataPlaneConfig,
+        epoch: int = 0,
+    ) -> None:
+        self.rank = rank
+        links = LinkTable(
+            rank=rank, rails=(rail_address,), store=store, config=config, epoch=epoch, name="ctl"
+        )
+        self.engine = RingEngine(rank=rank, world=world, links=links, mesh=True)
+        self._submitted = 0
+        self._done = 0
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[
+            tuple[int, Signature, Payload | None, bool, Future[torch.Tensor]] | None
+        ]
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"resilient-ctl-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(
+        self, sig: Signature, payload: Payload | None = None, *, after_previous: bool = False
+    ) -> Future[torch.Tensor]:
+        """Schedule the exchange of ``sig``; the future holds every rank's inline bytes.
+
+        With ``after_previous`` (or a ``payload``) the exchange waits until every
+        earlier call was marked done. The future raises CollectiveMismatch or LinkError.
+        """
+        self._submitted += 1
+        fut: Future[torch.Tensor] = Future()
+        quiet = after_previous or payload is not None
+        self._queue.put((self._submitted, sig.with_seq(self._submitted), payload, quiet, fut))
+        return fut
+
+    def mark_done(self) -> None:
+        """Called by the communication thread after each call, failed or not, in order."""
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self.engine.close()
+        self.engine.links.close()
+
+    def _wait_done(self, count: int) -> None:
+        with self._cond:
+            while self._done < count:
+                self._cond.wait()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            seq, sig, payload, quiet, fut = item
+            try:
+                if quiet:
+                    self._wait_done(seq - 1)
+                data = payload() if payload is not None else None
+                fut.set_result(check_signatures(self.engine, sig, self.rank, data))
+            except BaseException as exc:  # the waiting collective re-raises it
+                fut.set_exception(exc)
