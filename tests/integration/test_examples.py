@@ -118,4 +118,7 @@ def test_membership_demo_restarts_one_rank() -> None:
     # One epoch when the job formed, one when rank 2 came back: each change is
     # agreed once, whatever the number of ranks racing to bump it.
     assert "epoch history (final epoch 2)" in out, out
-    assert "epoch 2: rank 2 rejoined as incarnation 1" in out, out
+    # Whoever won the race (the rejoined rank or a survivor), epoch 2 stands for it.
+    assert re.search(
+        r"epoch 2: (rank 2 rejoined as incarnation 1|membership changed: .*'2': 1)", out
+    ), out
