@@ -362,3 +362,13 @@ def tcp_store(rank: int, world: int, port: int, timeout_s: float) -> Any:
     from torch._C._distributed_c10d import TCPStore
 
     return TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=timeout_s))
+
+
+def print_conditions(s: dict[str, Any]) -> None:
+    """The load and CPU lines every benchmark prints before its table."""
+    print("load:", " / ".join(s["load"]), "(before / after)")
+    cpu = s["cpu"]
+    print(
+        f"CPU during the run: ours {cpu['own_cpu_s']} s, other processes {cpu['other_cpu_s']} s "
+        f"in {cpu['wall_s']} s (other load {cpu['other_load']:.2f} CPUs)"
+    )

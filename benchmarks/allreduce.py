@@ -31,6 +31,7 @@ from _common import (
     gloo_group,
     load_line,
     max_over_ranks,
+    print_conditions,
     print_table,
     rail_address,
     run_ranks,
@@ -287,12 +288,7 @@ def print_report(s: dict[str, Any]) -> None:
         f"rates {rates or 'unlimited'} mbit, weights {s['weights'] or 'equal'}; "
         f"median of {s['iters']} iterations (max over ranks), 1 torch thread per rank"
     )
-    print("load:", " / ".join(s["load"]), "(before / after)")
-    cpu = s["cpu"]
-    print(
-        f"CPU during the run: ours {cpu['own_cpu_s']} s, other processes {cpu['other_cpu_s']} s "
-        f"in {cpu['wall_s']} s (other load {cpu['other_load']:.2f} CPUs)"
-    )
+    print_conditions(s)
     rows = [
         [
             name,

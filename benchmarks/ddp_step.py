@@ -30,6 +30,7 @@ from _common import (
     gloo_process_group,
     load_line,
     max_over_ranks,
+    print_conditions,
     print_table,
     rail_address,
     run_ranks,
@@ -210,12 +211,7 @@ def print_report(s: dict[str, Any]) -> None:
         f"resilient over {s['rails']} rail(s); median of {s['steps']} steps each "
         f"(max over ranks), torch.set_num_threads(1) per rank"
     )
-    print("load:", " / ".join(s["load"]), "(before / after)")
-    cpu = s["cpu"]
-    print(
-        f"CPU during the run: ours {cpu['own_cpu_s']} s, other processes {cpu['other_cpu_s']} s "
-        f"in {cpu['wall_s']} s (other load {cpu['other_load']:.2f} CPUs)"
-    )
+    print_conditions(s)
     rows = [
         [n, f"{s[f'{n}_step_ms']:.2f}", f"{lo:.2f}", f"{hi:.2f}"]
         for n, (lo, hi) in s["min_max_ms"].items()

@@ -46,6 +46,7 @@ _DTYPES = (
     torch.int64,
 )
 _REDUCES = (None, "sum", "avg", "product", "min", "max")
+SUPPORTED_DTYPES = tuple(d for d in _DTYPES if d is not None)
 _MAX_DIMS = 8
 _HEADER = 8 + _MAX_DIMS
 INLINE_BYTES = 2048

@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import Store, Work
 from torch.futures import Future
 
 from resilient._precheck import Payload, SignatureChannel
-from resilient._signature import INLINE_BYTES, Signature
+from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import ResilientError
@@ -37,14 +37,6 @@ __all__ = ["ResilientProcessGroup", "ResilientWork"]
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int32,
-    torch.int64,
-)
 
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: Reduce.SUM,
@@ -234,7 +226,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 f"resilient {op}: tensors on several devices {sorted(map(str, devices))}"
             )
         for t in tensors:
-            if t.dtype not in _SUPPORTED_DTYPES:
+            if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
             if t.device.type == "cuda" and not dist.is_nccl_available():
                 raise NotImplementedError(
