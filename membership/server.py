@@ -56,6 +56,40 @@ def find_etcd_binary() -> str:
     )
 
 
+_TEMP_PREFIX = "resilient-etcd-"
+_OWNER_FILE = "owner.pid"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_dirs(base: str | os.PathLike[str] | None = None) -> int:
+    """Remove temp data dirs of embedded etcds whose owner process is gone.
+
+    A run that was SIGKILLed cannot clean up after itself (its etcd dies with it via
+    the parent-death signal, its temp dir stays); the next run does it. Returns the
+    number of dirs removed.
+    """
+    removed = 0
+    for path in Path(base or tempfile.gettempdir()).glob(_TEMP_PREFIX + "*"):
+        try:
+            owner = int((path / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if not _pid_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+            logger.info("removed stale embedded-etcd dir %s (owner pid %d is gone)", path, owner)
+    return removed
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerTLS:
     """Server-side TLS: ``cert``/``key`` serve clients; ``ca`` verifies client certs.
@@ -133,7 +167,11 @@ class EtcdCluster:
             raise ConfigError(f"EtcdCluster size={size}: must be >= 1")
         self._binary = find_etcd_binary()
         self._owns_dir = data_dir is None
-        self._root = Path(data_dir or tempfile.mkdtemp(prefix="resilient-etcd-"))
+        if self._owns_dir:
+            sweep_stale_dirs()
+        self._root = Path(data_dir or tempfile.mkdtemp(prefix=_TEMP_PREFIX))
+        if self._owns_dir:
+            (self._root / _OWNER_FILE).write_text(str(os.getpid()))
         self._tls = tls
         self._fsync = fsync
         self._start_timeout_s = start_timeout_s

