@@ -14,9 +14,11 @@ and the group stays usable, because no data phase was started.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -45,6 +47,20 @@ _REDUCE_OPS = {
     dist.ReduceOp.MIN: Reduce.MIN,
     dist.ReduceOp.MAX: Reduce.MAX,
 }
+
+
+_LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    # A gloo group still alive while the interpreter tears down can abort the
+    # process; close whatever the program did not destroy itself.
+    for pg in list(_LIVE):
+        try:
+            pg.shutdown()
+        except Exception:  # exiting anyway; never mask the program's own exit status
+            logger.debug("shutdown at exit failed", exc_info=True)
 
 
 class ResilientWork(Work):
@@ -141,8 +157,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-comm-{rank}", daemon=True
         )
-        self._thread.start()
         self._closed = False
+        self._thread.start()
+        _LIVE.add(self)
 
     # -- plumbing ----------------------------------------------------------------------
     def getBackendName(self) -> str:
