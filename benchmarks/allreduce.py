@@ -57,6 +57,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
+    topology: str = "auto"
     seed: int = 1234
     names: tuple[str, ...] = field(default=())
 
@@ -89,6 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sub-chunk-kb", type=int, default=None, help="resilient pipelining grain")
     p.add_argument(
         "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
+    )
+    p.add_argument(
+        "--topology",
+        choices=("auto", "ring", "mesh"),
+        default="auto",
+        help="resilient schedule (DataPlaneConfig.topology, default auto)",
     )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")
     return p.parse_args(argv)
@@ -128,6 +135,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         op_timeout_s=60.0 + 10 * est,
         sub_chunk_bytes=args.sub_chunk_kb * 1024 if args.sub_chunk_kb else 1 << 20,
         check_mismatch=not args.no_check_mismatch,
+        topology=args.topology,
         names=config_names(args.rails),
     )
 
@@ -169,6 +177,7 @@ class Comms:
             op_timeout_floor_s=t,
             sub_chunk_bytes=plan.sub_chunk_bytes,
             check_mismatch=plan.check_mismatch,
+            topology=plan.topology,
         )
         self.resilient = ResilientProcessGroup(
             rank=rank, world_size=w, rails=addrs, store=store, config=config
@@ -360,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["shaping"] = SHAPING if plan.rates_mbit else None
     summary["sub_chunk_bytes"] = plan.sub_chunk_bytes
     summary["check_mismatch"] = plan.check_mismatch
+    summary["topology"] = plan.topology
     print_report(summary)
     print(json.dumps(summary), flush=True)
     return 0 if summary["correct"] and summary["bitwise_identical"] else 1

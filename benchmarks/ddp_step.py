@@ -51,6 +51,7 @@ class Plan:
     batch: int
     rails: int
     check_mismatch: bool = True
+    topology: str = "auto"
     lr: float = 0.05
     seed: int = 0
     timeout_s: float = 120.0
@@ -66,6 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
     p.add_argument(
         "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
+    )
+    p.add_argument(
+        "--topology",
+        choices=("auto", "ring", "mesh"),
+        default="auto",
+        help="resilient schedule (DataPlaneConfig.topology, default auto)",
     )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")
     return p.parse_args(argv)
@@ -130,7 +137,10 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
             rails=[rail_address(rank, r) for r in range(plan.rails)],
             store=store,
             config=DataPlaneConfig(
-                connect_timeout_s=t, op_timeout_floor_s=t, check_mismatch=plan.check_mismatch
+                connect_timeout_s=t,
+                op_timeout_floor_s=t,
+                check_mismatch=plan.check_mismatch,
+                topology=plan.topology,
             ),
         ),
     }
@@ -192,6 +202,7 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "batch": plan.batch,
         "rails": plan.rails,
         "check_mismatch": plan.check_mismatch,
+        "topology": plan.topology,
         "resilient_step_ms": round(res, 2),
         "gloo_step_ms": round(gloo, 2),
         "overhead": round(res / gloo - 1, 4),
@@ -237,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         rails=args.rails,
         check_mismatch=not args.no_check_mismatch,
+        topology=args.topology,
     )
     timeout_s = args.timeout or 300.0 + 2 * (plan.steps + plan.warmup) * 2.0
     loads, meter = [load_line()], CpuMeter()
