@@ -372,3 +372,17 @@ def print_conditions(s: dict[str, Any]) -> None:
         f"CPU during the run: ours {cpu['own_cpu_s']} s, other processes {cpu['other_cpu_s']} s "
         f"in {cpu['wall_s']} s (other load {cpu['other_load']:.2f} CPUs)"
     )
+
+
+def add_common_flags(p: Any) -> None:
+    """Flags both benchmarks share: the resilient group's options and the run limit."""
+    p.add_argument(
+        "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
+    )
+    p.add_argument(
+        "--topology",
+        choices=("auto", "ring", "mesh"),
+        default="auto",
+        help="resilient schedule (DataPlaneConfig.topology, default auto)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

@@ -27,6 +27,7 @@ from typing import Any
 from _common import (
     CpuMeter,
     TcShaper,
+    add_common_flags,
     control_barrier,
     gloo_group,
     load_line,
@@ -88,16 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     p.add_argument("--sub-chunk-kb", type=int, default=None, help="resilient pipelining grain")
-    p.add_argument(
-        "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
-    )
-    p.add_argument(
-        "--topology",
-        choices=("auto", "ring", "mesh"),
-        default="auto",
-        help="resilient schedule (DataPlaneConfig.topology, default auto)",
-    )
-    p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")
+    add_common_flags(p)
     return p.parse_args(argv)
 
 

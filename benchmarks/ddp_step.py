@@ -25,6 +25,7 @@ from typing import Any
 
 from _common import (
     CpuMeter,
+    add_common_flags,
     control_barrier,
     gloo_group,
     gloo_process_group,
@@ -65,16 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
-    p.add_argument(
-        "--no-check-mismatch", action="store_true", help="resilient: skip the signature check"
-    )
-    p.add_argument(
-        "--topology",
-        choices=("auto", "ring", "mesh"),
-        default="auto",
-        help="resilient schedule (DataPlaneConfig.topology, default auto)",
-    )
-    p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")
+    add_common_flags(p)
     return p.parse_args(argv)
 
 
