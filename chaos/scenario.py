@@ -1,0 +1,292 @@
+"""Chaos scenario files (TOML): the job, the faults to inject, what must hold after.
+
+::
+
+    [job]
+    script = "examples/train_ddp.py"
+    args = ["--steps", "200"]
+    nproc = 4
+    rails = 2
+    steps = 200
+    topology = "netns"        # or "loopback"
+    seed = 0
+
+    [[fault]]
+    kind = "nic-down"
+    rank = 1
+    rail = 0
+    at_step = 50              # or at_s = 12.5 (exactly one of the two)
+    duration_s = 5.0
+
+    [expect]
+    completes = true
+    max_steps_replayed = 0
+    params_equal_across_ranks = true
+
+A malformed file raises :class:`ScenarioError`, whose ``key`` names the offending
+key (``fault[2].rate_mbit``) and whose message says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient.errors import ConfigError
+
+__all__ = [
+    "FAULT_KINDS",
+    "Expectations",
+    "Fault",
+    "JobSpec",
+    "Scenario",
+    "ScenarioError",
+    "load",
+    "parse",
+]
+
+
+class ScenarioError(ConfigError):
+    """A scenario file is malformed; ``key`` names where (e.g. ``fault[1].rank``)."""
+
+    def __init__(self, source: str, key: str, problem: str) -> None:
+        super().__init__(f"{source}: {key}: {problem}")
+        self.source, self.key, self.problem = source, key, problem
+
+
+# kind -> (required parameters, optional parameters); every kind also takes the
+# common keys below. A parameter's type is checked by _PARAM_TYPES.
+FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "kill": (frozenset({"rank"}), frozenset()),
+    "hang": (frozenset({"rank"}), frozenset()),
+    "slow": (frozenset({"rank", "factor"}), frozenset()),
+    "nic-down": (frozenset({"rank", "rail"}), frozenset()),
+    "nic-up": (frozenset({"rank", "rail"}), frozenset()),
+    "flap": (frozenset({"rank", "rail", "period_s"}), frozenset({"count"})),
+    "throttle": (frozenset({"rank", "rail", "rate_mbit"}), frozenset()),
+    "drop": (frozenset({"rank", "rail", "percent"}), frozenset()),
+    "partition": (frozenset({"rank", "peer", "rail"}), frozenset()),
+    "etcd-kill": (frozenset(), frozenset({"member"})),
+}
+_COMMON = frozenset({"kind", "at_step", "at_s", "duration_s"})
+_PARAM_TYPES: dict[str, type] = {
+    "rank": int,
+    "peer": int,
+    "rail": int,
+    "member": int,
+    "count": int,
+    "at_step": int,
+    "at_s": float,
+    "duration_s": float,
+    "period_s": float,
+    "factor": float,
+    "rate_mbit": float,
+    "percent": float,
+}
+_EXPECT_TYPES: dict[str, type] = {
+    "completes": bool,
+    "max_steps_replayed": int,
+    "params_equal_across_ranks": bool,
+    "params_equal_fault_free": bool,
+    "max_recovery_s": float,
+    "max_detect_ms": float,
+    "max_slowdown": float,
+    "straggler_confirmed_within_steps": int,
+}
+_JOB_TYPES: dict[str, type] = {
+    "script": str,
+    "args": list,
+    "nproc": int,
+    "rails": int,
+    "steps": int,
+    "topology": str,
+    "seed": int,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSpec:
+    script: str
+    args: tuple[str, ...] = ()
+    nproc: int = 4
+    rails: int = 1
+    steps: int = 100
+    topology: str = "loopback"
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One fault: ``kind``, when (``at_step`` or ``at_s``), for how long, and its
+    parameters (rank, rail, peer, rate_mbit, ...) in ``params``."""
+
+    kind: str
+    at_step: int | None = None
+    at_s: float | None = None
+    duration_s: float | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def param(self, name: str, default: Any = None) -> Any:
+        return self.params.get(name, default)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expectations:
+    """What must hold after the run; None means "not checked"."""
+
+    completes: bool = True
+    max_steps_replayed: int | None = None
+    params_equal_across_ranks: bool | None = None
+    params_equal_fault_free: bool | None = None
+    max_recovery_s: float | None = None
+    max_detect_ms: float | None = None
+    max_slowdown: float | None = None
+    straggler_confirmed_within_steps: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    name: str
+    job: JobSpec
+    faults: tuple[Fault, ...]
+    expect: Expectations
+
+
+def _typed(source: str, key: str, value: Any, want: type) -> Any:
+    """Check ``value`` against ``want``; ints are accepted where floats are wanted."""
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is int and isinstance(value, bool):
+        raise ScenarioError(source, key, f"expected an integer, got {value!r}")
+    if not isinstance(value, want):
+        raise ScenarioError(source, key, f"expected {want.__name__}, got {value!r}")
+    return value
+
+
+def _table(source: str, key: str, raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ScenarioError(source, key, "must be a table")
+    return raw
+
+
+def _no_unknown(source: str, prefix: str, raw: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key in sorted(set(raw) - known):
+        raise ScenarioError(
+            source, f"{prefix}{key}", f"unknown key (expected one of: {', '.join(sorted(known))})"
+        )
+
+
+def _parse_job(source: str, raw: Any) -> JobSpec:
+    job = _table(source, "job", raw)
+    _no_unknown(source, "job.", job, frozenset(_JOB_TYPES))
+    if "script" not in job:
+        raise ScenarioError(source, "job.script", "missing (the training script to run)")
+    values = {k: _typed(source, f"job.{k}", v, _JOB_TYPES[k]) for k, v in job.items()}
+    args = values.pop("args", [])
+    for i, a in enumerate(args):
+        _typed(source, f"job.args[{i}]", a, str)
+    spec = JobSpec(args=tuple(args), **values)
+    for key in ("nproc", "rails", "steps"):
+        if getattr(spec, key) < 1:
+            raise ScenarioError(source, f"job.{key}", f"must be >= 1, got {getattr(spec, key)}")
+    if spec.topology not in ("netns", "loopback"):
+        raise ScenarioError(
+            source, "job.topology", f"must be netns or loopback, got {spec.topology!r}"
+        )
+    return spec
+
+
+def _parse_fault(source: str, index: int, raw: Any, job: JobSpec) -> Fault:
+    where = f"fault[{index}]"
+    fault = _table(source, where, raw)
+    kind = fault.get("kind")
+    if kind not in FAULT_KINDS:
+        raise ScenarioError(
+            source, f"{where}.kind", f"must be one of {', '.join(FAULT_KINDS)}, got {kind!r}"
+        )
+    required, optional = FAULT_KINDS[kind]
+    _no_unknown(source, f"{where}.", fault, _COMMON | required | optional)
+    for key in sorted(required - set(fault)):
+        raise ScenarioError(source, f"{where}.{key}", f"missing (a {kind} fault needs it)")
+    values = {
+        k: _typed(source, f"{where}.{k}", v, _PARAM_TYPES[k])
+        for k, v in fault.items()
+        if k != "kind"
+    }
+    if ("at_step" in values) == ("at_s" in values):
+        raise ScenarioError(source, f"{where}.at_step", "give exactly one of at_step or at_s")
+    _check_ranges(source, where, values, job)
+    params = {k: v for k, v in values.items() if k not in _COMMON}
+    return Fault(
+        kind=kind,
+        at_step=values.get("at_step"),
+        at_s=values.get("at_s"),
+        duration_s=values.get("duration_s"),
+        params=params,
+    )
+
+
+def _check_ranges(source: str, where: str, v: Mapping[str, Any], job: JobSpec) -> None:
+    limits: dict[str, tuple[float, float, str]] = {
+        "rank": (0, job.nproc - 1, f"a rank of the job (0..{job.nproc - 1})"),
+        "peer": (0, job.nproc - 1, f"a rank of the job (0..{job.nproc - 1})"),
+        "rail": (0, job.rails - 1, f"a rail of the job (0..{job.rails - 1})"),
+        "at_step": (0, job.steps - 1, f"a step of the job (0..{job.steps - 1})"),
+        "factor": (1e-9, 1.0 - 1e-9, "a fraction of normal speed, 0 < factor < 1"),
+        "percent": (0.0, 100.0, "a percentage, 0..100"),
+    }
+    for key, (lo, hi, what) in limits.items():
+        if key in v and not lo <= v[key] <= hi:
+            raise ScenarioError(source, f"{where}.{key}", f"must be {what}, got {v[key]}")
+    for key in ("at_s", "duration_s", "period_s", "rate_mbit", "count", "member"):
+        if key in v and v[key] < 0:
+            raise ScenarioError(source, f"{where}.{key}", f"must be >= 0, got {v[key]}")
+    if "peer" in v and v.get("peer") == v.get("rank"):
+        raise ScenarioError(source, f"{where}.peer", "must differ from rank")
+
+
+def _parse_expect(source: str, raw: Any) -> Expectations:
+    expect = _table(source, "expect", raw)
+    _no_unknown(source, "expect.", expect, frozenset(_EXPECT_TYPES))
+    values = {k: _typed(source, f"expect.{k}", v, _EXPECT_TYPES[k]) for k, v in expect.items()}
+    return Expectations(**values)
+
+
+def parse(text: str, *, source: str = "<scenario>") -> Scenario:
+    """Parse scenario TOML text.
+
+    Raises:
+        ScenarioError: invalid TOML, an unknown/missing key, a wrong type or range.
+    """
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(source, "(syntax)", f"not valid TOML: {exc}") from exc
+    _no_unknown(source, "", raw, frozenset({"name", "job", "fault", "expect"}))
+    if "job" not in raw:
+        raise ScenarioError(source, "job", "missing the [job] table")
+    job = _parse_job(source, raw["job"])
+    faults_raw = raw.get("fault", [])
+    if not isinstance(faults_raw, list):
+        raise ScenarioError(source, "fault", "must be an array of tables ([[fault]])")
+    faults = tuple(_parse_fault(source, i, f, job) for i, f in enumerate(faults_raw))
+    expect = _parse_expect(source, raw.get("expect", {}))
+    name = _typed(source, "name", raw.get("name", Path(source).stem), str)
+    return Scenario(name=name, job=job, faults=faults, expect=expect)
+
+
+def load(path: str | Path) -> Scenario:
+    """Read and parse a scenario file.
+
+    Raises:
+        ScenarioError: the file is unreadable or malformed (the key is named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ScenarioError(str(p), "(file)", f"cannot read: {exc.strerror}") from exc
+    return parse(text, source=str(p))

@@ -1,0 +1,100 @@
+"""Scenario files: a valid file round-trips; each kind of mistake names its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chaos.scenario import ScenarioError, load, parse
+from resilient.errors import ConfigError
+
+GOOD = """
+name = "nic-down"
+[job]
+script = "examples/train_ddp.py"
+args = ["--steps", "100"]
+nproc = 4
+rails = 2
+steps = 100
+topology = "netns"
+
+[[fault]]
+kind = "nic-down"
+rank = 1
+rail = 0
+at_step = 30
+duration_s = 5
+
+[[fault]]
+kind = "throttle"
+rank = 2
+rail = 1
+rate_mbit = 100
+at_s = 2.5
+
+[expect]
+completes = true
+max_steps_replayed = 0
+params_equal_fault_free = true
+max_detect_ms = 100
+"""
+
+
+@pytest.mark.timeout(10)
+def test_valid_scenario() -> None:
+    sc = parse(GOOD)
+    assert sc.name == "nic-down"
+    assert sc.job.nproc == 4 and sc.job.args == ("--steps", "100") and sc.job.topology == "netns"
+    assert [f.kind for f in sc.faults] == ["nic-down", "throttle"]
+    assert sc.faults[0].at_step == 30 and sc.faults[0].duration_s == 5.0
+    assert sc.faults[1].at_s == 2.5 and sc.faults[1].param("rate_mbit") == 100.0
+    assert sc.expect.max_detect_ms == 100.0 and sc.expect.params_equal_across_ranks is None
+
+
+def _with(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new, 1)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "text,key,words",
+    [
+        ("[job\nscript=1", "(syntax)", "TOML"),
+        ('name = "x"', "job", "missing"),
+        (_with('script = "examples/train_ddp.py"\n', ""), "job.script", "missing"),
+        (_with("nproc = 4", 'nproc = "four"'), "job.nproc", "expected int"),
+        (_with("nproc = 4", "nproc = 0"), "job.nproc", ">= 1"),
+        (_with('topology = "netns"', 'topology = "k8s"'), "job.topology", "netns or loopback"),
+        (_with('kind = "nic-down"', 'kind = "nic-explode"'), "fault[0].kind", "must be one of"),
+        (_with("rank = 1\nrail = 0", "rank = 9\nrail = 0"), "fault[0].rank", "0..3"),
+        (_with("rail = 1\nrate_mbit = 100", "rail = 1"), "fault[1].rate_mbit", "missing"),
+        (_with("at_step = 30", "at_step = 30\nat_s = 1.0"), "fault[0].at_step", "exactly one"),
+        (_with("at_step = 30", ""), "fault[0].at_step", "exactly one"),
+        (_with("duration_s = 5", "duraton_s = 5"), "fault[0].duraton_s", "unknown key"),
+        (
+            _with("max_steps_replayed = 0", "max_steps_replayed = true"),
+            "expect.max_steps_replayed",
+            "integer",
+        ),
+        (_with("completes = true", "completes = 1"), "expect.completes", "expected bool"),
+        (_with("[expect]", "[expectations]"), "expectations", "unknown key"),
+    ],
+)
+def test_mistakes_name_the_key(text: str, key: str, words: str) -> None:
+    with pytest.raises(ScenarioError) as info:
+        parse(text, source="bad.toml")
+    assert info.value.key == key
+    assert words in info.value.problem
+    assert str(info.value).startswith("bad.toml: " + key)
+    assert isinstance(info.value, ConfigError)
+
+
+@pytest.mark.timeout(10)
+def test_load_from_file_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "kill-rank.toml"
+    path.write_text(GOOD.replace('name = "nic-down"\n', ""))
+    assert load(path).name == "kill-rank"  # defaults to the file's stem
+    with pytest.raises(ScenarioError, match="cannot read"):
+        load(tmp_path / "nope.toml")
