@@ -315,20 +315,24 @@ class EtcdClient:
         except Exception as exc:
             if isinstance(exc, passthrough):
                 raise
-            if is_tls_error(exc):
-                raise MembershipError(
-                    f"etcd {what} at {self.url}: TLS failed; check ca_cert, cert and key "
-                    f"against the server's certificate, its CA and its host names "
-                    f"({_details(exc)[-300:]})"
-                ) from exc
-            if is_transient(exc):
-                raise EtcdUnavailable(
-                    f"etcd {what}: no answer from {self.url} within {budget:.1f} s "
-                    f"({type(exc).__name__}: {_details(exc)[:200]})"
-                ) from exc
-            raise MembershipError(
-                f"etcd {what} at {self.url} failed: {type(exc).__name__}: {_details(exc)[:200]}"
-            ) from exc
+            raise self._translate(what, exc, budget) from exc
+
+    def _translate(self, what: str, exc: Exception, budget: float) -> MembershipError:
+        """The project error for what etcd/gRPC raised once retries were given up."""
+        if is_tls_error(exc):
+            return MembershipError(
+                f"etcd {what} at {self.url}: TLS failed; check ca_cert, cert and key "
+                f"against the server's certificate, its CA and its host names "
+                f"({_details(exc)[-300:]})"
+            )
+        if is_transient(exc):
+            return EtcdUnavailable(
+                f"etcd {what}: no answer from {self.url} within {budget:.1f} s "
+                f"({type(exc).__name__}: {_details(exc)[:200]})"
+            )
+        return MembershipError(
+            f"etcd {what} at {self.url} failed: {type(exc).__name__}: {_details(exc)[:200]}"
+        )
 
     @property
     def url(self) -> str:

@@ -23,7 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from membership._etcd import EtcdClient
 
 from resilient._proc import free_port, spawn, stop_process
 from resilient.errors import ConfigError, MembershipError
@@ -270,67 +273,8 @@ class EtcdCluster:
             raise ConfigError("enable_auth: root_password must not be empty")
         if (user is None) != (password is None) or password == "":
             raise ConfigError("enable_auth: user and a non-empty password go together")
-        # Imported here: grpc/pyetcd are heavy and only this method needs them.
-        from pyetcd import etcdrpc
-        from pyetcd.utils import prefix_range_end
-
-        from membership._etcd import EtcdClient
-        from resilient.config import EtcdConfig
-
-        ca = cert = key = None
-        if self._tls is not None:
-            ca = self._tls.ca
-            cert, key = self._tls.own_client_pair
-        client = EtcdClient(
-            EtcdConfig(
-                endpoints=self.endpoints,
-                ca_cert=ca,
-                cert=cert,
-                key=key,
-                request_timeout_s=min(2.0, timeout_s),
-                retry_budget_s=timeout_s,
-            )
-        )
-        steps: list[tuple[str, str, Any]] = [
-            ("add role root", "RoleAdd", etcdrpc.AuthRoleAddRequest(name="root")),
-            (
-                "add user root",
-                "UserAdd",
-                etcdrpc.AuthUserAddRequest(name="root", password=root_password),
-            ),
-            (
-                "grant role root to root",
-                "UserGrantRole",
-                etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"),
-            ),
-        ]
-        if user is not None:
-            role = f"{user}-rw"
-            perm = etcdrpc.Permission(
-                permType=etcdrpc.Permission.READWRITE,
-                key=prefix.encode(),
-                range_end=prefix_range_end(prefix.encode()),
-            )
-            steps += [
-                (f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role)),
-                (
-                    f"grant {role} read-write on {prefix!r}",
-                    "RoleGrantPermission",
-                    etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
-                ),
-                (
-                    f"add user {user}",
-                    "UserAdd",
-                    etcdrpc.AuthUserAddRequest(name=user, password=password),
-                ),
-                (
-                    f"grant role {role} to {user}",
-                    "UserGrantRole",
-                    etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
-                ),
-            ]
-        # Last: once auth is on, this unauthenticated client may do nothing more.
-        steps.append(("enable auth", "AuthEnable", etcdrpc.AuthEnableRequest()))
+        client = self._admin_client(timeout_s)
+        steps = _auth_steps(root_password, user, password, prefix)
         rpc_timeout = client.config.request_timeout_s
         try:
             for what, method, request in steps:
@@ -351,6 +295,27 @@ class EtcdCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+    def _admin_client(self, timeout_s: float) -> EtcdClient:
+        """An unauthenticated client for setting auth up (with the probe cert under TLS)."""
+        # Imported here: grpc/pyetcd are heavy and only enable_auth needs them.
+        from membership._etcd import EtcdClient
+        from resilient.config import EtcdConfig
+
+        ca = cert = key = None
+        if self._tls is not None:
+            ca = self._tls.ca
+            cert, key = self._tls.own_client_pair
+        return EtcdClient(
+            EtcdConfig(
+                endpoints=self.endpoints,
+                ca_cert=ca,
+                cert=cert,
+                key=key,
+                request_timeout_s=min(2.0, timeout_s),
+                retry_budget_s=timeout_s,
+            )
+        )
 
     def _argv(self, m: _Member) -> list[str]:
         h = self._host
@@ -422,6 +387,56 @@ class EtcdCluster:
             text = (m.data_dir.parent / f"{m.name}.log").read_text(errors="replace")
             return text[-800:].strip() or "(empty log)"
         return "(no log)"
+
+
+def _auth_steps(
+    root_password: str, user: str | None, password: str | None, prefix: str
+) -> list[tuple[str, str, Any]]:
+    """The Auth RPCs of :meth:`EtcdCluster.enable_auth`, in order: (what, method, request)."""
+    from pyetcd import etcdrpc
+    from pyetcd.utils import prefix_range_end
+
+    steps: list[tuple[str, str, Any]] = [
+        ("add role root", "RoleAdd", etcdrpc.AuthRoleAddRequest(name="root")),
+        (
+            "add user root",
+            "UserAdd",
+            etcdrpc.AuthUserAddRequest(name="root", password=root_password),
+        ),
+        (
+            "grant role root to root",
+            "UserGrantRole",
+            etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"),
+        ),
+    ]
+    if user is not None:
+        role = f"{user}-rw"
+        perm = etcdrpc.Permission(
+            permType=etcdrpc.Permission.READWRITE,
+            key=prefix.encode(),
+            range_end=prefix_range_end(prefix.encode()),
+        )
+        steps += [
+            (f"add role {role}", "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role)),
+            (
+                f"grant {role} read-write on {prefix!r}",
+                "RoleGrantPermission",
+                etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
+            ),
+            (
+                f"add user {user}",
+                "UserAdd",
+                etcdrpc.AuthUserAddRequest(name=user, password=password),
+            ),
+            (
+                f"grant role {role} to {user}",
+                "UserGrantRole",
+                etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
+            ),
+        ]
+    # Last: once auth is on, an unauthenticated client may do nothing more.
+    steps.append(("enable auth", "AuthEnable", etcdrpc.AuthEnableRequest()))
+    return steps
 
 
 class EmbeddedEtcd(EtcdCluster):
