@@ -20,22 +20,23 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Store, Work
+from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
+from resilient._work import ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import ResilientError
 from resilient.links import LinkTable
 
 __all__ = ["ResilientProcessGroup", "ResilientWork"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -61,47 +62,6 @@ def _shutdown_live_groups() -> None:
             pg.shutdown()
         except Exception:  # exiting anyway; never mask the program's own exit status
             logger.debug("shutdown at exit failed", exc_info=True)
-
-
-class ResilientWork(Work):
-    """Completes when its collective does; ``wait`` re-raises the collective's error.
-
-    Errors keep their :mod:`resilient.errors` type when waited on from Python.
-    """
-
-    def __init__(self, future: Future[Any], op: str) -> None:
-        super().__init__()
-        self._future = future
-        self._op = op
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is not None and timeout.total_seconds() > 0:
-            done = threading.Event()
-            self._future.add_done_callback(lambda _: done.set())
-            if not done.wait(timeout.total_seconds()):
-                from resilient.errors import CollectiveTimeout
-
-                raise CollectiveTimeout(f"{self._op} not complete after {timeout}")
-        self._future.wait()  # raises the collective's exception
-        return True
-
-    def is_completed(self) -> bool:
-        return bool(self._future.done())
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
-
-    def get_future(self) -> Future[Any]:
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        return list(self._future.value())
 
 
 class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
@@ -516,41 +476,3 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def recv(self, *args: Any, **kwargs: Any) -> ResilientWork:
         self._unsupported("recv")
-
-
-def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors' values as one flat buffer (read when the exchange runs)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-class _Flat:
-    """A flat contiguous view of ``tensors`` (all one dtype), copied back on exit.
-
-    A single contiguous tensor is used in place; anything else goes through one
-    packed buffer.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
-        dtypes = {t.dtype for t in self.tensors}
-        if len(dtypes) > 1:
-            raise TypeError(f"resilient: tensors of one call must share a dtype, got {dtypes}")
-        self.inplace = len(self.tensors) == 1 and self.tensors[0].is_contiguous()
-        if self.inplace:
-            self.buffer = self.tensors[0].view(-1)
-        else:
-            self.buffer = torch.cat([t.reshape(-1) for t in self.tensors])
-
-    def __enter__(self) -> _Flat:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None or self.inplace:
-            return
-        offset = 0
-        for t in self.tensors:
-            n = t.numel()
-            t.copy_(self.buffer[offset : offset + n].view_as(t))
-            offset += n
