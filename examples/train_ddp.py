@@ -12,6 +12,7 @@ runs can be compared bit for bit.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import sys
@@ -100,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 f,
             )
+    # Drop DDP (its reducer holds the group) and wait for every rank before tearing
+    # the group down: a gloo group destroyed while a peer still talks to it, or
+    # alive at interpreter exit, can abort the process ("terminate called ...").
+    del ddp, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
