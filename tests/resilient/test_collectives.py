@@ -197,3 +197,32 @@ def _unsupported(pg: Any, rank: int, world: int) -> str:
 def test_unsupported_op_names_the_op() -> None:
     results = run_world(_unsupported, 2)
     assert all("all_to_all" in r for r in results)
+
+
+def _peer_gone(pg: Any, rank: int, world: int) -> tuple[str, float]:
+    import time
+
+    from resilient.errors import CommunicationError
+
+    pg.barrier().wait()
+    if rank == world - 1:
+        return ("left", 0.0)  # the harness shuts this rank's group down: its links close
+    time.sleep(1.5)
+    start = time.monotonic()
+    try:
+        pg.allreduce([torch.ones(100_000)]).wait()
+    except CommunicationError as exc:
+        return (type(exc).__name__, time.monotonic() - start)
+    return ("no error", time.monotonic() - start)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("topology", ["ring", "mesh"])
+def test_a_departed_peer_gives_a_typed_error_not_a_hang(topology: str) -> None:
+    results = run_world(
+        _peer_gone, 3, config={"topology": topology, "op_timeout_floor_s": 3.0}, timeout_s=60
+    )
+    assert results[-1] == ("left", 0.0)
+    for kind, elapsed in results[:-1]:
+        assert kind in ("LinkError", "CollectiveTimeout"), kind
+        assert elapsed < 3.0 + 5.0  # the op deadline, plus slack for a loaded machine
