@@ -44,7 +44,7 @@ class MeshRail:
         flat: torch.Tensor,
         pieces: list[Span],
         subs: int,
-        scratch: Callable[[int], torch.Tensor] | None = None,
+        scratch: Callable[[int], torch.Tensor],
     ) -> None:
         self.rank, self.world, self.rail = rank, world, rail
         self.flat = flat
@@ -53,7 +53,7 @@ class MeshRail:
         self.subs = [sub_spans(p, subs) for p in pieces]  # subs[chunk][j]
         self.peers = [p for p in range(world) if p != rank]
         self.link = {p: links.get(p, rail) for p in self.peers}
-        self._scratch = scratch or (lambda n: torch.empty(n, dtype=flat.dtype, device=flat.device))
+        self._scratch = scratch
         # Sends of the reduce-scatter and of the all-gather are waited for apart: a
         # rank must not wait for its gather sends before posting its gather receives,
         # or two ranks would wait for each other once messages exceed socket buffers.

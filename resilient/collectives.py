@@ -69,6 +69,15 @@ _REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
 MAX_SUBS = 8
 
 
+def finish_avg(t: torch.Tensor, op: Reduce, world: int) -> None:
+    """Turn a SUM into the AVG in place when ``op`` is AVG (integers truncate)."""
+    if op is Reduce.AVG:
+        if t.is_floating_point():
+            t.div_(world)
+        else:
+            t.copy_(torch.div(t, world, rounding_mode="trunc"))
+
+
 def fold_rows(rows: torch.Tensor, op: Reduce) -> torch.Tensor:
     """Reduce ``rows[0] op rows[1] op ...`` in rank order (the mesh order, bit for bit).
 
@@ -77,12 +86,7 @@ def fold_rows(rows: torch.Tensor, op: Reduce) -> torch.Tensor:
     acc = rows[0].clone()
     for row in rows[1:]:
         _REDUCERS[op](acc, row)
-    if op is Reduce.AVG:
-        world = rows.shape[0]
-        if acc.is_floating_point():
-            acc.div_(world)
-        else:
-            acc.copy_(torch.div(acc, world, rounding_mode="trunc"))
+    finish_avg(acc, op, rows.shape[0])
     return acc
 
 
@@ -154,7 +158,7 @@ class RingEngine:
                     shift=0,
                     op=op,
                 )
-        self._finish_avg(flat, op)
+        finish_avg(flat, op, self.world)
 
     def reduce_scatter(self, flat: torch.Tensor, op: Reduce) -> Span:
         """``flat`` holds ``world`` equal blocks; afterwards block ``rank`` holds the result."""
@@ -166,7 +170,7 @@ class RingEngine:
                 flat, chunks, steps=self.world - 1, reduce_steps=self.world - 1, shift=-1, op=op
             )
         mine = chunks[self.rank]
-        self._finish_avg(flat[mine.start : mine.stop], op)
+        finish_avg(flat[mine.start : mine.stop], op, self.world)
         return mine
 
     def all_gather(self, flat: torch.Tensor) -> None:
@@ -192,13 +196,6 @@ class RingEngine:
         self.all_reduce(torch.zeros(1, dtype=torch.int32), Reduce.SUM)
 
     # -- ring machinery ----------------------------------------------------------------
-    def _finish_avg(self, t: torch.Tensor, op: Reduce) -> None:
-        if op is Reduce.AVG:
-            if t.is_floating_point():
-                t.div_(self.world)
-            else:
-                t.copy_(torch.div(t, self.world, rounding_mode="trunc"))
-
     def scratch(self, rail: int, flat: torch.Tensor, numel: int) -> torch.Tensor:
         """A receive buffer of ``numel`` elements, reused across calls (one per rail,
         dtype and device): fresh large buffers cost page faults and zeroing every call."""

@@ -91,16 +91,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.links = LinkTable(
             rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch
         )
-        self.engine = RingEngine(
-            rank=rank,
-            world=world_size,
-            links=self.links,
-            weights=self.config.rail_weights,
-            sub_chunk_bytes=self.config.sub_chunk_bytes,
-            mesh=self._mesh(world_size),
-            mesh_below_bytes=self._mesh_below(),
-            single_rail_below_bytes=self.config.single_rail_below_bytes,
-        )
+        self.engine = self._new_engine(self.links, world_size)
         self._store, self._epoch = store, epoch
         self._cuda: RingEngine | None = None
         self._channel: SignatureChannel | None = None
@@ -227,17 +218,21 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 epoch=self._epoch,
                 device_type="cuda",
             )
-            self._cuda = RingEngine(
-                rank=self.rank(),
-                world=self.size(),
-                links=links,
-                weights=self.config.rail_weights,
-                sub_chunk_bytes=self.config.sub_chunk_bytes,
-                mesh=self._mesh(self.size()),
-                mesh_below_bytes=self._mesh_below(),
-                single_rail_below_bytes=self.config.single_rail_below_bytes,
-            )
+            self._cuda = self._new_engine(links, self.size())
         return self._cuda
+
+    def _new_engine(self, links: LinkTable, world: int) -> RingEngine:
+        """An engine over ``links`` with this group's schedule settings."""
+        return RingEngine(
+            rank=links.rank,
+            world=world,
+            links=links,
+            weights=self.config.rail_weights,
+            sub_chunk_bytes=self.config.sub_chunk_bytes,
+            mesh=self._mesh(world),
+            mesh_below_bytes=self._mesh_below(),
+            single_rail_below_bytes=self.config.single_rail_below_bytes,
+        )
 
     def _mesh_below(self) -> int:
         # An explicit "mesh" means mesh for every size.
