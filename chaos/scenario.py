@@ -7,9 +7,12 @@
     args = ["--steps", "200"]
     nproc = 4
     rails = 2
-    steps = 200
+    steps = 200               # passed as --steps unless args hold it; scripts take --seed too
     topology = "netns"        # or "loopback"
     seed = 0
+    max_restarts = 3          # the launcher's restart budget
+    etcd_members = 1          # 3 for an etcd-kill of one member of three
+    timeout_s = 600.0         # the run is stopped (and fails) after this
 
     [[fault]]
     kind = "nic-down"
@@ -104,6 +107,9 @@ _JOB_TYPES: dict[str, type] = {
     "steps": int,
     "topology": str,
     "seed": int,
+    "max_restarts": int,
+    "etcd_members": int,
+    "timeout_s": float,
 }
 
 
@@ -116,6 +122,9 @@ class JobSpec:
     steps: int = 100
     topology: str = "loopback"
     seed: int = 0
+    max_restarts: int = 3
+    etcd_members: int = 1
+    timeout_s: float = 600.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,9 +198,11 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
     for i, a in enumerate(args):
         _typed(source, f"job.args[{i}]", a, str)
     spec = JobSpec(args=tuple(args), **values)
-    for key in ("nproc", "rails", "steps"):
-        if getattr(spec, key) < 1:
+    for key in ("nproc", "rails", "steps", "etcd_members", "timeout_s"):
+        if getattr(spec, key) <= 0:
             raise ScenarioError(source, f"job.{key}", f"must be >= 1, got {getattr(spec, key)}")
+    if spec.max_restarts < 0:
+        raise ScenarioError(source, "job.max_restarts", f"must be >= 0, got {spec.max_restarts}")
     if spec.topology not in ("netns", "loopback"):
         raise ScenarioError(
             source, "job.topology", f"must be netns or loopback, got {spec.topology!r}"
@@ -237,11 +248,12 @@ def _check_ranges(source: str, where: str, v: Mapping[str, Any], job: JobSpec) -
         "at_step": (0, job.steps - 1, f"a step of the job (0..{job.steps - 1})"),
         "factor": (1e-9, 1.0 - 1e-9, "a fraction of normal speed, 0 < factor < 1"),
         "percent": (0.0, 100.0, "a percentage, 0..100"),
+        "member": (0, job.etcd_members - 1, f"an etcd member (0..{job.etcd_members - 1})"),
     }
     for key, (lo, hi, what) in limits.items():
         if key in v and not lo <= v[key] <= hi:
             raise ScenarioError(source, f"{where}.{key}", f"must be {what}, got {v[key]}")
-    for key in ("at_s", "duration_s", "period_s", "rate_mbit", "count", "member"):
+    for key in ("at_s", "duration_s", "period_s", "rate_mbit", "count"):
         if key in v and v[key] < 0:
             raise ScenarioError(source, f"{where}.{key}", f"must be >= 0, got {v[key]}")
     if "peer" in v and v.get("peer") == v.get("rank"):

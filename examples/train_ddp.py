@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    from resilient.progress import StepReporter
+
+    # Publishes each finished step to etcd (no-op without RESILIENT_ETCD): the chaos
+    # CLI keys faults on it and measures step times from it.
+    reporter = StepReporter.from_env()
     model = build_model(args.width, args.seed)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
@@ -85,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
         losses.append(float(mean_loss) / world)
+        reporter.step(step, loss=losses[-1], step_ms=round(step_ms[-1], 3))
         if rank == 0 and not args.quiet:
             print(f"step {step:4d} loss {losses[-1]:.6f} ({step_ms[-1]:.1f} ms)", flush=True)
     digest = params_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
+    reporter.finish(params_sha256=digest, steps=args.steps)
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(

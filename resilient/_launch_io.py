@@ -120,9 +120,12 @@ class RankOutput:
     One lock serialises every write (console and log files), so lines of different
     ranks never interleave mid-line. With ``log_dir`` each rank's lines are also
     appended, unprefixed, to ``log_dir/rank<N>.log`` (one file across restarts).
+    With ``echo=False`` ranks' lines go only to the log files (the chaos CLI draws
+    a progress display instead); launcher notices are always printed.
     """
 
-    def __init__(self, log_dir: str | None) -> None:
+    def __init__(self, log_dir: str | None, *, echo: bool = True) -> None:
+        self._echo = echo
         self._lock = threading.Lock()
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._logs: dict[int, TextIO] = {}
@@ -203,7 +206,7 @@ class RankOutput:
                 # would fill up and block it).
                 with contextlib.suppress(OSError, ValueError):
                     self._logs[rank].write(log_line)
-            stream = getattr(sys, console, None)
+            stream = getattr(sys, console, None) if self._echo or rank is None else None
             if stream is None:
                 return
             # A closed console (``resilient run ... | head``) must not block the rank.

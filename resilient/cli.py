@@ -7,11 +7,13 @@ instant: heavy modules are imported by the code paths that need them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from chaos.cli import add_parser as add_chaos_parser
 from resilient.config import env_token
 from resilient.errors import ConfigError, LauncherError
 from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
@@ -33,12 +35,6 @@ budget (--max-restarts) is spent, the next failure stops every rank and the laun
 exits with that rank's exit code (128+N for death by signal N). Ctrl-C or SIGTERM
 stop every rank (SIGTERM, then SIGKILL after a grace period) and exit with 130/143.
 Each rank's output is printed with a "[rank N]" prefix."""
-
-_CHAOS_DESCRIPTION = """\
-Run a fault-injection scenario (TOML) against a job and report whether it survived:
-kill, hang or slow down ranks, take NICs down, flap or throttle links, drop packets
-or lose etcd members at the scenario's times, then check the scenario's invariants
-(training progressed, replicas stayed bitwise identical, recovery within bounds)."""
 
 _EVENTS_DESCRIPTION = """\
 Merge the recovery event logs of a run directory into one timeline, ordered by time
@@ -180,13 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", required=True, parser_class=_Parser
     )
     _add_run(subparsers)
-    _add_unimplemented(
-        subparsers,
-        "chaos",
-        "run a fault-injection scenario (TOML) against a job and report whether it survived",
-        _CHAOS_DESCRIPTION,
-        ("scenario", "scenario file (TOML)"),
-    )
+    add_chaos_parser(subparsers)
     _add_unimplemented(
         subparsers,
         "events",
@@ -210,8 +200,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
         job=args.job if args.job is not None else new_job_name(),
-        **({"token": token} if (token := env_token()) else {}),
     )
+    if token := env_token():
+        config = dataclasses.replace(config, token=token)
     return Launcher(config).run()
 
 

@@ -21,12 +21,15 @@ so the original cause stays attached.
     │   ├── CollectiveMismatch      ranks called a collective with different arguments
     │   └── PeerLost                a rank of the group is gone (crash, kill, hang)
     ├── RecoveryError               a recovery action could not complete
-    └── LauncherError               the local launcher could not start or supervise ranks
+    ├── LauncherError               the local launcher could not start or supervise ranks
+    └── ChaosError                  the chaos testbed or a fault injector failed (not root,
+                                    a command failed, a target process is gone)
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ChaosError",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "CommunicationError",
@@ -130,3 +133,7 @@ class RecoveryError(ResilientError):
 
 class LauncherError(ResilientError):
     """The local launcher could not start or supervise its ranks."""
+
+
+class ChaosError(ResilientError):
+    """The chaos testbed could not be built or torn down, or a fault could not be injected."""

@@ -26,6 +26,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -178,6 +179,12 @@ class LaunchConfig:
     lease_ttl_s: float = 5.0
     grace_s: float = 5.0
     token: str = field(default_factory=_new_token, repr=False)
+    # Per-rank overrides used by the chaos testbed (ranks on hosts in network
+    # namespaces): rail addresses, an argv prefix, the MASTER_ADDR to hand out.
+    rank_rails: tuple[tuple[str, ...], ...] = ()
+    rank_wrap: tuple[tuple[str, ...], ...] = ()
+    master_addr: str = "127.0.0.1"
+    echo: bool = True
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -194,6 +201,7 @@ class LaunchConfig:
         if not self.script or not os.path.isfile(self.script):
             raise ConfigError(f"script {self.script!r}: no such file")
         object.__setattr__(self, "script_args", tuple(self.script_args))
+        self._check_per_rank()
         for name in ("log_dir", "run_dir"):
             value = getattr(self, name)
             if value is None:
@@ -202,6 +210,20 @@ class LaunchConfig:
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ConfigError(f"{name}={value!r}: exists and is not a directory")
             object.__setattr__(self, name, path)
+
+    def _check_per_rank(self) -> None:
+        for name in ("rank_rails", "rank_wrap"):
+            value = tuple(tuple(str(x) for x in item) for item in getattr(self, name))
+            if value and len(value) != self.nproc:
+                raise ConfigError(f"{name}: one entry per rank expected, got {len(value)}")
+            object.__setattr__(self, name, value)
+        for rank, addrs in enumerate(self.rank_rails):
+            if len(addrs) != self.rails:
+                raise ConfigError(f"rank_rails[{rank}]: {self.rails} address(es) expected")
+
+    def rails_of(self, rank: int) -> tuple[str, ...]:
+        """The rail addresses handed to ``rank``."""
+        return self.rank_rails[rank] if self.rank_rails else loopback_rails(rank, self.rails)
 
 
 @dataclass(slots=True)
@@ -217,10 +239,13 @@ class _Slot:
 class _Run:
     """The state of one ``Launcher.run()``: etcd, the rank slots, the restart budget."""
 
-    def __init__(self, config: LaunchConfig, trap: SignalTrap) -> None:
+    def __init__(
+        self, config: LaunchConfig, trap: SignalTrap, stop: threading.Event | None = None
+    ) -> None:
         self._cfg = config
         self._trap = trap
-        self._out = RankOutput(config.log_dir)
+        self._stop = stop if stop is not None else threading.Event()
+        self._out = RankOutput(config.log_dir, echo=config.echo)
         self._slots = [_Slot(rank) for rank in range(config.nproc)]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
@@ -297,8 +322,16 @@ class _Run:
         )
         return shell_exit_code(code)
 
+    def pids(self) -> dict[int, int]:
+        """The pid of every rank whose process is running now."""
+        return {s.rank: s.proc.pid for s in self._slots if s.proc is not None and not s.done}
+
     def _signalled(self) -> int | None:
         sig = self._trap.received
+        if sig is None and self._stop.is_set():
+            sig = signal.SIGTERM
+            self._out.notice("stop requested; stopping all ranks")
+            return 128 + sig
         if sig is None:
             return None
         self._out.notice(f"received {signal.Signals(sig).name}; stopping all ranks")
@@ -330,6 +363,8 @@ class _Run:
     def _start(self, slot: _Slot) -> None:
         cfg = self._cfg
         argv = [sys.executable, "-u", cfg.script, *cfg.script_args]
+        if cfg.rank_wrap:
+            argv = [*cfg.rank_wrap[slot.rank], *argv]
         try:
             slot.proc = spawn(
                 argv, env=self._env(slot), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -351,12 +386,12 @@ class _Run:
             RankVar.WORLD_SIZE: str(cfg.nproc),
             RankVar.LOCAL_RANK: str(slot.rank),
             RankVar.LOCAL_WORLD_SIZE: str(cfg.nproc),
-            RankVar.MASTER_ADDR: "127.0.0.1",
+            RankVar.MASTER_ADDR: cfg.master_addr,
             RankVar.MASTER_PORT: str(self._master_port),
             RankVar.ETCD: self._etcd_url,
             RankVar.JOB: cfg.job,
             RankVar.TOKEN: cfg.token,
-            RankVar.RAILS: ",".join(loopback_rails(slot.rank, cfg.rails)),
+            RankVar.RAILS: ",".join(cfg.rails_of(slot.rank)),
             RankVar.INCARNATION: str(slot.incarnation),
             RankVar.LEASE_TTL_S: repr(float(cfg.lease_ttl_s)),
             RankVar.PYTHONUNBUFFERED: "1",
@@ -398,6 +433,17 @@ class Launcher:
 
     def __init__(self, config: LaunchConfig) -> None:
         self._config = config
+        self._stop = threading.Event()
+        self._state: _Run | None = None
+
+    def request_stop(self) -> None:
+        """Ask a running ``run()`` (from another thread) to stop all ranks, as on SIGTERM."""
+        self._stop.set()
+
+    def rank_pids(self) -> dict[int, int]:
+        """The pid of each rank running now (empty when ``run()`` is not running)."""
+        state = self._state
+        return state.pids() if state is not None else {}
 
     @property
     def config(self) -> LaunchConfig:
@@ -415,8 +461,10 @@ class Launcher:
             LauncherError: a directory, the embedded etcd or a rank could not be started.
         """
         with SignalTrap() as trap:
-            state = _Run(self._config, trap)
+            state = _Run(self._config, trap, self._stop)
+            self._state = state
             try:
                 return state.execute()
             finally:
+                self._state = None
                 state.shutdown()

@@ -63,13 +63,20 @@ def test_run_help_explains_every_flag_and_the_rank_env(capsys: pytest.CaptureFix
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize(
-    ("command", "phrase"),
-    [
-        ("chaos", "fault-injection scenario (TOML)"),
-        ("events", "into one timeline"),
-    ],
-)
+def test_chaos_help_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chaos", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "fault-injection scenario (TOML)" in out and "report.json" in out
+    assert main(["chaos"]) == 2  # the scenario is required
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[job]\nscript = "x.py"\nnproc = 0\n')
+    assert main(["chaos", str(bad)]) == 2
+    assert "job.nproc" in capsys.readouterr().err
+    assert main(["chaos", str(tmp_path / "missing.toml")]) == 2
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("command", "phrase"), [("events", "into one timeline")])
 def test_reserved_commands_have_help_and_exit_2(
     command: str, phrase: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

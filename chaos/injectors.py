@@ -1,0 +1,359 @@
+"""Fault injectors: each makes one real fault happen and can undo it.
+
+An injector's ``start()`` injects the fault and ``stop()`` undoes it (idempotent,
+safe after a failed start); ``kill`` and ``nic-up`` have nothing to undo. Process
+faults act on the rank's pid (its process group: ranks run in their own session);
+network faults act on the host's namespaces of a :class:`~chaos.testbed.NetnsTestbed`:
+
+=========== ===================================================================
+kill        SIGKILL the rank
+hang        SIGSTOP the rank; SIGCONT on stop
+slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms
+nic-down    ``ip link set rJ down`` in the host; up again on stop
+nic-up      ``ip link set rJ up``
+flap        down/up every ``period_s`` (half each), ``count`` times or until stopped
+throttle    tbf at ``rate_mbit`` on both directions of the host's rail J
+drop        iptables DROP of ``percent`` % of the packets in and out of rail J
+partition   iptables DROP between the rank and ``peer`` on rail J only
+etcd-kill   SIGKILL one etcd member (``member``, default 0); restarted on stop
+=========== ===================================================================
+
+:func:`make_injector` builds the injector of a :class:`~chaos.scenario.Fault`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from chaos import _sh
+from chaos.scenario import Fault
+from chaos.testbed import Host, Testbed
+from resilient.errors import ChaosError
+
+if TYPE_CHECKING:
+    from membership.server import EtcdCluster
+
+__all__ = ["InjectionContext", "Injector", "make_injector"]
+
+logger = logging.getLogger(__name__)
+
+SLOW_PERIOD_S: Final = 0.1
+_IPTABLES_HINT: Final = "install it (apt-get install -y iptables)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InjectionContext:
+    """What injectors act on: the testbed, the current pid of a rank, the etcd cluster."""
+
+    testbed: Testbed
+    pid_of: Callable[[int], int]
+    etcd: EtcdCluster | None = None
+
+
+class Injector:
+    """One fault; subclasses implement ``_start`` and optionally ``_stop``."""
+
+    def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
+        self.fault, self.ctx = fault, ctx
+        self.active = False
+
+    @property
+    def description(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in sorted(self.fault.params.items()))
+        return f"{self.fault.kind}({params})"
+
+    def start(self) -> None:
+        """Inject the fault. Raises ChaosError when it cannot be injected."""
+        self.active = True
+        self._start()
+
+    def stop(self) -> None:
+        """Undo the fault (no-op if not active). Raises ChaosError when undoing fails."""
+        if not self.active:
+            return
+        self.active = False
+        self._stop()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        return None
+
+    # -- helpers -------------------------------------------------------------------
+    def _signal(self, sig: signal.Signals) -> int:
+        rank = int(self.fault.param("rank"))
+        pid = self.ctx.pid_of(rank)
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError as exc:
+            raise ChaosError(f"rank {rank} (pid {pid}) is gone; cannot send {sig.name}") from exc
+        return pid
+
+    def _host(self, key: str = "rank") -> Host:
+        if self.ctx.testbed.kind != "netns":
+            raise ChaosError(
+                f"{self.fault.kind}: network faults need the netns testbed (topology = "
+                f'"netns", as root); this run uses {self.ctx.testbed.kind!r}'
+            )
+        hosts = self.ctx.testbed.hosts
+        return hosts[self._index(key, len(hosts), "host(s) up")]
+
+    def _rail_iface(self) -> tuple[Host, str]:
+        host = self._host()
+        return host, host.rail_ifaces[self._index("rail", len(host.rail_ifaces), "rail(s)")]
+
+    def _index(self, key: str, size: int, what: str) -> int:
+        """Parameter ``key`` as an index below ``size``: a ChaosError, not an IndexError
+        (or a negative index silently picking another host) when it is out of range."""
+        value = int(self.fault.param(key))
+        if not 0 <= value < size:
+            raise ChaosError(f"{self.description}: {key}={value} but the testbed has {size} {what}")
+        return value
+
+
+class _Kill(Injector):
+    def _start(self) -> None:
+        self._signal(signal.SIGKILL)
+        self.active = False
+
+
+class _Hang(Injector):
+    def _start(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def _stop(self) -> None:
+        with contextlib.suppress(ChaosError):  # a hung rank may have been killed since
+            self._signal(signal.SIGCONT)
+
+
+class _Periodic(Injector):
+    """Runs ``_tick`` in a thread until stopped; the undo runs once the thread ended."""
+
+    def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
+        super().__init__(fault, ctx)
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: ChaosError | None = None
+
+    def _start(self) -> None:
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"chaos-{self.fault.kind}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._halt.is_set() and self._tick():
+                pass
+        except ChaosError as exc:
+            self.error = exc
+            logger.warning("%s stopped: %s", self.description, exc)
+
+    def _tick(self) -> bool:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        self._undo()
+
+    def _undo(self) -> None:
+        raise NotImplementedError
+
+
+class _Slow(_Periodic):
+    def _start(self) -> None:
+        # Checked here, not in the thread: a bad factor or a gone rank must fail start().
+        factor = float(self.fault.param("factor"))
+        if not 0.0 < factor < 1.0:
+            raise ChaosError(f"slow: factor must be between 0 and 1, got {factor}")
+        self._signal(signal.SIGCONT)
+        super()._start()
+
+    def _tick(self) -> bool:
+        factor = float(self.fault.param("factor"))
+        self._signal(signal.SIGCONT)
+        if self._halt.wait(SLOW_PERIOD_S * factor):
+            return False
+        self._signal(signal.SIGSTOP)
+        return not self._halt.wait(SLOW_PERIOD_S * (1.0 - factor))
+
+    def _undo(self) -> None:
+        with contextlib.suppress(ChaosError):
+            self._signal(signal.SIGCONT)
+
+
+def _link(host: Host, iface: str, state: str) -> None:
+    _sh.run(["ip", "-n", str(host.netns), "link", "set", iface, state])
+
+
+class _NicDown(Injector):
+    def _start(self) -> None:
+        _link(*self._rail_iface(), "down")
+
+    def _stop(self) -> None:
+        _link(*self._rail_iface(), "up")
+
+
+class _NicUp(Injector):
+    def _start(self) -> None:
+        _link(*self._rail_iface(), "up")
+        self.active = False
+
+
+class _Flap(_Periodic):
+    def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
+        super().__init__(fault, ctx)
+        self.flaps = 0
+
+    def _start(self) -> None:
+        # Checked here, not in the thread, so that start() raises: on the loopback
+        # testbed, for a rank or rail that does not exist, or with a period of 0 (a
+        # busy loop of link changes).
+        self._rail_iface()
+        if float(self.fault.param("period_s")) <= 0:
+            raise ChaosError("flap: period_s must be > 0")
+        super()._start()
+
+    def _tick(self) -> bool:
+        count = self.fault.param("count")
+        if count is not None and self.flaps >= int(count):
+            return False
+        half = float(self.fault.param("period_s")) / 2.0
+        _link(*self._rail_iface(), "down")
+        self.flaps += 1
+        stopped = self._halt.wait(half)
+        _link(*self._rail_iface(), "up")
+        return not stopped and not self._halt.wait(half)
+
+    def _undo(self) -> None:
+        _link(*self._rail_iface(), "up")
+
+
+class _Throttle(Injector):
+    def _devices(self) -> list[tuple[str, str]]:
+        host, iface = self._rail_iface()
+        port = host.switch_ports[int(self.fault.param("rail"))]
+        # Egress of the host's end shapes what it sends; egress of the bridge port
+        # shapes what it receives.
+        return [(str(host.netns), iface), (str(self.ctx.testbed.switch_netns), port)]
+
+    def _start(self) -> None:
+        _sh.require_tool("tc", "install iproute2")
+        rate = float(self.fault.param("rate_mbit"))
+        if rate <= 0:
+            raise ChaosError("throttle: rate_mbit must be > 0")
+        # A burst of ~1 ms at the rate (at least 16 KiB) keeps short bursts from
+        # exceeding the configured rate on average.
+        burst = max(16 * 1024, int(rate * 1e6 / 8 / 1000))
+        for ns, dev in self._devices():
+            _sh.run(
+                ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+                 "rate", f"{rate}mbit", "burst", str(burst), "latency", "200ms"]
+            )  # fmt: skip
+
+    def _stop(self) -> None:
+        for ns, dev in self._devices():
+            _sh.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+
+
+class _Iptables(Injector):
+    """Adds its rules in the host's namespace on start and deletes the same on stop."""
+
+    def _rules(self) -> list[list[str]]:
+        raise NotImplementedError
+
+    def _apply(self, action: str) -> None:
+        host = self._host()
+        ipt = _sh.require_tool("iptables", _IPTABLES_HINT)
+        for rule in self._rules():
+            _sh.run(
+                _sh.in_netns(host.netns, [ipt, "-w", "5", action, *rule]),
+                check=action != "-D",
+            )
+
+    def _start(self) -> None:
+        self._apply("-I")
+
+    def _stop(self) -> None:
+        self._apply("-D")
+
+
+class _Drop(_Iptables):
+    def _rules(self) -> list[list[str]]:
+        _, iface = self._rail_iface()
+        p = f"{float(self.fault.param('percent')) / 100.0:.6f}"
+        rnd = ["-m", "statistic", "--mode", "random", "--probability", p, "-j", "DROP"]
+        return [["INPUT", "-i", iface, *rnd], ["OUTPUT", "-o", iface, *rnd]]
+
+
+class _Partition(_Iptables):
+    def _rules(self) -> list[list[str]]:
+        _, iface = self._rail_iface()
+        rail = int(self.fault.param("rail"))
+        peer = self._host("peer")
+        if peer.index == int(self.fault.param("rank")):
+            raise ChaosError(f"{self.description}: peer must differ from rank")
+        addr = peer.rails[rail]
+        return [
+            ["INPUT", "-i", iface, "-s", addr, "-j", "DROP"],
+            ["OUTPUT", "-o", iface, "-d", addr, "-j", "DROP"],
+        ]
+
+
+class _EtcdKill(Injector):
+    def _member(self) -> tuple[EtcdCluster, int]:
+        etcd, member = self.ctx.etcd, int(self.fault.param("member", 0))
+        if etcd is None:
+            raise ChaosError("etcd-kill: this run has no etcd cluster of its own")
+        if not 0 <= member < etcd.size:
+            raise ChaosError(f"etcd-kill: member {member} does not exist (size {etcd.size})")
+        return etcd, member
+
+    def _start(self) -> None:
+        etcd, member = self._member()
+        etcd.kill(member)
+
+    def _stop(self) -> None:
+        etcd, member = self._member()
+        try:
+            etcd.restart(member)
+        except Exception as exc:
+            raise ChaosError(f"etcd-kill: member {member} did not come back: {exc}") from exc
+
+
+_KINDS: Final[dict[str, type[Injector]]] = {
+    "kill": _Kill,
+    "hang": _Hang,
+    "slow": _Slow,
+    "nic-down": _NicDown,
+    "nic-up": _NicUp,
+    "flap": _Flap,
+    "throttle": _Throttle,
+    "drop": _Drop,
+    "partition": _Partition,
+    "etcd-kill": _EtcdKill,
+}
+
+
+def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
+    """The injector for ``fault``. Raises ChaosError for an unknown kind."""
+    try:
+        cls = _KINDS[fault.kind]
+    except KeyError as exc:
+        raise ChaosError(f"no injector for fault kind {fault.kind!r}") from exc
+    return cls(fault, ctx)
+
+
+def needs_netns(fault: Fault) -> bool:
+    """Whether ``fault`` acts on the network (and so needs the netns testbed)."""
+    return fault.kind in {"nic-down", "nic-up", "flap", "throttle", "drop", "partition"}

@@ -1,0 +1,354 @@
+"""The chaos report: what was injected, what the library saw and did, what held.
+
+:func:`build_report` turns the raw facts of a run (fault firing times, the ranks'
+progress samples, the launcher's exit code, the recovery event log, the fault-free
+reference) into a JSON-able dict; :func:`render` prints it for people. Every
+expectation of the scenario becomes one row with the measured value; a value that
+could not be measured (no event log yet, no reference) fails the expectation and
+says why, it never passes by default.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+from chaos._progress import RankTrack
+from chaos.scenario import Scenario
+
+__all__ = ["FaultRecord", "RunFacts", "build_report", "render"]
+
+REPORT_VERSION: Final = 1
+# Event kinds that count as the library noticing a fault, and as it acting on one.
+DETECT_KINDS: Final = frozenset(
+    {"link.down", "link.degraded", "nic.down", "rank.lost", "straggler.suspected"}
+)
+ACTION_KINDS: Final = frozenset(
+    {
+        "link.rerouted",
+        "link.repaired",
+        "state.restored",
+        "step.replayed",
+        "epoch.changed",
+        "recovery.started",
+        "recovery.finished",
+        "straggler.confirmed",
+        "rank.joined",
+    }
+)
+# Steps skipped at the start when measuring step times (warm-up, link setup).
+_WARMUP_STEPS: Final = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultRecord:
+    """One fault of the scenario and what happened to it during the run."""
+
+    index: int
+    kind: str
+    params: dict[str, Any]
+    at_step: int | None
+    at_s: float | None
+    duration_s: float | None
+    fired_s: float | None = None
+    fired_step: int | None = None
+    stopped_s: float | None = None
+    error: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunFacts:
+    """Raw facts of one run; times are seconds since the job started (``t0``)."""
+
+    t0: float
+    duration_s: float
+    exit_code: int | None
+    timed_out: bool
+    faults: list[FaultRecord]
+    progress: dict[int, RankTrack]
+    events: list[dict[str, Any]]
+    reference: dict[str, Any] | None
+    out_dir: str | None = None
+
+
+def _ms_per_step(samples: Sequence[tuple[float, int, int]], lo: float, hi: float) -> float | None:
+    """Mean time per step (ms) between the first and last sample in ``[lo, hi]``."""
+    window = [(ts, step) for ts, step, _ in samples if lo <= ts <= hi and step >= _WARMUP_STEPS]
+    if len(window) < 2 or window[-1][1] <= window[0][1]:
+        return None
+    (t1, s1), (t2, s2) = window[0], window[-1]
+    return (t2 - t1) * 1e3 / (s2 - s1)
+
+
+def step_times(facts: RunFacts) -> dict[str, float | None]:
+    """Median over ranks of ms/step before the first fault and while faults were active."""
+    fired = [f.fired_s for f in facts.faults if f.fired_s is not None]
+    first = facts.t0 + min(fired) if fired else facts.t0 + facts.duration_s
+    ends = [
+        f.stopped_s if f.stopped_s is not None else facts.duration_s
+        for f in facts.faults
+        if f.fired_s is not None
+    ]
+    last = facts.t0 + (max(ends) if ends else facts.duration_s)
+
+    def med(lo: float, hi: float) -> float | None:
+        vals = [v for t in facts.progress.values() if (v := _ms_per_step(t.samples, lo, hi))]
+        return statistics.median(vals) if vals else None
+
+    before = med(facts.t0, first)
+    during = med(first, last) if fired else None
+    slowdown = during / before if before and during else None
+    return {"before_ms": before, "during_ms": during, "slowdown": slowdown}
+
+
+def steps_replayed(progress: Mapping[int, RankTrack]) -> int:
+    """Steps done twice: when a rank comes back (new incarnation) at a step it already did."""
+    total = 0
+    for track in progress.values():
+        best: dict[int, int] = {}
+        prev_inc: int | None = None
+        for _, step, inc in track.samples:
+            if prev_inc is not None and inc != prev_inc:
+                done_before = max((s for i, s in best.items() if i < inc), default=-1)
+                total += max(0, done_before - step + 1)
+            best[inc] = max(best.get(inc, -1), step)
+            prev_inc = inc
+    return total
+
+
+def _events_for(fault: FaultRecord, facts: RunFacts, until: float | None) -> dict[str, Any]:
+    """First detection, actions and recovery durations logged after ``fault`` fired."""
+    if fault.fired_s is None:
+        return {}
+    start = facts.t0 + fault.fired_s
+    stop = facts.t0 + until if until is not None else float("inf")
+    after = [e for e in facts.events if start <= float(e.get("ts", 0.0)) < stop]
+    detect = next((e for e in after if e.get("kind") in DETECT_KINDS), None)
+    recoveries = [
+        float(e["duration_ms"]) / 1e3
+        for e in after
+        if e.get("kind") == "recovery.finished" and e.get("duration_ms") is not None
+    ]
+    return {
+        "detected": detect.get("kind") if detect else None,
+        "detect_ms": (float(detect["ts"]) - start) * 1e3 if detect else None,
+        "actions": sorted({str(e.get("kind")) for e in after if e.get("kind") in ACTION_KINDS}),
+        "recovery_s": recoveries,
+    }
+
+
+def _final_hashes(progress: Mapping[int, RankTrack]) -> dict[int, str | None]:
+    return {r: t.last.get("params_sha256") if t.done else None for r, t in progress.items()}
+
+
+def _completes(facts: RunFacts, steps: int, nproc: int) -> bool:
+    done = [t for t in facts.progress.values() if t.done and t.step >= steps - 1]
+    return facts.exit_code == 0 and not facts.timed_out and len(done) == nproc
+
+
+def _row(name: str, expected: Any, measured: Any, passed: bool, note: str = "") -> dict[str, Any]:
+    return {
+        "name": name,
+        "expected": expected,
+        "measured": measured,
+        "passed": passed,
+        "note": note,
+    }
+
+
+def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    exp = scenario.expect
+    rows = [
+        _row(
+            "completes", exp.completes, summary["completes"], summary["completes"] == exp.completes
+        )
+    ]
+    if exp.max_steps_replayed is not None:
+        n = summary["steps_replayed"]
+        rows.append(
+            _row(
+                "max_steps_replayed",
+                exp.max_steps_replayed,
+                n,
+                summary["completes"] and n <= exp.max_steps_replayed,
+            )
+        )
+    hashes = [h for h in summary["params_sha256"].values()]
+    equal = len(hashes) == scenario.job.nproc and None not in hashes and len(set(hashes)) == 1
+    if exp.params_equal_across_ranks is not None:
+        rows.append(
+            _row(
+                "params_equal_across_ranks",
+                exp.params_equal_across_ranks,
+                equal,
+                equal == exp.params_equal_across_ranks,
+            )
+        )
+    if exp.params_equal_fault_free is not None:
+        ref = (facts.reference or {}).get("params_sha256")
+        same = equal and ref is not None and hashes[0] == ref
+        note = "" if ref else "no fault-free reference result"
+        rows.append(
+            _row(
+                "params_equal_fault_free",
+                exp.params_equal_fault_free,
+                same,
+                same == exp.params_equal_fault_free,
+                note,
+            )
+        )
+    rows.extend(_timing_rows(scenario, summary))
+    return rows
+
+
+def _timing_rows(scenario: Scenario, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    exp, rows = scenario.expect, []
+    no_log = "" if summary["events"] else "no recovery event log: the library reported nothing"
+    if exp.max_slowdown is not None:
+        slow = summary["step_ms"]["slowdown"]
+        rows.append(
+            _row(
+                "max_slowdown",
+                exp.max_slowdown,
+                slow,
+                slow is not None and slow <= exp.max_slowdown,
+                "" if slow is not None else "too few step samples",
+            )
+        )
+    if exp.max_detect_ms is not None:
+        lat = [f["detect_ms"] for f in summary["faults"] if f.get("fired_s") is not None]
+        worst = None if not lat or None in lat else max(lat)
+        rows.append(
+            _row(
+                "max_detect_ms",
+                exp.max_detect_ms,
+                worst,
+                worst is not None and worst <= exp.max_detect_ms,
+                no_log,
+            )
+        )
+    if exp.max_recovery_s is not None:
+        recs = [r for f in summary["faults"] for r in f.get("recovery_s") or []]
+        worst_r = max(recs) if recs else None
+        rows.append(
+            _row(
+                "max_recovery_s",
+                exp.max_recovery_s,
+                worst_r,
+                worst_r is not None and worst_r <= exp.max_recovery_s,
+                no_log,
+            )
+        )
+    if exp.straggler_confirmed_within_steps is not None:
+        rows.append(_straggler_row(scenario, summary, no_log))
+    return rows
+
+
+def _straggler_row(scenario: Scenario, summary: dict[str, Any], note: str) -> dict[str, Any]:
+    limit = scenario.expect.straggler_confirmed_within_steps
+    confirmed = summary.get("straggler_confirmed_after_steps")
+    ok = confirmed is not None and limit is not None and confirmed <= limit
+    return _row("straggler_confirmed_within_steps", limit, confirmed, ok, note)
+
+
+def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> dict[str, Any]:
+    """The report of one run as a JSON-able dict (see the module docstring)."""
+    faults = []
+    for f in facts.faults:
+        entry = asdict(f)
+        entry.update(_events_for(f, facts, f.stopped_s))
+        faults.append(entry)
+    completed = {r: t.step + 1 for r, t in sorted(facts.progress.items())}
+    summary: dict[str, Any] = {
+        "completes": _completes(facts, scenario.job.steps, scenario.job.nproc),
+        "steps_replayed": steps_replayed(facts.progress),
+        "params_sha256": _final_hashes(facts.progress),
+        "step_ms": step_times(facts),
+        "events": len(facts.events),
+        "faults": faults,
+        "straggler_confirmed_after_steps": _straggler_confirmed(facts),
+    }
+    rows = _check(scenario, facts, summary)
+    return {
+        "report_version": REPORT_VERSION,
+        "scenario": scenario.name,
+        "source": source,
+        "topology": scenario.job.topology,
+        "passed": all(r["passed"] for r in rows),
+        "exit_code": facts.exit_code,
+        "timed_out": facts.timed_out,
+        "duration_s": round(facts.duration_s, 3),
+        "steps": {
+            "target": scenario.job.steps,
+            "completed": completed,
+            "replayed": summary["steps_replayed"],
+        },
+        "step_ms": summary["step_ms"],
+        "params_sha256": summary["params_sha256"],
+        "reference": facts.reference,
+        "faults": faults,
+        "events": len(facts.events),
+        "expectations": rows,
+        "out_dir": facts.out_dir,
+    }
+
+
+def _straggler_confirmed(facts: RunFacts) -> int | None:
+    """Steps from the first fault to the first ``straggler.confirmed`` event, if any."""
+    fired = [f for f in facts.faults if f.fired_s is not None and f.fired_step is not None]
+    confirmed = [e for e in facts.events if e.get("kind") == "straggler.confirmed"]
+    if not fired or not confirmed or "step" not in confirmed[0]:
+        return None
+    return int(confirmed[0]["step"]) - int(fired[0].fired_step or 0)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """The report as text for a terminal."""
+    lines = [
+        f"scenario {report['scenario']} ({report['topology']}): "
+        f"{'PASSED' if report['passed'] else 'FAILED'} in {report['duration_s']:.1f} s, "
+        f"launcher exit {_fmt(report['exit_code'])}"
+        f"{' (timed out)' if report['timed_out'] else ''}"
+    ]
+    sm = report["step_ms"]
+    lines.append(
+        f"steps: target {report['steps']['target']}, done per rank "
+        f"{report['steps']['completed']}, replayed {report['steps']['replayed']}; "
+        f"ms/step before faults {_fmt(sm['before_ms'])}, during {_fmt(sm['during_ms'])}"
+        f" (x{_fmt(sm['slowdown'])})"
+    )
+    lines.append("faults:")
+    for f in report["faults"]:
+        params = ", ".join(f"{k}={v}" for k, v in sorted(f["params"].items()))
+        when = f"t={_fmt(f['fired_s'])}s step {_fmt(f['fired_step'])}"
+        detected = (
+            f"detected {f['detected']} after {_fmt(f['detect_ms'])} ms"
+            if f.get("detected")
+            else "no detection reported"
+        )
+        acts = ", ".join(f.get("actions") or []) or "no actions reported"
+        err = f"  ERROR: {f['error']}" if f.get("error") else ""
+        lines.append(
+            f"  [{f['index']}] {f['kind']}({params}) {when}, until "
+            f"t={_fmt(f['stopped_s'])}s; {detected}; {acts}{err}"
+        )
+    lines.append("expectations:")
+    for r in report["expectations"]:
+        mark = "pass" if r["passed"] else "FAIL"
+        note = f"  ({r['note']})" if r["note"] else ""
+        lines.append(
+            f"  {mark}  {r['name']}: expected {_fmt(r['expected'])}, "
+            f"measured {_fmt(r['measured'])}{note}"
+        )
+    return "\n".join(lines)

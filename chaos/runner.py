@@ -1,0 +1,353 @@
+"""Runs one chaos scenario end to end and reports what happened.
+
+:func:`run_scenario` builds the testbed (netns as root, else loopback), starts the
+scenario's own etcd (1 or 3 members, in the root namespace on the management
+network), runs the fault-free reference job when an expectation needs it (cached
+by scenario and code hash), then runs the job under the local launcher while a
+controller thread fires each fault at its time or step, undoes it after
+``duration_s``, and draws progress. Everything is torn down afterwards, also on
+error or Ctrl-C. The result is the dict of :func:`chaos.report.build_report`,
+also written to ``OUT/report.json`` beside the ranks' logs (``OUT/logs``) and their
+event logs (``OUT/run``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+from chaos._display import Display
+from chaos._progress import ProgressWatch
+from chaos.injectors import InjectionContext, Injector, make_injector, needs_netns
+from chaos.report import FaultRecord, RunFacts, build_report
+from chaos.scenario import Fault, Scenario
+from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers
+from membership.server import EtcdCluster
+from resilient.errors import ChaosError, ResilientError
+from resilient.launcher import LaunchConfig, Launcher, new_job_name
+
+__all__ = ["make_testbed", "run_scenario"]
+
+logger = logging.getLogger(__name__)
+
+_TICK_S: Final = 0.02
+_CODE_PACKAGES: Final = ("resilient", "membership", "recovery")
+
+
+def make_testbed(scenario: Scenario) -> Testbed:
+    """The testbed the scenario asks for.
+
+    Raises:
+        ChaosError: netns asked for (or a network fault given) without root.
+    """
+    job = scenario.job
+    net = [f.kind for f in scenario.faults if needs_netns(f)]
+    if job.topology == "loopback" and net:
+        raise ChaosError(
+            f"scenario {scenario.name}: fault(s) {', '.join(sorted(set(net)))} act on the "
+            'network and need topology = "netns" (as root)'
+        )
+    if job.topology == "netns":
+        return NetnsTestbed(job.nproc, job.rails)
+    return LoopbackTestbed(job.nproc, job.rails)
+
+
+def _script_args(scenario: Scenario) -> tuple[str, ...]:
+    args = list(scenario.job.args)
+    if "--steps" not in args:
+        args += ["--steps", str(scenario.job.steps)]
+    if "--seed" not in args:
+        args += ["--seed", str(scenario.job.seed)]
+    return tuple(args)
+
+
+def _script_path(scenario: Scenario, source: str) -> str:
+    script = Path(scenario.job.script)
+    if script.is_absolute() or script.is_file() or not source:
+        return str(script)
+    beside = Path(source).parent / script
+    return str(beside) if beside.is_file() else str(script)
+
+
+class _Controller:
+    """Fires and undoes faults and draws progress while the launcher runs."""
+
+    def __init__(
+        self,
+        faults: tuple[Fault, ...],
+        ctx: InjectionContext,
+        launcher: Launcher,
+        watch: ProgressWatch,
+        display: Display,
+        timeout_s: float,
+    ) -> None:
+        self.t0 = time.time()
+        self.records = [
+            FaultRecord(
+                index=i,
+                kind=f.kind,
+                params=dict(f.params),
+                at_step=f.at_step,
+                at_s=f.at_s,
+                duration_s=f.duration_s,
+            )
+            for i, f in enumerate(faults)
+        ]
+        self._faults = faults
+        self._injectors: list[Injector | None] = [None] * len(faults)
+        self._ctx, self._launcher, self._watch = ctx, launcher, watch
+        self._display, self._timeout_s = display, timeout_s
+        self.timed_out = False
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-controller", daemon=True)
+
+    def start(self) -> None:
+        self.t0 = time.time()
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Stop the thread and undo every fault still active."""
+        self._halt.set()
+        self._thread.join(15.0)
+        for rec, inj in zip(self.records, self._injectors, strict=True):
+            if inj is not None and inj.active:
+                self._undo(rec, inj)
+
+    def _now(self) -> float:
+        return time.time() - self.t0
+
+    def _due(self, fault: Fault) -> bool:
+        if fault.at_s is not None:
+            return self._now() >= fault.at_s
+        rank = fault.param("rank")
+        step = self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
+        return fault.at_step is not None and step >= fault.at_step
+
+    def _fire(self, rec: FaultRecord, fault: Fault) -> None:
+        rank = fault.param("rank")
+        rec.fired_s = self._now()
+        rec.fired_step = (
+            self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
+        )
+        inj = make_injector(fault, self._ctx)
+        self._injectors[rec.index] = inj
+        try:
+            inj.start()
+        except ChaosError as exc:
+            rec.error = str(exc)
+            inj.active = False
+        self._display.fault(rec, "injected" if rec.error is None else "FAILED")
+        if not inj.active:
+            rec.stopped_s = rec.fired_s
+
+    def _undo(self, rec: FaultRecord, inj: Injector) -> None:
+        try:
+            inj.stop()
+        except ChaosError as exc:
+            rec.error = f"{rec.error + '; ' if rec.error else ''}undo failed: {exc}"
+        rec.stopped_s = self._now()
+        flaps = getattr(inj, "flaps", None)
+        if flaps is not None:
+            rec.detail["flaps"] = flaps
+        self._display.fault(rec, "undone")
+
+    def _run(self) -> None:
+        while not self._halt.wait(_TICK_S):
+            for rec, fault in zip(self.records, self._faults, strict=True):
+                inj = self._injectors[rec.index]
+                if rec.fired_s is None and self._due(fault):
+                    self._fire(rec, fault)
+                elif (
+                    inj is not None
+                    and inj.active
+                    and fault.duration_s is not None
+                    and rec.fired_s is not None
+                    and self._now() >= rec.fired_s + fault.duration_s
+                ):
+                    self._undo(rec, inj)
+            self._display.tick(self._now(), self._watch.snapshot(), self.records)
+            if not self.timed_out and self._now() > self._timeout_s:
+                self.timed_out = True
+                self._display.notice(f"timeout after {self._timeout_s:g} s; stopping the job")
+                self._launcher.request_stop()
+
+
+def _pid_lookup(launcher: Launcher, watch: ProgressWatch) -> Any:
+    def pid_of(rank: int) -> int:
+        pid = launcher.rank_pids().get(rank) or watch.pid_of(rank)
+        if pid is None:
+            raise ChaosError(f"rank {rank} is not running")
+        return pid
+
+    return pid_of
+
+
+def _run_job(
+    scenario: Scenario,
+    testbed: Testbed,
+    etcd: EtcdCluster,
+    out: Path,
+    faults: tuple[Fault, ...],
+    display: Display,
+    source: str,
+) -> RunFacts:
+    job, hosts = scenario.job, testbed.hosts
+    config = LaunchConfig(
+        nproc=job.nproc,
+        script=_script_path(scenario, source),
+        script_args=_script_args(scenario),
+        rails=job.rails,
+        etcd=etcd.url,
+        job=new_job_name(),
+        max_restarts=job.max_restarts,
+        log_dir=str(out / "logs"),
+        run_dir=str(out / "run"),
+        rank_rails=tuple(h.rails for h in hosts),
+        rank_wrap=tuple(tuple(h.wrap([])) for h in hosts),
+        master_addr=hosts[0].mgmt_addr,
+        echo=False,
+    )
+    launcher = Launcher(config)
+    watch = ProgressWatch(etcd.endpoints, config.job).start()
+    ctx = InjectionContext(testbed=testbed, pid_of=_pid_lookup(launcher, watch), etcd=etcd)
+    ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s)
+    ctl.start()
+    code: int | None = None
+    try:
+        code = launcher.run()
+    finally:
+        ctl.finish()
+        watch.stop()
+        display.done()
+    return RunFacts(
+        t0=ctl.t0,
+        duration_s=time.time() - ctl.t0,
+        exit_code=code,
+        timed_out=ctl.timed_out,
+        faults=ctl.records,
+        progress=watch.snapshot(),
+        events=read_events(out / "run"),
+        reference=None,
+        out_dir=str(out),
+    )
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event of the ranks' JSON-lines event logs under ``run_dir``, by time."""
+    events: list[dict[str, Any]] = []
+    for path in sorted(run_dir.rglob("*.jsonl")) if run_dir.is_dir() else []:
+        with contextlib.suppress(OSError), path.open(encoding="utf-8") as f:
+            for line in f:
+                with contextlib.suppress(ValueError):
+                    ev = json.loads(line)
+                    if isinstance(ev, dict) and isinstance(ev.get("ts"), int | float):
+                        events.append(ev)
+    return sorted(events, key=lambda e: float(e["ts"]))
+
+
+def _code_digest(scenario: Scenario, source: str) -> str:
+    h = hashlib.sha256()
+    job = scenario.job
+    h.update(
+        repr(
+            (job.script, _script_args(scenario), job.nproc, job.rails, job.topology, job.seed)
+        ).encode()
+    )
+    root = Path(__file__).resolve().parent.parent
+    files = [p for pkg in _CODE_PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
+    files.append(Path(_script_path(scenario, source)))
+    for path in files:
+        with contextlib.suppress(OSError):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "resilient" / "chaos"
+
+
+def _reference(
+    scenario: Scenario,
+    testbed: Testbed,
+    etcd: EtcdCluster,
+    out: Path,
+    display: Display,
+    source: str,
+    use_cache: bool,
+) -> dict[str, Any]:
+    """The fault-free run's final parameters and speed, from the cache or run now."""
+    key = _code_digest(scenario, source)
+    cached = _cache_dir() / f"{scenario.name}-{key}.json"
+    if use_cache and cached.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            ref: dict[str, Any] = json.loads(cached.read_text())
+            ref["cached"] = True
+            return ref
+    display.notice("fault-free reference run")
+    facts = _run_job(scenario, testbed, etcd, out / "reference", (), display, source)
+    hashes = {t.last.get("params_sha256") for t in facts.progress.values() if t.done}
+    ok = facts.exit_code == 0 and len(hashes) == 1 and len(facts.progress) == scenario.job.nproc
+    ref = {
+        "key": key,
+        "completes": ok,
+        "params_sha256": hashes.pop() if ok else None,
+        "duration_s": round(facts.duration_s, 3),
+        "cached": False,
+    }
+    if ok:
+        with contextlib.suppress(OSError):
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(ref))
+    return ref
+
+
+@contextlib.contextmanager
+def _control_plane(scenario: Scenario, testbed: Testbed) -> Iterator[EtcdCluster]:
+    etcd = EtcdCluster(scenario.job.etcd_members, host=testbed.control_addr, fsync=False)
+    etcd.start()
+    try:
+        yield etcd
+    finally:
+        etcd.stop()
+
+
+def run_scenario(
+    scenario: Scenario,
+    *,
+    out_dir: str | os.PathLike[str],
+    source: str = "",
+    display: Display | None = None,
+    use_cache: bool = True,
+) -> dict[str, Any]:
+    """Run ``scenario`` and return its report (also written to ``out_dir/report.json``).
+
+    Raises:
+        ChaosError: the testbed could not be built or torn down.
+        ResilientError: etcd or the launcher could not start.
+    """
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    display = display or Display(scenario.job.steps, enabled=False)
+    testbed = make_testbed(scenario)
+    sweep_leftovers()
+    with testbed, _control_plane(scenario, testbed) as etcd:
+        reference = None
+        if scenario.expect.params_equal_fault_free:
+            reference = _reference(scenario, testbed, etcd, out, display, source, use_cache)
+        facts = _run_job(scenario, testbed, etcd, out, scenario.faults, display, source)
+    facts.reference = reference
+    report = build_report(scenario, facts, source=source)
+    try:
+        (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    except OSError as exc:
+        raise ResilientError(f"cannot write {out / 'report.json'}: {exc}") from exc
+    return report

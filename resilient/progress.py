@@ -1,0 +1,145 @@
+"""Step progress of each rank, published to etcd for the chaos CLI and operators.
+
+A training loop calls ``reporter.step(n, loss=...)`` after each step and
+``reporter.finish(params_sha256=...)`` at the end. ``step`` never blocks: it stores
+the latest record and a background thread writes it to
+``/resilient/<job>/progress/<rank>`` at most every ``min_interval_s`` (only the
+newest record is written, so a slow etcd costs freshness, never training time).
+Records are JSON: ``rank, incarnation, pid, step, ts`` plus the caller's fields;
+the final one has ``"done": true``.
+
+Without ``RESILIENT_ETCD`` (plain torchrun on gloo) :meth:`StepReporter.from_env`
+returns a reporter that does nothing, so scripts need no branches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from resilient.config import RankEnv
+from resilient.errors import ConfigError, MembershipError
+
+if TYPE_CHECKING:
+    from membership._etcd import EtcdClient
+
+__all__ = ["StepReporter", "progress_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+def progress_prefix(job: str) -> str:
+    """The etcd prefix under which every rank of ``job`` publishes its progress."""
+    from membership._keys import JobKeys
+
+    return JobKeys(job).sub("progress")
+
+
+class StepReporter:
+    """Publishes one rank's latest step in the background; see the module docstring."""
+
+    def __init__(
+        self,
+        client: EtcdClient | None,
+        *,
+        job: str,
+        rank: int,
+        incarnation: int = 0,
+        min_interval_s: float = 0.02,
+    ) -> None:
+        self._client = client
+        self._key = f"{progress_prefix(job)}{rank:06d}" if client is not None else ""
+        self._stamp = {"rank": rank, "incarnation": incarnation, "pid": os.getpid()}
+        self._interval = min_interval_s
+        self._pending: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        if client is not None:
+            self._thread = threading.Thread(target=self._run, name="step-reporter", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> StepReporter:
+        """A reporter for this rank from RANK/WORLD_SIZE/RESILIENT_* (no-op without etcd).
+
+        Raises:
+            ConfigError: the environment is malformed.
+        """
+        env = os.environ if env is None else env
+        if not env.get("RESILIENT_ETCD") or "RANK" not in env:
+            return cls(None, job="default", rank=0)
+        renv = RankEnv.from_env(env)
+        if renv.etcd is None:  # pragma: no cover - guarded above
+            raise ConfigError("RESILIENT_ETCD is empty")
+        from membership._etcd import EtcdClient
+
+        return cls(
+            EtcdClient(renv.etcd), job=renv.job, rank=renv.rank, incarnation=renv.incarnation
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    def step(self, step: int, **fields: Any) -> None:
+        """Record that ``step`` finished; written in the background (never blocks)."""
+        if self._client is None:
+            return
+        with self._lock:
+            self._pending = {**self._stamp, **fields, "step": step, "ts": time.time()}
+        self._wake.set()
+
+    def finish(self, *, timeout_s: float = 5.0, **fields: Any) -> None:
+        """Write the final record (``done: true`` plus ``fields``) and stop; bounded."""
+        if self._client is None or self._closed.is_set():
+            return
+        with self._lock:
+            last = dict(self._pending or {"step": -1})
+            self._pending = {**self._stamp, **last, **fields, "done": True, "ts": time.time()}
+        self.close(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what is pending (bounded by ``timeout_s``) and stop the thread."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self._client is not None:
+            self._client.close()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                record, self._pending = self._pending, None
+            if record is not None:
+                self._write(record)
+            if self._closed.is_set():
+                with self._lock:
+                    record, self._pending = self._pending, None
+                if record is not None:
+                    self._write(record)
+                return
+            # Rate limit: later steps overwrite _pending meanwhile.
+            self._closed.wait(self._interval)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        assert self._client is not None
+        try:
+            self._client.put(self._key, json.dumps(record, sort_keys=True))
+        except MembershipError as exc:
+            # Progress is telemetry: an etcd outage must not stop training.
+            logger.warning(
+                "rank %s: step %s progress not written: %s",
+                record.get("rank"),
+                record.get("step"),
+                exc,
+            )
