@@ -13,46 +13,69 @@ from torch.futures import Future
 
 from resilient.errors import CollectiveTimeout
 
-__all__ = ["ResilientWork"]
+__all__ = ["Failed", "ResilientWork"]
+
+
+class Failed:
+    """A collective's exception, carried as the value of its root future."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _unwrap(fut: Future[Any]) -> Any:
+    value = fut.value()
+    if isinstance(value, Failed):
+        raise value.exc
+    return value
 
 
 class ResilientWork(Work):
     """Completes when its collective does; ``wait`` re-raises the collective's error.
 
-    Errors keep their :mod:`resilient.errors` type when waited on from Python.
+    ``root`` is completed by the communication thread with the result or a
+    :class:`Failed`. ``wait`` raises the error with its :mod:`resilient.errors` type.
+    ``get_future`` hands out a ``then`` child of ``root`` whose C++ future is marked
+    failed on error (a callback that raises does that), which is what C++ consumers
+    such as DDP's reducer understand. ``Future.set_exception`` would only store the
+    exception as a *value*: the reducer then reads a Python object as tensors in a
+    thread without the GIL and the process dies with SIGSEGV (seen on a peer kill).
+    Python waiters on that child see the error wrapped in a RuntimeError.
     """
 
-    def __init__(self, future: Future[Any], op: str) -> None:
+    def __init__(self, root: Future[Any], op: str) -> None:
         super().__init__()
-        self._future = future
+        self._root = root
+        self._future = root.then(_unwrap)
         self._op = op
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if timeout is not None and timeout.total_seconds() > 0:
             done = threading.Event()
-            self._future.add_done_callback(lambda _: done.set())
+            self._root.add_done_callback(lambda _: done.set())
             if not done.wait(timeout.total_seconds()):
                 raise CollectiveTimeout(f"{self._op} not complete after {timeout}")
-        self._future.wait()  # raises the collective's exception
+        value = self._root.wait()
+        if isinstance(value, Failed):
+            raise value.exc
         return True
 
     def is_completed(self) -> bool:
-        return bool(self._future.done())
+        return bool(self._root.done())
 
     def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
+        return bool(self._root.done()) and not isinstance(self._root.value(), Failed)
 
     def get_future(self) -> Future[Any]:
         return self._future
 
     def result(self) -> list[torch.Tensor]:
-        return list(self._future.value())
+        value = self._root.value()
+        if isinstance(value, Failed):
+            raise value.exc
+        return list(value)
 
 
 def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
-from resilient._work import ResilientWork, _Flat, _packed
+from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import ResilientError
@@ -131,7 +131,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             except BaseException as exc:  # delivered to whoever waits on the work
                 if not isinstance(exc, ResilientError):
                     logger.exception("rank %d: collective failed", self.rank())
-                fut.set_exception(exc)
+                fut.set_result(Failed(exc))
 
     def _submit(
         self,
