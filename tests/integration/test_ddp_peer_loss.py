@@ -40,17 +40,18 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     ddp = nn.parallel.DistributedDataParallel(model)
-    step = 0
+    at = {"step": 0}
 
     def die_in_backward(grad: torch.Tensor) -> torch.Tensor:
         # Other ranks are inside backward too: their bucket all_reduce meets a dead peer.
-        if rank == VICTIM and step == KILL_AT_STEP:
+        if rank == VICTIM and at["step"] == KILL_AT_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
     model[0].weight.register_hook(die_in_backward)
     try:
         for step in range(50):
+            at["step"] = step
             x = torch.randn(16, 256)
             ddp(x).square().mean().backward()
         results.put((rank, "no error"))
