@@ -18,11 +18,23 @@ _TTY_EVERY_S: Final = 0.2
 
 
 class Display:
-    """Draws progress (a redrawn line on a terminal, periodic lines otherwise)."""
+    """Draws progress (a redrawn line on a terminal, periodic lines otherwise).
 
-    def __init__(self, steps: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+    Notices and fault lines are always written; ``progress=False`` leaves out the
+    step bar; ``silent=True`` writes nothing at all (library use).
+    """
+
+    def __init__(
+        self,
+        steps: int,
+        *,
+        progress: bool = True,
+        silent: bool = False,
+        stream: TextIO | None = None,
+    ) -> None:
         self._steps = max(1, steps)
-        self._enabled = enabled
+        self._progress = progress and not silent
+        self._silent = silent
         self._stream = stream or sys.stderr
         self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
         self._lock = threading.Lock()
@@ -30,7 +42,7 @@ class Display:
         self._line_open = False
 
     def _write(self, text: str) -> None:
-        if not self._enabled:
+        if self._silent:
             return
         with self._lock:
             if self._line_open:
@@ -56,7 +68,7 @@ class Display:
         self, now: float, tracks: Mapping[int, RankTrack], faults: Sequence[FaultRecord]
     ) -> None:
         every = _TTY_EVERY_S if self._tty else _PLAIN_EVERY_S
-        if not self._enabled or now - self._last_draw < every:
+        if not self._progress or now - self._last_draw < every:
             return
         self._last_draw = now
         done = min((t.step + 1 for t in tracks.values()), default=0)

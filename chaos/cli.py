@@ -67,7 +67,7 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="always redo the fault-free reference run (normally cached by scenario+code)",
     )
-    cmd.add_argument("--quiet", action="store_true", help="no live progress, only the report")
+    cmd.add_argument("--quiet", action="store_true", help="no live step progress (faults and notices are still shown)")
     cmd.set_defaults(handler=run_command)
 
 
@@ -88,7 +88,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"resilient: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     out = args.out or tempfile.mkdtemp(prefix=f"chaos-{scenario.name}-{time.strftime('%H%M%S')}-")
-    display = Display(scenario.job.steps, enabled=not args.quiet)
+    display = Display(scenario.job.steps, progress=not args.quiet)
     display.notice(f"scenario {scenario.name}: {len(scenario.faults)} fault(s); output in {out}")
     try:
         report = run_scenario(

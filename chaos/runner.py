@@ -336,10 +336,11 @@ def run_scenario(
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    display = display or Display(scenario.job.steps, enabled=False)
+    display = display or Display(scenario.job.steps, silent=True)
     testbed = make_testbed(scenario)
     sweep_leftovers()
     with testbed, _control_plane(scenario, testbed) as etcd:
+        display.notice(f"testbed {testbed.describe()}; etcd {etcd.url}")
         reference = None
         if scenario.expect.params_equal_fault_free:
             reference = _reference(scenario, testbed, etcd, out, display, source, use_cache)

@@ -90,6 +90,9 @@ class Testbed:
     def switch_netns(self) -> str | None:
         return None
 
+    def describe(self) -> str:
+        return f"{self.kind}: {self.n_hosts} host(s) x {self.n_rails} rail(s)"
+
     def up(self) -> Testbed:
         raise NotImplementedError
 
@@ -141,6 +144,12 @@ class NetnsTestbed(Testbed):
     @property
     def switch_netns(self) -> str:
         return f"{PREFIX}{self.id}-sw"
+
+    def describe(self) -> str:
+        return (
+            f"netns {PREFIX}{self.id}-*: {self.n_hosts} host(s) x {self.n_rails} rail(s), "
+            f"control plane on {self.control_addr}"
+        )
 
     def host_netns(self, index: int) -> str:
         return f"{PREFIX}{self.id}-h{index}"

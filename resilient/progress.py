@@ -57,6 +57,7 @@ class StepReporter:
         self._stamp = {"rank": rank, "incarnation": incarnation, "pid": os.getpid()}
         self._interval = min_interval_s
         self._pending: dict[str, Any] | None = None
+        self._last: dict[str, Any] = {"step": -1}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -93,7 +94,8 @@ class StepReporter:
         if self._client is None:
             return
         with self._lock:
-            self._pending = {**self._stamp, **fields, "step": step, "ts": time.time()}
+            self._last = {**self._stamp, **fields, "step": step, "ts": time.time()}
+            self._pending = self._last
         self._wake.set()
 
     def finish(self, *, timeout_s: float = 5.0, **fields: Any) -> None:
@@ -101,8 +103,7 @@ class StepReporter:
         if self._client is None or self._closed.is_set():
             return
         with self._lock:
-            last = dict(self._pending or {"step": -1})
-            self._pending = {**self._stamp, **last, **fields, "done": True, "ts": time.time()}
+            self._pending = {**self._stamp, **self._last, **fields, "done": True, "ts": time.time()}
         self.close(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:

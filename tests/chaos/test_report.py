@@ -1,0 +1,133 @@
+"""The chaos report's arithmetic and verdicts, on hand-made run facts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from chaos._progress import RankTrack
+from chaos.report import FaultRecord, RunFacts, build_report, render, steps_replayed
+from chaos.scenario import parse
+
+T0 = 1_000.0
+
+
+def _scenario(expect: str, steps: int = 100, nproc: int = 2) -> Any:
+    return parse(
+        f"""
+[job]
+script = "train.py"
+nproc = {nproc}
+steps = {steps}
+rails = 2
+[[fault]]
+kind = "throttle"
+rank = 1
+rail = 0
+rate_mbit = 100
+at_step = 20
+duration_s = 2.0
+[expect]
+{expect}
+""",
+        source="t.toml",
+    )
+
+
+def _track(ms_before: float, ms_during: float, *, fault_s: float, end_step: int) -> RankTrack:
+    """A rank that steps every ms_before until fault_s, then every ms_during until fault_s+2."""
+    samples, t, step = [], T0, 0
+    while step < end_step:
+        in_fault = fault_s <= t - T0 < fault_s + 2.0
+        t += (ms_during if in_fault else ms_before) / 1e3
+        samples.append((t, step, 0))
+        step += 1
+    last = {"step": end_step - 1, "done": True, "params_sha256": "abc"}
+    return RankTrack(samples=samples, last=last)
+
+
+def _facts(progress: dict[int, RankTrack], *, exit_code: int = 0, **kw: Any) -> RunFacts:
+    fault = FaultRecord(
+        index=0, kind="throttle", params={"rank": 1, "rail": 0, "rate_mbit": 100.0},
+        at_step=20, at_s=None, duration_s=2.0, fired_s=1.0, fired_step=20, stopped_s=3.0,
+    )  # fmt: skip
+    return RunFacts(
+        t0=T0, duration_s=10.0, exit_code=exit_code, timed_out=False, faults=[fault],
+        progress=progress, events=kw.get("events", []), reference=kw.get("reference"),
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_slowdown_is_measured_from_step_rates() -> None:
+    tracks = {r: _track(20.0, 60.0, fault_s=1.0, end_step=100) for r in range(2)}
+    report = build_report(_scenario("max_slowdown = 1.5"), _facts(tracks))
+    sm = report["step_ms"]
+    assert sm["before_ms"] == pytest.approx(20.0, rel=0.05)
+    assert sm["during_ms"] == pytest.approx(60.0, rel=0.1)
+    assert sm["slowdown"] == pytest.approx(3.0, rel=0.1)
+    (row,) = [r for r in report["expectations"] if r["name"] == "max_slowdown"]
+    assert row["passed"] is False
+    assert report["passed"] is False
+    assert "max_slowdown" in render(report)
+
+
+@pytest.mark.timeout(10)
+def test_a_clean_run_passes_what_it_measured() -> None:
+    tracks = {r: _track(20.0, 21.0, fault_s=1.0, end_step=100) for r in range(2)}
+    text = "completes = true\nmax_steps_replayed = 0\nparams_equal_across_ranks = true\n"
+    text += "max_slowdown = 1.2\nparams_equal_fault_free = true"
+    report = build_report(_scenario(text), _facts(tracks, reference={"params_sha256": "abc"}))
+    assert [r["name"] for r in report["expectations"] if not r["passed"]] == []
+    assert report["passed"] is True
+
+
+@pytest.mark.timeout(10)
+def test_a_failed_job_fails_completes_and_equality() -> None:
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    tracks[1].last = {"step": 40}  # never finished
+    report = build_report(
+        _scenario("params_equal_across_ranks = true"), _facts(tracks, exit_code=1)
+    )
+    verdict = {r["name"]: r["passed"] for r in report["expectations"]}
+    assert verdict == {"completes": False, "params_equal_across_ranks": False}
+
+
+@pytest.mark.timeout(10)
+def test_unmeasurable_expectations_fail_with_a_reason() -> None:
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    text = "max_detect_ms = 100.0\nmax_recovery_s = 5.0\nparams_equal_fault_free = true"
+    report = build_report(_scenario(text), _facts(tracks))
+    rows = {r["name"]: r for r in report["expectations"]}
+    for name in ("max_detect_ms", "max_recovery_s", "params_equal_fault_free"):
+        assert rows[name]["passed"] is False
+        assert rows[name]["note"]
+
+
+@pytest.mark.timeout(10)
+def test_detection_and_recovery_come_from_the_event_log() -> None:
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    events = [
+        {"ts": T0 + 1.05, "kind": "link.down", "rank": 0},
+        {"ts": T0 + 1.2, "kind": "link.rerouted", "rank": 0},
+        {"ts": T0 + 1.5, "kind": "recovery.finished", "duration_ms": 450.0},
+        {"ts": T0 + 9.0, "kind": "link.down"},  # after the fault was undone: not counted
+    ]
+    text = "max_detect_ms = 100.0\nmax_recovery_s = 1.0"
+    report = build_report(_scenario(text), _facts(tracks, events=events))
+    (fault,) = report["faults"]
+    assert fault["detected"] == "link.down"
+    assert fault["detect_ms"] == pytest.approx(50.0, abs=1.0)
+    assert fault["actions"] == ["link.rerouted", "recovery.finished"]
+    assert fault["recovery_s"] == [pytest.approx(0.45)]
+    assert report["passed"] is True
+
+
+@pytest.mark.timeout(10)
+def test_steps_replayed_counts_work_redone_by_a_new_incarnation() -> None:
+    samples = [(T0 + i, i, 0) for i in range(10)]  # steps 0..9 by incarnation 0
+    samples += [(T0 + 20 + i, 8 + i, 1) for i in range(5)]  # back at step 8: 8 and 9 redone
+    assert steps_replayed({0: RankTrack(samples=samples)}) == 2
+    fresh = [(T0 + 20 + i, i, 1) for i in range(5)]  # restarted from scratch
+    assert steps_replayed({0: RankTrack(samples=samples[:10] + fresh)}) == 10
+    assert steps_replayed({0: RankTrack(samples=samples[:10])}) == 0

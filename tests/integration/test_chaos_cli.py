@@ -1,0 +1,201 @@
+"""`resilient chaos` end to end: real ranks, real faults, a report that matches them.
+
+The netns tests need root (CI runs as root); the loopback one runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.testbed import PREFIX, sweep_leftovers
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_ddp.py"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the netns testbed needs root")
+
+
+def _scenario(tmp: Path, body: str, *, topology: str, steps: int) -> Path:
+    path = tmp / "scenario.toml"
+    path.write_text(
+        f"""
+name = "test"
+[job]
+script = "{SCRIPT}"
+args = ["--width", "256", "--quiet"]
+nproc = 3
+rails = 2
+steps = {steps}
+topology = "{topology}"
+timeout_s = 150.0
+{body}
+"""
+    )
+    return path
+
+
+def _chaos(scenario: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "resilient", "chaos", str(scenario), "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"resilient chaos did not finish in {timeout_s} s:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def _namespaces(testbed: str) -> list[str]:
+    """The namespaces of testbed ``rsl-<id>`` (other runs may exist beside ours)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.startswith(testbed + "-")]
+
+
+def _testbed_of(stderr: str) -> str:
+    found = re.search(rf"testbed netns ({PREFIX}[0-9a-f]+)-\*", stderr)
+    assert found, stderr[-2000:]
+    return found.group(1)
+
+
+def _rank_pids(out: Path) -> list[int]:
+    pids = []
+    for log in (out / "logs").glob("rank*.log"):
+        pids += [int(p) for p in re.findall(r"--- incarnation \d+, pid (\d+) ---", log.read_text())]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def _wait_for_steps(out: Path, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    """Wait until the ranks are running (their logs exist) and a few seconds passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(_rank_pids(out)) >= 3:
+            time.sleep(3.0)
+            return
+        time.sleep(0.2)
+    pytest.fail("the chaos run did not start its ranks in time")
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_throttle_report_shows_the_measured_slowdown(tmp_path: Path) -> None:
+    # Both rails of rank 1 are throttled: whatever the schedule, the job must slow down.
+    body = "".join(
+        f"""
+[[fault]]
+kind = "throttle"
+rank = 1
+rail = {rail}
+rate_mbit = 40
+at_step = 30
+duration_s = 3.0
+"""
+        for rail in (0, 1)
+    )
+    body += "[expect]\ncompletes = true\nparams_equal_across_ranks = true\nmax_slowdown = 1.2\n"
+    scenario = _scenario(tmp_path, body, topology="netns", steps=150)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 200)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert report == json.loads((out / "report.json").read_text())
+    assert code == (0 if report["passed"] else 1), stderr[-2000:]
+    assert report["exit_code"] == 0 and report["steps"]["completed"] == {
+        "0": 150,
+        "1": 150,
+        "2": 150,
+    }
+    for fault in report["faults"]:
+        assert fault["error"] is None
+        assert fault["fired_step"] >= 30
+        assert fault["stopped_s"] - fault["fired_s"] == pytest.approx(3.0, abs=0.5)
+    assert report["step_ms"]["slowdown"] > 1.5  # 40 Mbit/s vs. an unlimited veth
+    rows = {r["name"]: r for r in report["expectations"]}
+    assert rows["completes"]["passed"] and rows["params_equal_across_ranks"]["passed"]
+    assert rows["max_slowdown"]["passed"] is False
+    assert "throttle(rail=0, rank=1, rate_mbit=40.0) injected" in stderr
+    assert (out / "logs" / "rank0.log").is_file()
+    assert not _namespaces(_testbed_of(stderr))
+
+
+@pytest.mark.timeout(180)
+def test_loopback_hang_is_injected_and_undone(tmp_path: Path) -> None:
+    body = """
+[[fault]]
+kind = "hang"
+rank = 1
+at_step = 20
+duration_s = 1.5
+[expect]
+completes = true
+params_equal_across_ranks = true
+"""
+    scenario = _scenario(tmp_path, body, topology="loopback", steps=80)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json", "--quiet"), 150)
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0, stdout + stderr[-2000:]
+    (fault,) = report["faults"]
+    assert fault["kind"] == "hang" and fault["error"] is None
+    assert fault["stopped_s"] - fault["fired_s"] == pytest.approx(1.5, abs=0.5)
+    # Frozen for 1.5 s: the run took at least that much longer than its steps alone.
+    assert report["passed"] is True
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_run_and_removes_everything(tmp_path: Path) -> None:
+    scenario = _scenario(tmp_path, "", topology="netns", steps=100_000)
+    out = tmp_path / "out"
+    proc = _chaos(scenario, out, "--quiet")
+    _wait_for_steps(out, proc, 90)
+    proc.send_signal(signal.SIGINT)
+    code, _, stderr = _finish(proc, 60)
+    assert code == 130, stderr[-2000:]
+    assert not _namespaces(_testbed_of(stderr))
+    assert not [p for p in _rank_pids(out) if _alive(p)]
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_a_killed_run_leaves_nothing_the_next_run_does_not_remove(tmp_path: Path) -> None:
+    scenario = _scenario(tmp_path, "", topology="netns", steps=100_000)
+    out = tmp_path / "out"
+    proc = _chaos(scenario, out, "--quiet")
+    _wait_for_steps(out, proc, 90)
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to clean up
+    _, stderr = proc.communicate(timeout=30)
+    testbed = _testbed_of(stderr)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and [p for p in _rank_pids(out) if _alive(p)]:
+        time.sleep(0.2)  # ranks die of their parent-death signal
+    assert not [p for p in _rank_pids(out) if _alive(p)]
+    assert len(_namespaces(testbed)) == 4  # 3 hosts + the switch, left behind ...
+    assert sweep_leftovers() >= 4  # ... until the next run sweeps them
+    assert not _namespaces(testbed)
