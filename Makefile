@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck pytest demo membership-demo clean
+.PHONY: venv test lint typecheck pytest demo chaos-demo membership-demo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,18 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
-demo: membership-demo
+# The chaos demo needs root (network namespaces); elsewhere the membership demo runs.
+demo: $(STAMP)
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) chaos-demo; else \
+		echo "make demo: not root, so no netns testbed; running the membership demo"; \
+		$(MAKE) membership-demo; fi
+
+chaos-demo: $(STAMP)
+	$(BIN)/resilient chaos examples/scenarios/demo.toml --out chaos-demo
 
 membership-demo: $(STAMP)
 	$(BIN)/resilient run --nproc 4 --rails 2 --max-restarts 1 --lease-ttl 3 \
 		examples/membership_demo.py --steps 16
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache chaos-demo

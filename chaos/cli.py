@@ -67,7 +67,9 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="always redo the fault-free reference run (normally cached by scenario+code)",
     )
-    cmd.add_argument("--quiet", action="store_true", help="no live step progress (faults and notices are still shown)")
+    cmd.add_argument(
+        "--quiet", action="store_true", help="no step progress (faults and notices still shown)"
+    )
     cmd.set_defaults(handler=run_command)
 
 
