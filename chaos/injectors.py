@@ -58,7 +58,7 @@ class InjectionContext:
 
 
 class Injector:
-    """One fault; subclasses implement ``_start`` and optionally ``_stop``."""
+    """One fault; subclasses implement ``_start`` and optionally ``_check``, ``_stop``."""
 
     def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
         self.fault, self.ctx = fault, ctx
@@ -70,7 +70,14 @@ class Injector:
         return f"{self.fault.kind}({params})"
 
     def start(self) -> None:
-        """Inject the fault. Raises ChaosError when it cannot be injected."""
+        """Inject the fault. Raises ChaosError when it cannot be injected.
+
+        A fault that cannot be injected at all (wrong testbed, a rank, rail or member
+        that does not exist, a bad parameter) raises before anything is done and leaves
+        the injector inactive, so ``stop()`` has nothing to undo (and does not fail the
+        same way again). A start that fails midway leaves it active, for ``stop()``.
+        """
+        self._check()
         self.active = True
         self._start()
 
@@ -81,6 +88,11 @@ class Injector:
         self.active = False
         self._stop()
 
+    def _check(self) -> None:
+        """Raise ChaosError if the fault cannot be injected here; changes nothing."""
+        if needs_netns(self.fault):
+            self._rail_iface()
+
     def _start(self) -> None:
         raise NotImplementedError
 
@@ -88,13 +100,15 @@ class Injector:
         return None
 
     # -- helpers -------------------------------------------------------------------
-    def _signal(self, sig: signal.Signals) -> int:
+    def _signal(self, sig: signal.Signals | None) -> int:
+        """Send ``sig`` to the rank's process group (None: only check that it exists)."""
         rank = int(self.fault.param("rank"))
         pid = self.ctx.pid_of(rank)
         try:
-            os.killpg(pid, sig)
+            os.killpg(pid, 0 if sig is None else sig)
         except ProcessLookupError as exc:
-            raise ChaosError(f"rank {rank} (pid {pid}) is gone; cannot send {sig.name}") from exc
+            what = "signal it" if sig is None else f"send {sig.name}"
+            raise ChaosError(f"rank {rank} (pid {pid}) is gone; cannot {what}") from exc
         return pid
 
     def _host(self, key: str = "rank") -> Host:
@@ -171,13 +185,13 @@ class _Periodic(Injector):
 
 
 class _Slow(_Periodic):
-    def _start(self) -> None:
-        # Checked here, not in the thread: a bad factor or a gone rank must fail start().
+    def _check(self) -> None:
+        # Checked before the thread starts: a bad factor or a gone rank must fail
+        # start(), not only log a warning from the thread.
         factor = float(self.fault.param("factor"))
         if not 0.0 < factor < 1.0:
             raise ChaosError(f"slow: factor must be between 0 and 1, got {factor}")
-        self._signal(signal.SIGCONT)
-        super()._start()
+        self._signal(None)
 
     def _tick(self) -> bool:
         factor = float(self.fault.param("factor"))
@@ -215,14 +229,13 @@ class _Flap(_Periodic):
         super().__init__(fault, ctx)
         self.flaps = 0
 
-    def _start(self) -> None:
-        # Checked here, not in the thread, so that start() raises: on the loopback
-        # testbed, for a rank or rail that does not exist, or with a period of 0 (a
-        # busy loop of link changes).
-        self._rail_iface()
+    def _check(self) -> None:
+        # Checked before the thread starts, so that start() raises (on the loopback
+        # testbed, say) instead of the thread only logging it; a period of 0 would be
+        # a busy loop of link changes.
+        super()._check()
         if float(self.fault.param("period_s")) <= 0:
             raise ChaosError("flap: period_s must be > 0")
-        super()._start()
 
     def _tick(self) -> bool:
         count = self.fault.param("count")
@@ -247,11 +260,14 @@ class _Throttle(Injector):
         # shapes what it receives.
         return [(str(host.netns), iface), (str(self.ctx.testbed.switch_netns), port)]
 
-    def _start(self) -> None:
+    def _check(self) -> None:
+        super()._check()
         _sh.require_tool("tc", "install iproute2")
-        rate = float(self.fault.param("rate_mbit"))
-        if rate <= 0:
+        if float(self.fault.param("rate_mbit")) <= 0:
             raise ChaosError("throttle: rate_mbit must be > 0")
+
+    def _start(self) -> None:
+        rate = float(self.fault.param("rate_mbit"))
         # A burst of ~1 ms at the rate (at least 16 KiB) keeps short bursts from
         # exceeding the configured rate on average.
         burst = max(16 * 1024, int(rate * 1e6 / 8 / 1000))
@@ -280,6 +296,11 @@ class _Iptables(Injector):
                 _sh.in_netns(host.netns, [ipt, "-w", "5", action, *rule]),
                 check=action != "-D",
             )
+
+    def _check(self) -> None:
+        super()._check()
+        _sh.require_tool("iptables", _IPTABLES_HINT)
+        self._rules()  # a peer that does not exist, say
 
     def _start(self) -> None:
         self._apply("-I")
@@ -318,6 +339,9 @@ class _EtcdKill(Injector):
         if not 0 <= member < etcd.size:
             raise ChaosError(f"etcd-kill: member {member} does not exist (size {etcd.size})")
         return etcd, member
+
+    def _check(self) -> None:
+        self._member()
 
     def _start(self) -> None:
         etcd, member = self._member()
