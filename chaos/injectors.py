@@ -28,9 +28,9 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from chaos import _sh
 from chaos.scenario import Fault
@@ -55,6 +55,9 @@ class InjectionContext:
     testbed: Testbed
     pid_of: Callable[[int], int]
     etcd: EtcdCluster | None = None
+    # Writes (None: deletes) an in-process fault record for the ranks' fault hook;
+    # how network faults reach ranks on the loopback testbed.
+    control: Callable[[str, Mapping[str, Any] | None], None] | None = None
 
 
 class Injector:
@@ -370,7 +373,16 @@ _KINDS: Final[dict[str, type[Injector]]] = {
 
 
 def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
-    """The injector for ``fault``. Raises ChaosError for an unknown kind."""
+    """The injector for ``fault``: a real one on the netns testbed, an in-process one
+    (through ``ctx.control``) for network faults on the loopback testbed.
+
+    Raises:
+        ChaosError: an unknown kind.
+    """
+    if needs_netns(fault) and ctx.testbed.kind == "loopback" and ctx.control is not None:
+        from chaos._control import LOOPBACK_KINDS
+
+        return LOOPBACK_KINDS[fault.kind](fault, ctx)
     try:
         cls = _KINDS[fault.kind]
     except KeyError as exc:

@@ -174,6 +174,7 @@ def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list
                 exp.max_steps_replayed,
                 n,
                 summary["completes"] and n <= exp.max_steps_replayed,
+                "" if summary["completes"] else "the job did not complete",
             )
         )
     hashes = [h for h in summary["params_sha256"].values()]
@@ -339,8 +340,10 @@ def render(report: Mapping[str, Any]) -> str:
         )
         acts = ", ".join(f.get("actions") or []) or "no actions reported"
         err = f"  ERROR: {f['error']}" if f.get("error") else ""
+        how = f.get("detail", {}).get("injected", "real")
+        how = "" if how == "real" else f" [{how}]"
         lines.append(
-            f"  [{f['index']}] {f['kind']}({params}) {when}, until "
+            f"  [{f['index']}] {f['kind']}({params}){how} {when}, until "
             f"t={_fmt(f['stopped_s'])}s; {detected}; {acts}{err}"
         )
     lines.append("expectations:")

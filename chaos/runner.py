@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -30,8 +30,12 @@ from chaos.injectors import InjectionContext, Injector, make_injector, needs_net
 from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
 from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers
+from membership._etcd import EtcdClient
+from membership._keys import JobKeys
 from membership.server import EtcdCluster
-from resilient.errors import ChaosError, ResilientError
+from resilient._faults import CONTROL_SUBPREFIX
+from resilient.config import EtcdConfig
+from resilient.errors import ChaosError, MembershipError, ResilientError
 from resilient.launcher import LaunchConfig, Launcher, new_job_name
 
 __all__ = ["make_testbed", "run_scenario"]
@@ -43,21 +47,29 @@ _CODE_PACKAGES: Final = ("resilient", "membership", "recovery")
 
 
 def make_testbed(scenario: Scenario) -> Testbed:
-    """The testbed the scenario asks for.
-
-    Raises:
-        ChaosError: netns asked for (or a network fault given) without root.
-    """
+    """The testbed the scenario asks for: netns hosts, or loopback rails (network
+    faults then go through the ranks' in-process fault hook)."""
     job = scenario.job
-    net = [f.kind for f in scenario.faults if needs_netns(f)]
-    if job.topology == "loopback" and net:
-        raise ChaosError(
-            f"scenario {scenario.name}: fault(s) {', '.join(sorted(set(net)))} act on the "
-            'network and need topology = "netns" (as root)'
-        )
     if job.topology == "netns":
         return NetnsTestbed(job.nproc, job.rails)
     return LoopbackTestbed(job.nproc, job.rails)
+
+
+def _control(etcd: EtcdCluster, job: str) -> Callable[[str, Mapping[str, Any] | None], None]:
+    """Writes (or, with None, deletes) one in-process fault record of ``job``."""
+    client = EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0))
+    prefix = JobKeys(job).sub(CONTROL_SUBPREFIX)
+
+    def write(fault_id: str, record: Mapping[str, Any] | None) -> None:
+        try:
+            if record is None:
+                client.delete(prefix + fault_id)
+            else:
+                client.put(prefix + fault_id, json.dumps(dict(record)))
+        except MembershipError as exc:
+            raise ChaosError(f"fault control record {fault_id}: {exc}") from exc
+
+    return write
 
 
 def _script_args(scenario: Scenario) -> tuple[str, ...]:
@@ -137,13 +149,17 @@ class _Controller:
         rec.fired_step = (
             self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
         )
+        emulated = needs_netns(fault) and self._ctx.testbed.kind == "loopback"
+        rec.detail["injected"] = "in-process, via etcd fault control" if emulated else "real"
         inj = make_injector(fault, self._ctx)
         self._injectors[rec.index] = inj
         try:
             inj.start()
         except ChaosError as exc:
             rec.error = str(exc)
-            inj.active = False
+            # Undo what a start that failed midway did (one of two rules, say).
+            with contextlib.suppress(ChaosError):
+                inj.stop()
         self._display.fault(rec, "injected" if rec.error is None else "FAILED")
         if not inj.active:
             rec.stopped_s = rec.fired_s
@@ -214,10 +230,16 @@ def _run_job(
         rank_wrap=tuple(tuple(h.wrap([])) for h in hosts),
         master_addr=hosts[0].mgmt_addr,
         echo=False,
+        fault_control=testbed.kind == "loopback",
     )
     launcher = Launcher(config)
     watch = ProgressWatch(etcd.endpoints, config.job).start()
-    ctx = InjectionContext(testbed=testbed, pid_of=_pid_lookup(launcher, watch), etcd=etcd)
+    ctx = InjectionContext(
+        testbed=testbed,
+        pid_of=_pid_lookup(launcher, watch),
+        etcd=etcd,
+        control=_control(etcd, config.job),
+    )
     ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s)
     ctl.start()
     code: int | None = None

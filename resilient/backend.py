@@ -18,6 +18,7 @@ from torch._C._distributed_c10d import Store
 
 from resilient._rails import resolve_rails
 from resilient.config import DataPlaneConfig, RankEnv
+from resilient.errors import ConfigError
 from resilient.process_group import ResilientProcessGroup
 
 __all__ = ["BACKEND_NAME", "create_backend", "init", "register"]
@@ -54,6 +55,12 @@ def create_backend(
     """
     env = RankEnv.from_env(rank=rank, world_size=world_size)
     config = DataPlaneConfig.from_env()
+    if env.fault_control:
+        if env.etcd is None:
+            raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
+        from resilient import _faults
+
+        _faults.install(env.etcd, env.job)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
         rank=rank,

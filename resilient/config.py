@@ -256,6 +256,8 @@ class RankEnv:
     etcd: EtcdConfig | None = None
     lease_ttl_s: float = 5.0
     run_dir: str | None = None
+    # Set by `resilient chaos` on loopback runs: apply link faults written to etcd.
+    fault_control: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -311,4 +313,5 @@ class RankEnv:
             etcd=etcd,
             lease_ttl_s=_env_float(env, p + "LEASE_TTL_S", 5.0),
             run_dir=env.get(p + "RUN_DIR") or None,
+            fault_control=env.get(p + "FAULT_CONTROL", "0").strip() in ("1", "true", "yes"),
         )

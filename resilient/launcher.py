@@ -91,6 +91,7 @@ class RankVar(StrEnum):
     INCARNATION = ENV_PREFIX + "INCARNATION"
     LEASE_TTL_S = ENV_PREFIX + "LEASE_TTL_S"
     RUN_DIR = ENV_PREFIX + "RUN_DIR"
+    FAULT_CONTROL = ENV_PREFIX + "FAULT_CONTROL"
     PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -111,6 +112,8 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
         RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",
         RankVar.RUN_DIR: "directory for event logs and run state (only with --run-dir)",
+        RankVar.FAULT_CONTROL: "1 when 'resilient chaos' injects link faults in-process "
+        "through etcd (loopback runs without root); unset otherwise",
         RankVar.PYTHONUNBUFFERED: "1, so that output reaches the launcher line by line",
         RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
             "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"
@@ -185,6 +188,7 @@ class LaunchConfig:
     rank_wrap: tuple[tuple[str, ...], ...] = ()
     master_addr: str = "127.0.0.1"
     echo: bool = True
+    fault_control: bool = False
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -399,6 +403,8 @@ class _Run:
         }
         if cfg.run_dir is not None:
             values[RankVar.RUN_DIR] = cfg.run_dir
+        if cfg.fault_control:
+            values[RankVar.FAULT_CONTROL] = "1"
         # Values inherited from an enclosing launch (a launcher run inside a rank)
         # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
+from resilient import _faults
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -114,8 +115,15 @@ class Link:
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
 
+    def _injected_failure(self, what: str) -> None:
+        h = _faults.hook()
+        if h is not None and h.failed(self.rank, self.peer, self.rail):
+            self.broken = True
+            raise LinkError(f"{self}: {what} failed: fault injected by chaos control")
+
     def isend(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
+        self._injected_failure("send")
         try:
             return self.pg.send([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
@@ -124,6 +132,7 @@ class Link:
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a receive into a contiguous tensor."""
+        self._injected_failure("recv")
         try:
             return self.pg.recv([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
@@ -137,6 +146,7 @@ class Link:
             LinkError: the peer failed, the connection broke or the deadline passed.
         """
         timeout = self.config.deadline_s(nbytes)
+        start = time.monotonic()
         try:
             work.wait(timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
@@ -144,6 +154,12 @@ class Link:
             raise LinkError(
                 f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
             ) from exc
+        h = _faults.hook()
+        if h is not None:
+            self._injected_failure("op")
+            delay = h.delay_s(self.rank, self.peer, self.rail, nbytes, time.monotonic() - start)
+            if delay > 0:
+                time.sleep(delay)
 
     def close(self, *, background: bool | None = None) -> None:
         """Drop the group; a broken one in a background thread (closing it can block).

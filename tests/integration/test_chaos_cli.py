@@ -199,3 +199,37 @@ def test_a_killed_run_leaves_nothing_the_next_run_does_not_remove(tmp_path: Path
     assert len(_namespaces(testbed)) == 4  # 3 hosts + the switch, left behind ...
     assert sweep_leftovers() >= 4  # ... until the next run sweeps them
     assert not _namespaces(testbed)
+
+
+@pytest.mark.timeout(180)
+def test_loopback_throttle_goes_through_the_in_process_fault_hook(tmp_path: Path) -> None:
+    # No root needed: the ranks apply the throttle to their own links (etcd control).
+    body = """
+[[fault]]
+kind = "throttle"
+rank = 1
+rail = 0
+rate_mbit = 20
+at_step = 20
+duration_s = 3.0
+[[fault]]
+kind = "throttle"
+rank = 1
+rail = 1
+rate_mbit = 20
+at_step = 20
+duration_s = 3.0
+[expect]
+completes = true
+params_equal_across_ranks = true
+"""
+    scenario = _scenario(tmp_path, body, topology="loopback", steps=100)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json", "--quiet"), 150)
+    report = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0, stdout + stderr[-2000:]
+    for fault in report["faults"]:
+        assert fault["error"] is None
+        assert fault["detail"]["injected"].startswith("in-process")
+    assert report["step_ms"]["slowdown"] > 1.5
+    assert "[in-process, via etcd fault control]" in stdout
