@@ -199,6 +199,11 @@ class EtcdClient:
         if cfg.secure:
             creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(cfg.ca_cert, cfg.key, cfg.cert)
         endpoints = []
+        # pyetcd fails over only while the current endpoint is within time_retry of
+        # its last failure; a retry that comes later (our backoff reaches 1 s) goes
+        # back to the same dead member, again and again. With several members, keep a
+        # failed one out for longer than the longest backoff; alone, retry it soon.
+        time_retry = 0.2 if len(cfg.endpoints) == 1 else 2.5
         for url in cfg.endpoints:
             parts = urlsplit(url)
             endpoints.append(
@@ -207,7 +212,7 @@ class EtcdClient:
                     parts.port,
                     secure=cfg.secure,
                     creds=creds,
-                    time_retry=0.2,
+                    time_retry=time_retry,
                     opts=[("grpc.enable_http_proxy", 0)],
                 )
             )
