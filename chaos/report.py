@@ -74,9 +74,21 @@ class RunFacts:
     out_dir: str | None = None
 
 
-def _ms_per_step(samples: Sequence[tuple[float, int, int]], lo: float, hi: float) -> float | None:
-    """Mean time per step (ms) between the first and last sample in ``[lo, hi]``."""
-    window = [(ts, step) for ts, step, _ in samples if lo <= ts <= hi and step >= _WARMUP_STEPS]
+def _ms_per_step(
+    samples: Sequence[tuple[float, int, int]], lo: float, hi: float, *, bracket: bool = False
+) -> float | None:
+    """Mean time per step (ms) between the first and last sample in ``[lo, hi]``.
+
+    With ``bracket`` the last sample before ``lo`` and the first after ``hi`` are
+    included, so a window in which the job stalled (no sample inside) still
+    measures the stall instead of nothing.
+    """
+    usable = [(ts, step) for ts, step, _ in samples if step >= _WARMUP_STEPS]
+    window = [(ts, step) for ts, step in usable if lo <= ts <= hi]
+    if bracket:
+        before = [x for x in usable if x[0] < lo][-1:]
+        after = [x for x in usable if x[0] > hi][:1]
+        window = before + window + after
     if len(window) < 2 or window[-1][1] <= window[0][1]:
         return None
     (t1, s1), (t2, s2) = window[0], window[-1]
@@ -94,12 +106,16 @@ def step_times(facts: RunFacts) -> dict[str, float | None]:
     ]
     last = facts.t0 + (max(ends) if ends else facts.duration_s)
 
-    def med(lo: float, hi: float) -> float | None:
-        vals = [v for t in facts.progress.values() if (v := _ms_per_step(t.samples, lo, hi))]
+    def med(lo: float, hi: float, bracket: bool = False) -> float | None:
+        vals = [
+            v
+            for t in facts.progress.values()
+            if (v := _ms_per_step(t.samples, lo, hi, bracket=bracket))
+        ]
         return statistics.median(vals) if vals else None
 
     before = med(facts.t0, first)
-    during = med(first, last) if fired else None
+    during = med(first, last, bracket=True) if fired else None
     slowdown = during / before if before and during else None
     return {"before_ms": before, "during_ms": during, "slowdown": slowdown}
 

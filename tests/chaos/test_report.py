@@ -131,3 +131,19 @@ def test_steps_replayed_counts_work_redone_by_a_new_incarnation() -> None:
     fresh = [(T0 + 20 + i, i, 1) for i in range(5)]  # restarted from scratch
     assert steps_replayed({0: RankTrack(samples=samples[:10] + fresh)}) == 10
     assert steps_replayed({0: RankTrack(samples=samples[:10])}) == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_stall_during_the_fault_is_measured_not_skipped() -> None:
+    # Steps every 20 ms, then nothing for the whole 2 s fault, then every 20 ms again.
+    samples, t = [], T0
+    for step in range(100):
+        t += 2.0 if step == 50 else 0.02
+        samples.append((t, step, 0))
+    fault_start = samples[49][0] + 0.01 - T0
+    track = RankTrack(samples=samples, last={"step": 99, "done": True, "params_sha256": "a"})
+    facts = _facts({0: track, 1: track})
+    facts.faults[0].fired_s, facts.faults[0].stopped_s = fault_start, fault_start + 1.9
+    sm = build_report(_scenario("max_slowdown = 2.0"), facts)["step_ms"]
+    assert sm["during_ms"] is not None and sm["during_ms"] > 1000.0
+    assert sm["slowdown"] > 50
