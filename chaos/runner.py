@@ -33,6 +33,7 @@ from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftover
 from membership._etcd import EtcdClient
 from membership._keys import JobKeys
 from membership.server import EtcdCluster
+from recovery.events import EventLog, read_events
 from resilient._faults import CONTROL_SUBPREFIX
 from resilient.config import EtcdConfig
 from resilient.errors import ChaosError, MembershipError, ResilientError
@@ -100,8 +101,10 @@ class _Controller:
         watch: ProgressWatch,
         display: Display,
         timeout_s: float,
+        events: EventLog,
     ) -> None:
         self.t0 = time.time()
+        self._events = events
         self.records = [
             FaultRecord(
                 index=i,
@@ -161,6 +164,7 @@ class _Controller:
             with contextlib.suppress(ChaosError):
                 inj.stop()
         self._display.fault(rec, "injected" if rec.error is None else "FAILED")
+        self._log("fault.injected", rec, fault)
         if not inj.active:
             rec.stopped_s = rec.fired_s
 
@@ -174,6 +178,23 @@ class _Controller:
         if flaps is not None:
             rec.detail["flaps"] = flaps
         self._display.fault(rec, "undone")
+        self._log("fault.cleared", rec, inj.fault)
+
+    def _log(self, kind: str, rec: FaultRecord, fault: Fault) -> None:
+        rank, rail = fault.param("rank"), fault.param("rail")
+        links = []
+        if rank is not None and rail is not None:
+            peer = fault.param("peer")
+            links = [(int(rank), -1 if peer is None else int(peer), int(rail))]
+        self._events.emit(
+            kind,
+            rank=-1 if rank is None else int(rank),
+            links=links,
+            reason=f"{fault.kind}({', '.join(f'{k}={v}' for k, v in sorted(rec.params.items()))})",
+            action=rec.error or "",
+            step=rec.fired_step,
+            fault=rec.index,
+        )
 
     def _run(self) -> None:
         while not self._halt.wait(_TICK_S):
@@ -240,7 +261,8 @@ def _run_job(
         etcd=etcd,
         control=_control(etcd, config.job),
     )
-    ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s)
+    log = EventLog(out / "run", job=config.job, rank=-1, name="chaos")
+    ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s, log)
     ctl.start()
     code: int | None = None
     try:
@@ -249,6 +271,7 @@ def _run_job(
         ctl.finish()
         watch.stop()
         display.done()
+        log.close()
     return RunFacts(
         t0=ctl.t0,
         duration_s=time.time() - ctl.t0,
@@ -260,19 +283,6 @@ def _run_job(
         reference=None,
         out_dir=str(out),
     )
-
-
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every event of the ranks' JSON-lines event logs under ``run_dir``, by time."""
-    events: list[dict[str, Any]] = []
-    for path in sorted(run_dir.rglob("*.jsonl")) if run_dir.is_dir() else []:
-        with contextlib.suppress(OSError), path.open(encoding="utf-8") as f:
-            for line in f:
-                with contextlib.suppress(ValueError):
-                    ev = json.loads(line)
-                    if isinstance(ev, dict) and isinstance(ev.get("ts"), int | float):
-                        events.append(ev)
-    return sorted(events, key=lambda e: float(e["ts"]))
 
 
 def _code_digest(scenario: Scenario, source: str) -> str:

@@ -1,6 +1,9 @@
-"""Recovery policy and state restore (coordinator, StateHook, step replay, event log).
+"""Recovery: the event log now; policy, state restore and step replay to come.
 
-Built by the rank-level recovery work; nothing is exported yet.
+:mod:`recovery.events` writes and reads the recovery event log (JSON lines per
+writer under ``RUN_DIR/events/``); docs/EVENTS.md describes it.
 """
 
-__all__: list[str] = []
+from recovery.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
+
+__all__ = ["EVENT_KINDS", "SCHEMA_VERSION", "EventLog", "read_events"]

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from chaos.cli import add_parser as add_chaos_parser
+from recovery.cli import add_parser as add_events_parser
 from resilient.config import env_token
 from resilient.errors import ConfigError, LauncherError
 from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
@@ -35,11 +36,6 @@ budget (--max-restarts) is spent, the next failure stops every rank and the laun
 exits with that rank's exit code (128+N for death by signal N). Ctrl-C or SIGTERM
 stop every rank (SIGTERM, then SIGKILL after a grace period) and exit with 130/143.
 Each rank's output is printed with a "[rank N]" prefix."""
-
-_EVENTS_DESCRIPTION = """\
-Merge the recovery event logs of a run directory into one timeline, ordered by time
-and epoch: which fault was seen by whom, which recovery action was taken, and how
-long each rank stalled."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,24 +141,6 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_unimplemented(
-    subparsers: argparse._SubParsersAction[_Parser],
-    name: str,
-    summary: str,
-    description: str,
-    positional: tuple[str, str],
-) -> None:
-    cmd = subparsers.add_parser(
-        name,
-        help=summary,
-        description=description,
-        epilog="Not implemented yet: this release only reserves the command.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cmd.add_argument(positional[0], nargs="?", help=positional[1])
-    cmd.set_defaults(handler=_not_implemented(name))
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``resilient`` argument parser (exposed for documentation and tests)."""
     parser = _Parser(
@@ -177,13 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run(subparsers)
     add_chaos_parser(subparsers)
-    _add_unimplemented(
-        subparsers,
-        "events",
-        "merge the recovery event logs of a run directory into one timeline",
-        _EVENTS_DESCRIPTION,
-        ("run_dir", "run directory (the --run-dir of 'resilient run')"),
-    )
+    add_events_parser(subparsers)
     return parser
 
 
@@ -204,14 +176,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if token := env_token():
         config = dataclasses.replace(config, token=token)
     return Launcher(config).run()
-
-
-def _not_implemented(name: str) -> _Handler:
-    def handler(args: argparse.Namespace) -> int:
-        print(f"{_PROG}: error: '{_PROG} {name}' is not implemented yet", file=sys.stderr)
-        return _USAGE_ERROR
-
-    return handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:

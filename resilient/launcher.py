@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from resilient._launch_io import (
     RankOutput,
@@ -48,6 +48,7 @@ from resilient.errors import ConfigError, LauncherError, MembershipError
 
 if TYPE_CHECKING:
     from membership.server import EmbeddedEtcd
+    from recovery.events import EventLog
 
 __all__ = [
     "MAX_LOCAL_RANKS",
@@ -255,6 +256,11 @@ class _Run:
         self._etcd_url = config.etcd or ""
         self._master_port = 0
         self._restarts = 0
+        self._events: EventLog | None = None
+        if config.run_dir is not None:
+            from recovery.events import EventLog
+
+            self._events = EventLog(config.run_dir, job=config.job, rank=-1, name="launcher")
 
     def execute(self) -> int:
         """Start everything and supervise until the job ends; return the exit code.
@@ -282,6 +288,8 @@ class _Run:
             self._stop_ranks()
         finally:
             self._out.close()
+            if self._events is not None:
+                self._events.close()
             if self._etcd is not None:
                 self._etcd.stop()
                 self._etcd = None
@@ -312,6 +320,13 @@ class _Run:
             return None
         what = f"rank {slot.rank} exited with {describe_exit(code)}"
         budget = self._cfg.max_restarts
+        self._event(
+            "rank.lost",
+            rank=slot.rank,
+            incarnation=slot.incarnation,
+            reason=what,
+            action="restart" if self._restarts < budget else "stop the job (no restarts left)",
+        )
         if self._restarts < budget:
             self._restarts += 1
             slot.incarnation += 1
@@ -320,11 +335,21 @@ class _Run:
                 f"({self._restarts}/{budget} restarts used)"
             )
             self._start(slot)
+            self._event(
+                "recovery.started",
+                rank=slot.rank,
+                incarnation=slot.incarnation,
+                action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}",
+            )
             return None
         self._out.notice(
             f"{what}; no restarts left ({self._restarts}/{budget} used); stopping the other ranks"
         )
         return shell_exit_code(code)
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.emit(kind, **fields)
 
     def pids(self) -> dict[int, int]:
         """The pid of every rank whose process is running now."""

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
+from recovery import events
 from resilient import _faults
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
@@ -118,8 +119,19 @@ class Link:
     def _injected_failure(self, what: str) -> None:
         h = _faults.hook()
         if h is not None and h.failed(self.rank, self.peer, self.rail):
+            raise self._failed(f"{self}: {what} failed: fault injected by chaos control")
+
+    def _failed(self, message: str) -> LinkError:
+        """Mark the link broken and log ``link.down`` once; returns the error to raise."""
+        if not self.broken:
             self.broken = True
-            raise LinkError(f"{self}: {what} failed: fault injected by chaos control")
+            events.emit(
+                "link.down",
+                links=[(self.rank, self.peer, self.rail)],
+                reason=message,
+                action="raised LinkError",
+            )
+        return LinkError(message)
 
     def isend(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
@@ -127,8 +139,7 @@ class Link:
         try:
             return self.pg.send([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
-            self.broken = True
-            raise LinkError(f"{self}: send failed: {exc}") from exc
+            raise self._failed(f"{self}: send failed: {exc}") from exc
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a receive into a contiguous tensor."""
@@ -136,8 +147,7 @@ class Link:
         try:
             return self.pg.recv([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
-            self.broken = True
-            raise LinkError(f"{self}: recv failed: {exc}") from exc
+            raise self._failed(f"{self}: recv failed: {exc}") from exc
 
     def wait(self, work: Any, nbytes: int) -> None:
         """Wait for ``work`` within the deadline for ``nbytes``.
@@ -150,8 +160,7 @@ class Link:
         try:
             work.wait(timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
-            self.broken = True
-            raise LinkError(
+            raise self._failed(
                 f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
             ) from exc
         h = _faults.hook()

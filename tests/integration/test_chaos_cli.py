@@ -24,7 +24,7 @@ SCRIPT = ROOT / "examples" / "train_ddp.py"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the netns testbed needs root")
 
 
-def _scenario(tmp: Path, body: str, *, topology: str, steps: int) -> Path:
+def _scenario(tmp: Path, body: str, *, topology: str, steps: int, job_extra: str = "") -> Path:
     path = tmp / "scenario.toml"
     path.write_text(
         f"""
@@ -37,6 +37,7 @@ rails = 2
 steps = {steps}
 topology = "{topology}"
 timeout_s = 150.0
+{job_extra}
 {body}
 """
     )
@@ -233,3 +234,35 @@ params_equal_across_ranks = true
         assert fault["detail"]["injected"].startswith("in-process")
     assert report["step_ms"]["slowdown"] > 1.5
     assert "[in-process, via etcd fault control]" in stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_loopback_nic_down_is_detected_in_the_event_log(tmp_path: Path) -> None:
+    body = """
+[[fault]]
+kind = "nic-down"
+rank = 1
+rail = 0
+at_step = 15
+duration_s = 1.0
+[expect]
+max_detect_ms = 1000.0
+"""
+    # No restarts: once the ranks fail, the run ends at once.
+    scenario = _scenario(
+        tmp_path, body, topology="loopback", steps=80, job_extra="max_restarts = 0"
+    )
+    out = tmp_path / "out"
+    _, stdout, stderr = _finish(_chaos(scenario, out, "--json", "--quiet"), 150)
+    report = json.loads(stdout.strip().splitlines()[-1])
+    (fault,) = report["faults"]
+    # The ranks' links on rail 0 to rank 1 fail at their next op and log link.down.
+    assert fault["detected"] == "link.down", stderr[-2000:]
+    assert 0 <= fault["detect_ms"] < 1000.0
+    timeline = subprocess.run(
+        [sys.executable, "-m", "resilient", "events", str(out / "run"), "--kind", "fault.,link."],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lines = timeline.stdout.splitlines()
+    assert "fault.injected" in lines[1] and "1-*@r0" in lines[1]
+    assert any("link.down" in line and "@r0" in line for line in lines[2:])

@@ -76,18 +76,6 @@ def test_chaos_help_and_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize(("command", "phrase"), [("events", "into one timeline")])
-def test_reserved_commands_have_help_and_exit_2(
-    command: str, phrase: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main([command, "--help"]) == 0
-    assert phrase in capsys.readouterr().out
-    assert main([command]) == 2
-    err = capsys.readouterr().err
-    assert err == f"resilient: error: 'resilient {command}' is not implemented yet\n"
-
-
-@pytest.mark.timeout(10)
 def test_top_level_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
