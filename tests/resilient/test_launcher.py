@@ -289,8 +289,9 @@ record("env", env=dict(os.environ), health=health)
     for rank, rec in enumerate(envs):
         env: dict[str, str] = rec["env"]
         assert rec["health"] == "true"
-        assert {v.value for v in RankVar} - {RankVar.RUN_DIR.value} <= env.keys()
-        assert RankVar.RUN_DIR.value not in env
+        optional = {RankVar.RUN_DIR.value, RankVar.FAULT_CONTROL.value}  # set only when asked
+        assert {v.value for v in RankVar} - optional <= env.keys()
+        assert not optional & env.keys()
         assert env["RESILIENT_TEST_PASSTHROUGH"] == "kept"
         assert env["PYTHONUNBUFFERED"] == env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
         parsed = RankEnv.from_env(env)
