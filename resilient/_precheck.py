@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
 from torch._C._distributed_c10d import Store
 
-from resilient._signature import Signature, check_signatures
+from resilient._signature import Exchange, Signature, check_signatures
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
 from resilient.links import LinkTable
@@ -47,8 +47,10 @@ class SignatureChannel:
         store: Store,
         config: DataPlaneConfig,
         epoch: int = 0,
+        rates: Callable[[], Sequence[float]] | None = None,
     ) -> None:
         self.rank = rank
+        self._rates = rates
         links = LinkTable(
             rank=rank, rails=(rail_address,), store=store, config=config, epoch=epoch, name="ctl"
         )
@@ -57,7 +59,7 @@ class SignatureChannel:
         self._done = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue[
-            tuple[int, Signature, Payload | None, bool, Future[torch.Tensor]] | None
+            tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None
         ]
         self._queue = queue.Queue()
         self._thread = threading.Thread(
@@ -67,14 +69,14 @@ class SignatureChannel:
 
     def submit(
         self, sig: Signature, payload: Payload | None = None, *, after_previous: bool = False
-    ) -> Future[torch.Tensor]:
+    ) -> Future[Exchange]:
         """Schedule the exchange of ``sig``; the future holds every rank's inline bytes.
 
         With ``after_previous`` (or a ``payload``) the exchange waits until every
         earlier call was marked done. The future raises CollectiveMismatch or LinkError.
         """
         self._submitted += 1
-        fut: Future[torch.Tensor] = Future()
+        fut: Future[Exchange] = Future()
         quiet = after_previous or payload is not None
         self._queue.put((self._submitted, sig.with_seq(self._submitted), payload, quiet, fut))
         return fut
@@ -106,6 +108,7 @@ class SignatureChannel:
                 if quiet:
                     self._wait_done(seq - 1)
                 data = payload() if payload is not None else None
-                fut.set_result(check_signatures(self.engine, sig, self.rank, data))
+                rates = self._rates() if self._rates is not None else ()
+                fut.set_result(check_signatures(self.engine, sig, self.rank, data, rates))
             except BaseException as exc:  # the waiting collective re-raises it
                 fut.set_exception(exc)

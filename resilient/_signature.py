@@ -25,7 +25,7 @@ from resilient.errors import CollectiveMismatch
 if TYPE_CHECKING:
     from resilient.collectives import Reduce, RingEngine
 
-__all__ = ["Signature", "check_signatures"]
+__all__ = ["Exchange", "Signature", "check_signatures"]
 
 _OPS = (
     "allreduce",
@@ -49,8 +49,11 @@ _REDUCES = (None, "sum", "avg", "product", "min", "max")
 SUPPORTED_DTYPES = tuple(d for d in _DTYPES if d is not None)
 _MAX_DIMS = 8
 _HEADER = 8 + _MAX_DIMS
+# After the header: each rank's measured rate of each rail (bytes/s), for the
+# learned rail weights. Not part of the signature: ranks legitimately differ there.
+MAX_RAILS = 8
 INLINE_BYTES = 2048
-_WIDTH = _HEADER + INLINE_BYTES // 8
+_WIDTH = _HEADER + MAX_RAILS + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -144,14 +147,28 @@ def _differences(rows: list[list[int]]) -> list[str]:
     return fields or ["shape"]
 
 
-def check_signatures(
-    engine: RingEngine, sig: Signature, rank: int, payload: torch.Tensor | None = None
-) -> torch.Tensor:
-    """All-gather every rank's signature (and up to INLINE_BYTES of ``payload``).
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """What one signature exchange agreed on.
 
-    Returns every rank's payload bytes as a ``(world, INLINE_BYTES)`` uint8 tensor
-    (all-zero rows where no payload was given). Raises on all ranks if signatures
-    differ, before any data moved.
+    ``inline``: every rank's payload bytes, ``(world, INLINE_BYTES)`` uint8 (zero
+    rows where none was given); ``rates``: every rank's measured rail rates.
+    """
+
+    seq: int
+    inline: torch.Tensor
+    rates: list[list[int]]
+
+
+def check_signatures(
+    engine: RingEngine,
+    sig: Signature,
+    rank: int,
+    payload: torch.Tensor | None = None,
+    rates: Sequence[float] = (),
+) -> Exchange:
+    """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
+    ``payload``. Raises on all ranks if signatures differ, before any data moved.
 
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.
@@ -160,16 +177,22 @@ def check_signatures(
     world = engine.world
     table = torch.zeros((world, _WIDTH), dtype=torch.int64)
     table[rank, :_HEADER] = sig.encode()
+    for rail, rate in enumerate(rates[:MAX_RAILS]):
+        table[rank, _HEADER + rail] = int(rate)
+    body = _HEADER + MAX_RAILS
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         if raw.numel() > INLINE_BYTES:
             raise ValueError(f"inline payload of {raw.numel()} B exceeds {INLINE_BYTES} B")
-        table[rank, _HEADER:].view(torch.uint8)[: raw.numel()].copy_(raw)
+        table[rank, body:].view(torch.uint8)[: raw.numel()].copy_(raw)
     engine.all_gather(table.view(-1))
-    inline = table[:, _HEADER:].contiguous().view(torch.uint8)
     rows = [[int(v) for v in r] for r in table[:, :_HEADER].tolist()]
     if all(r == rows[0] for r in rows):
-        return inline
+        return Exchange(
+            seq=sig.seq,
+            inline=table[:, body:].contiguous().view(torch.uint8),
+            rates=table[:, _HEADER:body].tolist(),
+        )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(tuple(row), []).append(r)

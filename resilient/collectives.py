@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ from resilient.links import LinkTable
 __all__ = ["Reduce", "RingEngine", "fold_rows"]
 
 logger = logging.getLogger(__name__)
+
+# A rail's share of a collective must be at least this big to say how fast it is.
+_MIN_MEASURED_BYTES = 48 << 10
+_RATE_ALPHA = 0.5
+
+
+def _rail_bytes(pieces: Sequence[Sequence[Span]], elem: int) -> list[int]:
+    """What each rail carries in a schedule, in bytes of its pieces."""
+    return [sum(p.size for p in rail) * elem for rail in pieces]
 
 
 class Reduce(enum.Enum):
@@ -130,6 +140,9 @@ class RingEngine:
         self.single_rail_below_bytes = single_rail_below_bytes
         self._scratch: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
+        # Measured speed of each rail (bytes/s, smoothed; 0 = not measured yet): what
+        # this rank proposes for the learned rail weights (see resilient._weights).
+        self.rail_rates: tuple[float, ...] = (0.0,) * self.num_rails
 
     @property
     def left(self) -> int:
@@ -190,7 +203,10 @@ class RingEngine:
             return
         whole = [Span(0, flat.numel())]
         pieces = rail_pieces(whole, self._weights_for(flat))
-        self._run_rails(lambda rail: self._chain(flat, pieces[rail][0], rail, root))
+        self._run_rails(
+            lambda rail: self._chain(flat, pieces[rail][0], rail, root),
+            _rail_bytes(pieces, flat.element_size()),
+        )
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, dtype=torch.int32), Reduce.SUM)
@@ -248,7 +264,7 @@ class RingEngine:
             else:
                 m.reduce_scatter(_REDUCERS[op], then_gather=gather)
 
-        self._run_rails(run)
+        self._run_rails(run, _rail_bytes(pieces, elem))
 
     def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
         """Sub-chunks per piece: ``sub_chunk_bytes`` each, but at most MAX_SUBS.
@@ -280,21 +296,45 @@ class RingEngine:
             )
             for rail in range(self.num_rails)
         ]
-        self._run_rails(lambda rail: self._ring_rail(flat, plans[rail], op))
+        self._run_rails(
+            lambda rail: self._ring_rail(flat, plans[rail], op), _rail_bytes(pieces, elem)
+        )
 
-    def _run_rails(self, fn: Callable[[int], None]) -> None:
+    def _run_rails(self, fn: Callable[[int], None], nbytes: Sequence[int] = ()) -> None:
+        """Run ``fn(rail)`` for every rail concurrently; with ``nbytes`` (what each rail
+        moves, in any fixed unit) also time each rail to learn its rate."""
+        times = [0.0] * self.num_rails
+
+        def timed(rail: int) -> None:
+            start = time.perf_counter()
+            fn(rail)
+            times[rail] = time.perf_counter() - start
+
         futures: list[Future[None]] = [
-            self._pool.submit(fn, rail) for rail in range(1, self.num_rails)
+            self._pool.submit(timed, rail) for rail in range(1, self.num_rails)
         ]
         error: BaseException | None = None
         try:
-            fn(0)
+            timed(0)
         except BaseException as exc:
             error = exc
         for fut in futures:
             error = error or fut.exception()
         if error is not None:
             raise error
+        if nbytes and self.num_rails > 1:
+            self._learn(nbytes, times)
+
+    def _learn(self, nbytes: Sequence[int], times: Sequence[float]) -> None:
+        rates = list(self.rail_rates)
+        for rail, (size, secs) in enumerate(zip(nbytes, times, strict=True)):
+            # Tiny shares measure latency, not bandwidth; they keep the old estimate.
+            if size < _MIN_MEASURED_BYTES or secs <= 0:
+                continue
+            rate = size / secs
+            old = rates[rail]
+            rates[rail] = rate if old <= 0 else (1 - _RATE_ALPHA) * old + _RATE_ALPHA * rate
+        self.rail_rates = tuple(rates)
 
     def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce) -> None:
         send_link = self.links.get(self.right, plan.rail)

@@ -145,9 +145,13 @@ class DataPlaneConfig:
     ``mesh_below_bytes``, ring otherwise).
     Collectives under ``single_rail_below_bytes`` use only the heaviest rail: below
     that, splitting costs more in per-op latency than it gains in bandwidth.
+    ``learn_rail_weights``: with several rails, no explicit ``rail_weights`` and
+    ``check_mismatch`` on, weights follow the measured rail rates (agreed by all
+    ranks in the signature exchange; see :mod:`resilient._weights`).
     """
 
     rail_weights: tuple[float, ...] | None = None
+    learn_rail_weights: bool = True
     sub_chunk_bytes: int = 1 << 20
     connect_timeout_s: float = 60.0
     op_timeout_floor_s: float = 10.0
@@ -183,7 +187,8 @@ class DataPlaneConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> DataPlaneConfig:
         """Read ``RESILIENT_SUB_CHUNK_BYTES``, ``RESILIENT_OP_TIMEOUT_S``,
         ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
-        ``RESILIENT_TOPOLOGY`` (auto/ring/mesh) and ``RESILIENT_CHECK_MISMATCH`` (0/1).
+        ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1) and
+        ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -197,17 +202,26 @@ class DataPlaneConfig:
                 weights = tuple(float(w) for w in weights_raw.split(","))
             except ValueError as exc:
                 raise ConfigError(f"{p}RAIL_WEIGHTS={weights_raw!r}: not numbers") from exc
-        check = env.get(p + "CHECK_MISMATCH", "1").strip().lower()
-        if check not in ("0", "1", "true", "false", "yes", "no"):
-            raise ConfigError(f"{p}CHECK_MISMATCH={check!r}: use 0 or 1")
+        check = _env_flag(env, p + "CHECK_MISMATCH", True)
+        learn = _env_flag(env, p + "LEARN_RAIL_WEIGHTS", True)
         return cls(
             rail_weights=weights,
             sub_chunk_bytes=_env_int(env, p + "SUB_CHUNK_BYTES", 1 << 20),
             connect_timeout_s=_env_float(env, p + "CONNECT_TIMEOUT_S", 60.0),
             op_timeout_floor_s=_env_float(env, p + "OP_TIMEOUT_S", 10.0),
-            check_mismatch=check in ("1", "true", "yes"),
+            check_mismatch=check,
+            learn_rail_weights=learn,
             topology=env.get(p + "TOPOLOGY", "auto").strip().lower() or "auto",
         )
+
+
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(f"{name}={raw!r}: use 0 or 1")
+    return raw in ("1", "true", "yes")
 
 
 def env_token(env: Mapping[str, str] | None = None) -> str | None:

@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
+from resilient._weights import WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
@@ -95,6 +96,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._store, self._epoch = store, epoch
         self._cuda: RingEngine | None = None
         self._channel: SignatureChannel | None = None
+        # Learned rail weights ride on the signature exchange (every rank sees every
+        # rank's rates there); explicit RESILIENT_RAIL_WEIGHTS turn learning off.
+        learn = (
+            self.config.learn_rail_weights
+            and self.config.rail_weights is None
+            and len(self.rails) > 1
+        )
+        self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
@@ -103,6 +112,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 store=store,
                 config=self.config,
                 epoch=epoch,
+                rates=self._proposed_rates if self._learner is not None else None,
             )
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -151,7 +161,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
         def run() -> Any:
             try:
-                return fn(verdict.result() if verdict is not None else None)
+                exchange = verdict.result() if verdict is not None else None
+                if exchange is None:
+                    return fn(None)
+                if self._learner is not None:
+                    # A safe boundary: every rank sets the same weights before any
+                    # data of this call moves.
+                    self.engine.weights = self._learner.weights_for(exchange)
+                return fn(exchange.inline)
             finally:
                 if channel is not None:
                     channel.mark_done()
@@ -165,6 +182,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         ranks once their signatures matched: it depends only on numel and dtype)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return self._channel is not None and nbytes <= INLINE_BYTES
+
+    def _proposed_rates(self) -> tuple[float, ...]:
+        return self.engine.rail_rates
 
     @staticmethod
     def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
