@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # A rail's share of a collective must be at least this big to say how fast it is.
 _MIN_MEASURED_BYTES = 48 << 10
-_RATE_ALPHA = 0.5
+_RATE_ALPHA = 0.25
 
 
 def _rail_bytes(pieces: Sequence[Sequence[Span]], elem: int) -> list[int]:
