@@ -21,10 +21,15 @@ from chaos.scenario import Scenario
 __all__ = ["FaultRecord", "RunFacts", "build_report", "render"]
 
 REPORT_VERSION: Final = 1
-# Event kinds that count as the library noticing a fault, and as it acting on one.
-DETECT_KINDS: Final = frozenset(
-    {"link.down", "link.degraded", "nic.down", "rank.lost", "straggler.suspected"}
-)
+# Event kinds that count as the library noticing each kind of fault.
+_LINK_SIGNS: Final = frozenset({"link.down", "link.degraded", "nic.down"})
+DETECT_KINDS: Final = {
+    "kill": frozenset({"rank.lost", "link.down"}),
+    "hang": frozenset({"rank.lost", "link.down", "straggler.suspected"}),
+    "slow": frozenset({"straggler.suspected", "straggler.confirmed"}),
+    "etcd-kill": frozenset(),
+    **{k: _LINK_SIGNS for k in ("nic-down", "nic-up", "flap", "throttle", "drop", "partition")},
+}
 ACTION_KINDS: Final = frozenset(
     {
         "link.rerouted",
@@ -142,7 +147,8 @@ def _events_for(fault: FaultRecord, facts: RunFacts, until: float | None) -> dic
     start = facts.t0 + fault.fired_s
     stop = facts.t0 + until if until is not None else float("inf")
     after = [e for e in facts.events if start <= float(e.get("ts", 0.0)) < stop]
-    detect = next((e for e in after if e.get("kind") in DETECT_KINDS), None)
+    signs = DETECT_KINDS.get(fault.kind, frozenset())
+    detect = next((e for e in after if e.get("kind") in signs), None)
     recoveries = [
         float(e["duration_ms"]) / 1e3
         for e in after
@@ -314,12 +320,19 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
 
 
 def _straggler_confirmed(facts: RunFacts) -> int | None:
-    """Steps from the first fault to the first ``straggler.confirmed`` event, if any."""
+    """Training steps from the first fault to the first ``straggler.confirmed`` event."""
     fired = [f for f in facts.faults if f.fired_s is not None and f.fired_step is not None]
-    confirmed = [e for e in facts.events if e.get("kind") == "straggler.confirmed"]
-    if not fired or not confirmed or "step" not in confirmed[0]:
+    if not fired:
         return None
-    return int(confirmed[0]["step"]) - int(fired[0].fired_step or 0)
+    start = facts.t0 + float(fired[0].fired_s or 0.0)
+    confirmed = [e for e in facts.events
+                 if e.get("kind") == "straggler.confirmed" and float(e["ts"]) >= start]  # fmt: skip
+    if not confirmed:
+        return None
+    when = float(confirmed[0]["ts"])
+    # The step the job had reached then (the furthest rank), from the progress samples.
+    reached = [s for t in facts.progress.values() for ts, s, _ in t.samples if ts <= when]
+    return max(reached, default=0) - int(fired[0].fired_step or 0)
 
 
 def _fmt(value: Any) -> str:

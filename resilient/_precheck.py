@@ -59,7 +59,7 @@ class SignatureChannel:
         self._done = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue[
-            tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None
+            tuple[int, Signature, Payload | None, bool, int, Future[Exchange]] | None
         ]
         self._queue = queue.Queue()
         self._thread = threading.Thread(
@@ -68,17 +68,24 @@ class SignatureChannel:
         self._thread.start()
 
     def submit(
-        self, sig: Signature, payload: Payload | None = None, *, after_previous: bool = False
+        self,
+        sig: Signature,
+        payload: Payload | None = None,
+        *,
+        after_previous: bool = False,
+        busy_us: int = 0,
     ) -> Future[Exchange]:
-        """Schedule the exchange of ``sig``; the future holds every rank's inline bytes.
+        """Schedule the exchange of ``sig``; the future holds the :class:`Exchange`.
 
         With ``after_previous`` (or a ``payload``) the exchange waits until every
-        earlier call was marked done. The future raises CollectiveMismatch or LinkError.
+        earlier call was marked done. ``busy_us``: how long this rank computed before
+        the call. The future raises CollectiveMismatch or LinkError.
         """
         self._submitted += 1
         fut: Future[Exchange] = Future()
         quiet = after_previous or payload is not None
-        self._queue.put((self._submitted, sig.with_seq(self._submitted), payload, quiet, fut))
+        seq = self._submitted
+        self._queue.put((seq, sig.with_seq(seq), payload, quiet, busy_us, fut))
         return fut
 
     def mark_done(self) -> None:
@@ -103,12 +110,12 @@ class SignatureChannel:
             item = self._queue.get()
             if item is None:
                 return
-            seq, sig, payload, quiet, fut = item
+            seq, sig, payload, quiet, busy_us, fut = item
             try:
                 if quiet:
                     self._wait_done(seq - 1)
                 data = payload() if payload is not None else None
                 rates = self._rates() if self._rates is not None else ()
-                fut.set_result(check_signatures(self.engine, sig, self.rank, data, rates))
+                fut.set_result(check_signatures(self.engine, sig, self.rank, data, rates, busy_us))
             except BaseException as exc:  # the waiting collective re-raises it
                 fut.set_exception(exc)

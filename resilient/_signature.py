@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +52,11 @@ _HEADER = 8 + _MAX_DIMS
 # After the header: each rank's measured rate of each rail (bytes/s), for the
 # learned rail weights. Not part of the signature: ranks legitimately differ there.
 MAX_RAILS = 8
+# Then how long the rank was busy (outside collectives) before this call, in us:
+# what straggler detection compares across ranks.
+_BUSY = _HEADER + MAX_RAILS
 INLINE_BYTES = 2048
-_WIDTH = _HEADER + MAX_RAILS + INLINE_BYTES // 8
+_WIDTH = _BUSY + 1 + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -152,12 +155,14 @@ class Exchange:
     """What one signature exchange agreed on.
 
     ``inline``: every rank's payload bytes, ``(world, INLINE_BYTES)`` uint8 (zero
-    rows where none was given); ``rates``: every rank's measured rail rates.
+    rows where none was given); ``rates``: every rank's measured rail rates;
+    ``busy_us``: how long each rank computed before this call.
     """
 
     seq: int
     inline: torch.Tensor
     rates: list[list[int]]
+    busy_us: list[int] = field(default_factory=list)
 
 
 def check_signatures(
@@ -166,6 +171,7 @@ def check_signatures(
     rank: int,
     payload: torch.Tensor | None = None,
     rates: Sequence[float] = (),
+    busy_us: int = 0,
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
     ``payload``. Raises on all ranks if signatures differ, before any data moved.
@@ -179,7 +185,8 @@ def check_signatures(
     table[rank, :_HEADER] = sig.encode()
     for rail, rate in enumerate(rates[:MAX_RAILS]):
         table[rank, _HEADER + rail] = int(rate)
-    body = _HEADER + MAX_RAILS
+    table[rank, _BUSY] = busy_us
+    body = _BUSY + 1
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         if raw.numel() > INLINE_BYTES:
@@ -191,7 +198,8 @@ def check_signatures(
         return Exchange(
             seq=sig.seq,
             inline=table[:, body:].contiguous().view(torch.uint8),
-            rates=table[:, _HEADER:body].tolist(),
+            rates=table[:, _HEADER:_BUSY].tolist(),
+            busy_us=table[:, _BUSY].tolist(),
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):

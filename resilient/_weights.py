@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 QUANTUM: Final = 1024
 PROBE_EVERY: Final = 64
 PROBE_SHARE: Final = 1 / 16
-CONFIRM_CALLS: Final = 3
+CONFIRM_CALLS: Final = 5
 
 
 def agreed_weights(

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # A rail's share of a collective must be at least this big to say how fast it is.
 _MIN_MEASURED_BYTES = 48 << 10
 _RATE_ALPHA = 0.25
+_WARMUP_CALLS = 3
 
 
 def _rail_bytes(pieces: Sequence[Sequence[Span]], elem: int) -> list[int]:
@@ -143,6 +144,7 @@ class RingEngine:
         # Measured speed of each rail (bytes/s, smoothed; 0 = not measured yet): what
         # this rank proposes for the learned rail weights (see resilient._weights).
         self.rail_rates: tuple[float, ...] = (0.0,) * self.num_rails
+        self._measured = [0] * self.num_rails
 
     @property
     def left(self) -> int:
@@ -331,6 +333,9 @@ class RingEngine:
             # Tiny shares measure latency, not bandwidth; they keep the old estimate.
             if size < _MIN_MEASURED_BYTES or secs <= 0:
                 continue
+            self._measured[rail] += 1
+            if self._measured[rail] <= _WARMUP_CALLS:
+                continue  # first calls pay for page faults and thread start-up
             rate = size / secs
             old = rates[rail]
             rates[rail] = rate if old <= 0 else (1 - _RATE_ALPHA) * old + _RATE_ALPHA * rate

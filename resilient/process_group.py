@@ -18,6 +18,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -29,6 +30,7 @@ from torch.futures import Future
 
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
+from resilient._stragglers import StragglerWatch
 from resilient._weights import WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
@@ -104,6 +106,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             and len(self.rails) > 1
         )
         self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
+        self._stragglers = StragglerWatch(rank, epoch)
+        self._last_done = time.monotonic()
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
@@ -157,7 +161,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
-        verdict = channel.submit(sig, payload, after_previous=after_previous) if channel else None
+        # Busy time: since this rank's previous call finished (0 if it still runs).
+        busy_us = max(0, int((time.monotonic() - self._last_done) * 1e6))
+        verdict = (
+            channel.submit(sig, payload, after_previous=after_previous, busy_us=busy_us)
+            if channel
+            else None
+        )
 
         def run() -> Any:
             try:
@@ -168,8 +178,10 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     # A safe boundary: every rank sets the same weights before any
                     # data of this call moves.
                     self.engine.weights = self._learner.weights_for(exchange)
+                self._stragglers.observe(exchange)
                 return fn(exchange.inline)
             finally:
+                self._last_done = time.monotonic()
                 if channel is not None:
                     channel.mark_done()
 
