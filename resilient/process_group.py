@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
+from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
 from resilient._stragglers import StragglerWatch
@@ -107,6 +108,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
         self._stragglers = StragglerWatch(rank, epoch)
+        # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
+        self.nics = NicMonitor(rank, self.rails).start()
         self._last_done = time.monotonic()
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
@@ -208,6 +211,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
+        self.nics.stop()
         self._queue.put(None)
         self._thread.join(timeout=60)
         if self._channel is not None:
