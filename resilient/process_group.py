@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
+from resilient._args import check_tensors, reduce_op
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
-from resilient._signature import INLINE_BYTES, SUPPORTED_DTYPES, Signature
+from resilient._signature import INLINE_BYTES, Signature
 from resilient._stragglers import StragglerWatch
 from resilient._weights import WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
@@ -43,15 +44,6 @@ __all__ = ["ResilientProcessGroup", "ResilientWork"]
 
 
 logger = logging.getLogger(__name__)
-
-
-_REDUCE_OPS = {
-    dist.ReduceOp.SUM: Reduce.SUM,
-    dist.ReduceOp.AVG: Reduce.AVG,
-    dist.ReduceOp.PRODUCT: Reduce.PRODUCT,
-    dist.ReduceOp.MIN: Reduce.MIN,
-    dist.ReduceOp.MAX: Reduce.MAX,
-}
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
@@ -221,26 +213,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 engine.close()
                 engine.links.close()
 
-    # -- argument checks (raise on the caller's thread) ---------------------------------
-    @staticmethod
-    def _check(op: str, tensors: Sequence[torch.Tensor]) -> None:
-        devices = {t.device for t in tensors}
-        if len(devices) > 1:
-            raise ValueError(
-                f"resilient {op}: tensors on several devices {sorted(map(str, devices))}"
-            )
-        for t in tensors:
-            if t.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
-            if t.device.type == "cuda" and not dist.is_nccl_available():
-                raise NotImplementedError(
-                    f"resilient {op}: CUDA tensors need NCCL, which this torch build lacks"
-                )
-            if t.device.type not in ("cpu", "cuda"):
-                raise NotImplementedError(
-                    f"resilient {op}: {t.device.type} tensors are not supported (cpu, cuda)"
-                )
-
+    # -- engines ------------------------------------------------------------------------
     def _engine_for(self, t: torch.Tensor) -> RingEngine:
         """The CPU engine (gloo links), or the CUDA one (NCCL pair links), built lazily."""
         if t.device.type != "cuda":
@@ -278,21 +251,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         topo = self.config.topology
         return topo == "mesh" or (topo == "auto" and world <= self.config.mesh_max_world)
 
-    @staticmethod
-    def _reduce_op(op: str, opts: Any) -> Reduce:
-        # opts.reduceOp is a ReduceOp wrapper (or the bare enum); key on the enum.
-        red = _REDUCE_OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
-        if red is None:
-            raise NotImplementedError(f"resilient {op}: reduce op {opts.reduceOp} is not supported")
-        return red
-
     # -- collectives -------------------------------------------------------------------
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
         opts = opts or dist.AllreduceOptions()
-        self._check("allreduce", tensors)
-        red = self._reduce_op("allreduce", opts)
+        check_tensors("allreduce", tensors)
+        red = reduce_op("allreduce", opts)
         sig = Signature.of("allreduce", tensors, reduce=red)
 
         inline = self._inline(tensors)
@@ -316,7 +281,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
         opts = opts or dist.BroadcastOptions()
-        self._check("broadcast", tensors)
+        check_tensors("broadcast", tensors)
         root = int(opts.rootRank)
         sig = Signature.of("broadcast", tensors, root=root)
 
@@ -344,7 +309,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
         outs, inp = output_tensors[0], input_tensors[0]
-        self._check("allgather", [inp, *outs])
+        check_tensors("allgather", [inp, *outs])
         if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
             raise ValueError(
                 f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
@@ -362,7 +327,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
-        self._check("all_gather_into_tensor", [output, input])
+        check_tensors("all_gather_into_tensor", [output, input])
         if output.numel() != input.numel() * self.size():
             raise ValueError(
                 f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
@@ -394,12 +359,12 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if len(output_tensors) != 1 or len(input_tensors) != 1:
             raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
         out, ins = output_tensors[0], input_tensors[0]
-        self._check("reduce_scatter", [out, *ins])
+        check_tensors("reduce_scatter", [out, *ins])
         if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
             raise ValueError(
                 f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
             )
-        red = self._reduce_op("reduce_scatter", opts)
+        red = reduce_op("reduce_scatter", opts)
         sig = Signature.of("reduce_scatter", [out], reduce=red)
 
         def run(_: torch.Tensor | None) -> list[torch.Tensor]:
@@ -413,13 +378,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
         opts = opts or dist.ReduceScatterOptions()
-        self._check("reduce_scatter_tensor", [output, input])
+        check_tensors("reduce_scatter_tensor", [output, input])
         if input.numel() != output.numel() * self.size():
             raise ValueError(
                 f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
                 f"need {output.numel() * self.size()}"
             )
-        red = self._reduce_op("reduce_scatter_tensor", opts)
+        red = reduce_op("reduce_scatter_tensor", opts)
         sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
 
         def run(_: torch.Tensor | None) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from resilient._args import check_tensors
 from tests._dist import run_world
 
 needs_gpus = pytest.mark.skipif(
@@ -38,9 +39,8 @@ def test_cuda_all_reduce_and_all_gather_over_nccl_links() -> None:
 
 @pytest.mark.timeout(10)
 def test_unsupported_device_or_mixed_devices_are_clear_errors() -> None:
-    from resilient.process_group import ResilientProcessGroup
 
     with pytest.raises(NotImplementedError, match="meta"):
-        ResilientProcessGroup._check("allreduce", [torch.empty(1, device="meta")])
+        check_tensors("allreduce", [torch.empty(1, device="meta")])
     with pytest.raises(ValueError, match="several devices"):
-        ResilientProcessGroup._check("allreduce", [torch.empty(1), torch.empty(1, device="meta")])
+        check_tensors("allreduce", [torch.empty(1), torch.empty(1, device="meta")])
