@@ -186,6 +186,9 @@ class _Controller:
         if rank is not None and rail is not None:
             peer = fault.param("peer")
             links = [(int(rank), -1 if peer is None else int(peer), int(rail))]
+        # Stamped with when the fault happened, not when this line runs: the ranks
+        # may log their detection before start() returns here.
+        when = rec.fired_s if kind == "fault.injected" else rec.stopped_s
         self._events.emit(
             kind,
             rank=-1 if rank is None else int(rank),
@@ -194,6 +197,7 @@ class _Controller:
             action=rec.error or "",
             step=rec.fired_step,
             fault=rec.index,
+            ts=self.t0 + (when or 0.0),
         )
 
     def _run(self) -> None:

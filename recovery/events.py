@@ -79,6 +79,8 @@ class EventLog:
 
     ``name`` defaults to ``rank-<rank>``. Raises ``ValueError`` from :meth:`emit`
     for a kind not in :data:`EVENT_KINDS` (a programming error, caught in tests).
+    Extra fields given to :meth:`emit` override the defaults (``ts=`` back-dates an
+    event to when it happened).
     """
 
     def __init__(

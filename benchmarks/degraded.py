@@ -1,0 +1,168 @@
+"""all_reduce when every NIC of one rank runs at a fraction b of the others' rate.
+
+    python benchmarks/degraded.py --ranks 4 --size-mb 4 --rate-mbit 400 --b 0.5
+
+Two runs, each measuring the resilient group and gloo on one rail (interleaved):
+healthy (every rank's address shaped at ``--rate-mbit``), then degraded (the last
+rank at ``b`` times that). The lower bound of the degraded all_reduce is
+``max(T_healthy, N / (b * B))``: the healthy ranks can do no better than their own
+ring, and the slow rank must at least send its N bytes and receive the N-byte
+result over its slow NIC (DESIGN.md). A ring (gloo's, and ours today) runs at
+``1/b`` of its healthy time instead. Prints a table, then a JSON line with ``b,
+resilient_ms, gloo_ms, bound_ms, resilient_over_bound, gloo_over_bound``.
+Needs root (tc on ``lo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from _common import (
+    CpuMeter,
+    TcShaper,
+    control_barrier,
+    gloo_group,
+    load_line,
+    max_over_ranks,
+    print_table,
+    rail_address,
+    run_ranks,
+    summarise,
+    tcp_store,
+)
+
+MB = 1 << 20
+NAMES = ("resilient", "gloo")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    world: int
+    numel: int
+    iters: int
+    warmup: int
+    timeout_s: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--size-mb", type=float, default=4.0, help="float32 MiB (default 4)")
+    p.add_argument("--rate-mbit", type=float, default=400.0, help="healthy NIC rate (400)")
+    p.add_argument("--b", type=float, default=0.5, help="slow rank's fraction of it (0.5)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (2)")
+    args = p.parse_args(argv)
+    if not 0 < args.b <= 1 or args.ranks < 3 or args.size_mb <= 0 or args.rate_mbit <= 0:
+        p.error("need 0 < b <= 1, ranks >= 3, size-mb > 0, rate-mbit > 0")
+    return args
+
+
+def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[float]]:
+    import torch
+
+    from resilient.config import DataPlaneConfig
+    from resilient.process_group import ResilientProcessGroup
+
+    torch.set_num_threads(1)
+    store = tcp_store(rank, world, port, plan.timeout_s)
+    addr = rail_address(rank, 0)
+    control = gloo_group(store, "bench/control", rank, world, ["127.0.0.1"], plan.timeout_s)
+    groups: dict[str, Any] = {
+        "gloo": gloo_group(store, "bench/gloo", rank, world, [addr], plan.timeout_s),
+        "resilient": ResilientProcessGroup(
+            rank=rank, world_size=world, rails=[addr], store=store,
+            config=DataPlaneConfig(connect_timeout_s=plan.timeout_s,
+                                   op_timeout_floor_s=plan.timeout_s),
+        ),
+    }  # fmt: skip
+    times: dict[str, list[float]] = {n: [] for n in NAMES}
+    src = torch.randn(plan.numel, generator=torch.Generator().manual_seed(rank))
+    t = src.clone()
+    wait = timedelta(seconds=plan.timeout_s)
+    try:
+        for it in range(plan.warmup + plan.iters):
+            for name in NAMES if it % 2 == 0 else NAMES[::-1]:
+                t.copy_(src)
+                control_barrier(control, plan.timeout_s)
+                start = time.perf_counter()
+                groups[name].allreduce([t]).wait(wait)
+                if it >= plan.warmup:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    finally:
+        groups["resilient"].shutdown()
+        groups["gloo"].shutdown()
+        control.shutdown()
+    return times
+
+
+def measure(plan: Plan, rates: dict[str, float]) -> dict[str, float]:
+    """Median (slowest rank per iteration) of each configuration under ``rates``."""
+    shaper = TcShaper()
+    shaper.remove_on_exit()
+    try:
+        shaper.install(rates)
+        results = run_ranks(rank_main, plan.world, (plan,), plan.timeout_s * 4)
+    finally:
+        shaper.remove()
+    per_iter = max_over_ranks(results)
+    return {n: summarise(v)["median"] for n, v in per_iter.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    TcShaper.check_available()
+    nbytes = int(args.size_mb * MB) // 4 * 4
+    rate_bps = args.rate_mbit * 1e6 / 8
+    # Generous: the degraded ring moves 2N(P-1)/P bytes through the slow NIC.
+    timeout = 30.0 + 4 * nbytes / (args.b * rate_bps)
+    plan = Plan(world=args.ranks, numel=nbytes // 4, iters=args.iters, warmup=args.warmup,
+                timeout_s=timeout)  # fmt: skip
+    addrs = [rail_address(r, 0) for r in range(args.ranks)]
+    meter, before = CpuMeter(), load_line()
+    healthy = measure(plan, {a: args.rate_mbit for a in addrs})
+    slow = {a: args.rate_mbit for a in addrs}
+    slow[addrs[-1]] = args.rate_mbit * args.b
+    degraded = measure(plan, slow)
+    floor_ms = nbytes / (args.b * rate_bps) * 1e3
+    bound = max(min(healthy.values()), floor_ms)
+    s = {
+        "bench": "degraded",
+        "ranks": args.ranks,
+        "size_mb": args.size_mb,
+        "rate_mbit": args.rate_mbit,
+        "b": args.b,
+        "iters": args.iters,
+        "healthy_ms": {n: round(v, 2) for n, v in healthy.items()},
+        "resilient_ms": round(degraded["resilient"], 2),
+        "gloo_ms": round(degraded["gloo"], 2),
+        "slow_nic_floor_ms": round(floor_ms, 2),
+        "bound_ms": round(bound, 2),
+        "resilient_over_bound": round(degraded["resilient"] / bound, 3),
+        "gloo_over_bound": round(degraded["gloo"] / bound, 3),
+        "load": [before, load_line()],
+        "cpu": meter.report(),
+    }
+    print(
+        f"all_reduce of {args.size_mb} MiB, {args.ranks} ranks on one rail at "
+        f"{args.rate_mbit} Mbit/s; rank {args.ranks - 1} at b={args.b}"
+    )
+    print_table(
+        ["config", "healthy ms", "degraded ms", "bound ms", "over bound"],
+        [
+            [n, f"{healthy[n]:.1f}", f"{degraded[n]:.1f}", f"{bound:.1f}",
+             f"{degraded[n] / bound:.3f}"]
+            for n in NAMES
+        ],
+    )  # fmt: skip
+    print(json.dumps(s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
