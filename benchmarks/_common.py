@@ -29,6 +29,7 @@ __all__ = [
     "CpuMeter",
     "TcShaper",
     "control_barrier",
+    "enter_netns",
     "gloo_group",
     "gloo_process_group",
     "load_line",
@@ -55,6 +56,23 @@ def set_parent_death_signal() -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def enter_netns(name: str | None) -> None:
+    """Move this (still single-threaded) process into network namespace ``name``.
+
+    Threads started afterwards (torch's, gloo's) inherit it. No-op for None.
+    """
+    if name is None:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 # -- gloo ------------------------------------------------------------------------------
@@ -357,11 +375,11 @@ def load_line() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-def tcp_store(rank: int, world: int, port: int, timeout_s: float) -> Any:
-    """The rendezvous store; rank 0 hosts it on 127.0.0.1."""
+def tcp_store(rank: int, world: int, port: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """The rendezvous store; rank 0 hosts it on ``host``."""
     from torch._C._distributed_c10d import TCPStore
 
-    return TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=timeout_s))
+    return TCPStore(host, port, world, rank == 0, timeout=timedelta(seconds=timeout_s))
 
 
 def print_conditions(s: dict[str, Any]) -> None:

@@ -2,15 +2,21 @@
 
     python benchmarks/degraded.py --ranks 4 --size-mb 4 --rate-mbit 400 --b 0.5
 
-Two runs, each measuring the resilient group and gloo on one rail (interleaved):
-healthy (every rank's address shaped at ``--rate-mbit``), then degraded (the last
-rank at ``b`` times that). The lower bound of the degraded all_reduce is
-``max(T_healthy, N / (b * B))``: the healthy ranks can do no better than their own
-ring, and the slow rank must at least send its N bytes and receive the N-byte
-result over its slow NIC (DESIGN.md). A ring (gloo's, and ours today) runs at
-``1/b`` of its healthy time instead. Prints a table, then a JSON line with ``b,
-resilient_ms, gloo_ms, bound_ms, resilient_over_bound, gloo_over_bound``.
-Needs root (tc on ``lo``).
+Each rank runs on its own host of the chaos netns testbed (one veth: the rail).
+Two runs, each measuring the resilient group and gloo on that rail (interleaved):
+healthy (every host's NIC at ``--rate-mbit``, tbf both ways, set with the chaos
+``throttle`` injector), then degraded (the last host's NIC at ``b`` times that).
+
+The lower bound of the degraded all_reduce is ``max(T_healthy, N / (b * B))``:
+the healthy ranks can do no better than their own ring, and the slow rank must at
+least send its N bytes and receive the N-byte result over its slow NIC
+(DESIGN.md). A ring (gloo's, and ours today) runs at ``1/b`` of its healthy time
+instead. Prints a table, then a JSON line with ``b, resilient_ms, gloo_ms,
+bound_ms, resilient_over_bound, gloo_over_bound``.
+
+Needs root (network namespaces, tc). Loopback shaping cannot stand in here: on
+``lo`` the connecting side of a link is unbound, so only half of a rank's
+connections would carry its address.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ from typing import Any
 
 from _common import (
     CpuMeter,
-    TcShaper,
     control_barrier,
+    enter_netns,
     gloo_group,
     load_line,
     max_over_ranks,
     print_table,
-    rail_address,
     run_ranks,
     summarise,
     tcp_store,
@@ -47,6 +52,10 @@ class Plan:
     iters: int
     warmup: int
     timeout_s: float
+    netns: tuple[str, ...]
+    rails: tuple[str, ...]
+    mgmt: tuple[str, ...]
+    topology: str = "auto"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--b", type=float, default=0.5, help="slow rank's fraction of it (0.5)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (2)")
+    p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
     args = p.parse_args(argv)
     if not 0 < args.b <= 1 or args.ranks < 3 or args.size_mb <= 0 or args.rate_mbit <= 0:
         p.error("need 0 < b <= 1, ranks >= 3, size-mb > 0, rate-mbit > 0")
@@ -64,21 +74,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[float]]:
+    enter_netns(plan.netns[rank])  # first: every thread started later inherits it
     import torch
 
     from resilient.config import DataPlaneConfig
     from resilient.process_group import ResilientProcessGroup
 
     torch.set_num_threads(1)
-    store = tcp_store(rank, world, port, plan.timeout_s)
-    addr = rail_address(rank, 0)
-    control = gloo_group(store, "bench/control", rank, world, ["127.0.0.1"], plan.timeout_s)
+    store = tcp_store(rank, world, port, plan.timeout_s, host=plan.mgmt[0])
+    addr = plan.rails[rank]
+    # The barrier runs on the unshaped management network.
+    control = gloo_group(store, "bench/control", rank, world, [plan.mgmt[rank]], plan.timeout_s)
     groups: dict[str, Any] = {
         "gloo": gloo_group(store, "bench/gloo", rank, world, [addr], plan.timeout_s),
         "resilient": ResilientProcessGroup(
             rank=rank, world_size=world, rails=[addr], store=store,
             config=DataPlaneConfig(connect_timeout_s=plan.timeout_s,
-                                   op_timeout_floor_s=plan.timeout_s),
+                                   op_timeout_floor_s=plan.timeout_s, topology=plan.topology),
         ),
     }  # fmt: skip
     times: dict[str, list[float]] = {n: [] for n in NAMES}
@@ -101,34 +113,55 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[fl
     return times
 
 
-def measure(plan: Plan, rates: dict[str, float]) -> dict[str, float]:
-    """Median (slowest rank per iteration) of each configuration under ``rates``."""
-    shaper = TcShaper()
-    shaper.remove_on_exit()
+def measure(plan: Plan, testbed: Any, rates: list[float]) -> dict[str, float]:
+    """Median (slowest rank per iteration) of each configuration, host r at rates[r]."""
+    from chaos.injectors import InjectionContext, make_injector
+    from chaos.scenario import Fault
+
+    ctx = InjectionContext(testbed=testbed, pid_of=lambda r: 0)
+    throttles = [
+        make_injector(Fault(kind="throttle", params={"rank": r, "rail": 0, "rate_mbit": rate}), ctx)
+        for r, rate in enumerate(rates)
+    ]
     try:
-        shaper.install(rates)
+        for t in throttles:
+            t.start()
         results = run_ranks(rank_main, plan.world, (plan,), plan.timeout_s * 4)
     finally:
-        shaper.remove()
+        for t in throttles:
+            t.stop()
     per_iter = max_over_ranks(results)
     return {n: summarise(v)["median"] for n, v in per_iter.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    TcShaper.check_available()
+    from chaos.testbed import NetnsTestbed
+    from resilient.errors import ChaosError
+
     nbytes = int(args.size_mb * MB) // 4 * 4
     rate_bps = args.rate_mbit * 1e6 / 8
     # Generous: the degraded ring moves 2N(P-1)/P bytes through the slow NIC.
     timeout = 30.0 + 4 * nbytes / (args.b * rate_bps)
-    plan = Plan(world=args.ranks, numel=nbytes // 4, iters=args.iters, warmup=args.warmup,
-                timeout_s=timeout)  # fmt: skip
-    addrs = [rail_address(r, 0) for r in range(args.ranks)]
     meter, before = CpuMeter(), load_line()
-    healthy = measure(plan, {a: args.rate_mbit for a in addrs})
-    slow = {a: args.rate_mbit for a in addrs}
-    slow[addrs[-1]] = args.rate_mbit * args.b
-    degraded = measure(plan, slow)
+    try:
+        testbed = NetnsTestbed(args.ranks, 1).up()
+    except ChaosError as exc:
+        raise SystemExit(f"degraded.py: {exc}") from exc
+    try:
+        hosts = testbed.hosts
+        plan = Plan(
+            world=args.ranks, numel=nbytes // 4, iters=args.iters, warmup=args.warmup,
+            timeout_s=timeout, netns=tuple(str(h.netns) for h in hosts),
+            rails=tuple(h.rails[0] for h in hosts), mgmt=tuple(h.mgmt_addr for h in hosts),
+            topology=args.topology,
+        )  # fmt: skip
+        rates = [args.rate_mbit] * args.ranks
+        healthy = measure(plan, testbed, rates)
+        rates[-1] = args.rate_mbit * args.b
+        degraded = measure(plan, testbed, rates)
+    finally:
+        testbed.down()
     floor_ms = nbytes / (args.b * rate_bps) * 1e3
     bound = max(min(healthy.values()), floor_ms)
     s = {
@@ -138,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "rate_mbit": args.rate_mbit,
         "b": args.b,
         "iters": args.iters,
+        "topology": args.topology,
         "healthy_ms": {n: round(v, 2) for n, v in healthy.items()},
         "resilient_ms": round(degraded["resilient"], 2),
         "gloo_ms": round(degraded["gloo"], 2),
@@ -145,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "bound_ms": round(bound, 2),
         "resilient_over_bound": round(degraded["resilient"] / bound, 3),
         "gloo_over_bound": round(degraded["gloo"] / bound, 3),
+        "testbed": "netns: one host per rank, tbf on both ends of its veth",
         "load": [before, load_line()],
         "cpu": meter.report(),
     }
