@@ -2,7 +2,8 @@
 
 Checking every call's signature before its data moves costs one hop. Done on the
 communication thread, that hop adds to every collective. Here it runs on a control
-thread over separate control links (rail 0, mesh), as soon as a call is submitted:
+thread over separate control links (mesh, on the healthiest rail), as soon as a
+call is submitted:
 while call k moves its data, call k+1's signature is already being agreed on, so
 back-to-back collectives (DDP's buckets) stop paying for it.
 
@@ -24,6 +25,7 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from resilient._signature import Exchange, Signature, check_signatures
+from resilient._weights import agreed_weights
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
 from resilient.links import LinkTable
@@ -43,7 +45,7 @@ class SignatureChannel:
         *,
         rank: int,
         world: int,
-        rail_address: str,
+        rail_addresses: Sequence[str],
         store: Store,
         config: DataPlaneConfig,
         epoch: int = 0,
@@ -52,9 +54,15 @@ class SignatureChannel:
         self.rank = rank
         self._rates = rates
         links = LinkTable(
-            rank=rank, rails=(rail_address,), store=store, config=config, epoch=epoch, name="ctl"
-        )
+            rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
+            name="ctl",
+        )  # fmt: skip
+        # An exchange is small enough to travel on one rail: the heaviest by the
+        # engine's weights. With ``rates`` those follow each exchange's agreed rail
+        # weights, so the next exchange leaves a degraded rail too (every rank sees
+        # the same table, so every rank picks the same rail). Links are made lazily.
         self.engine = RingEngine(rank=rank, world=world, links=links, mesh=True)
+        self._static = self.engine.weights
         self._submitted = 0
         self._done = 0
         self._cond = threading.Condition()
@@ -116,6 +124,9 @@ class SignatureChannel:
                     self._wait_done(seq - 1)
                 data = payload() if payload is not None else None
                 rates = self._rates() if self._rates is not None else ()
-                fut.set_result(check_signatures(self.engine, sig, self.rank, data, rates, busy_us))
+                exchange = check_signatures(self.engine, sig, self.rank, data, rates, busy_us)
+                if self._rates is not None:
+                    self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
+                fut.set_result(exchange)
             except BaseException as exc:  # the waiting collective re-raises it
                 fut.set_exception(exc)

@@ -7,11 +7,12 @@ collective: slices always match across ranks (a size mismatch would make gloo
 abort), and results stay bitwise identical because they do not depend on weights.
 
 A rail of a ring is as fast as its slowest link, so each rail's rate is the
-minimum over ranks. Weights are proportional to rates, quantised to 1/1024 with a
-floor of one quantum, so a slow rail keeps a token share and stays measured. Every
-:data:`PROBE_EVERY`-th call (by sequence number, the same on every rank) lifts each
-rail to at least :data:`PROBE_SHARE`: a rail that recovered shows its speed again
-(a token share only measures latency). No state is kept between calls, so a
+minimum over ranks. Weights are proportional to rates, quantised to 1/1024; a rail
+under :data:`DROP_SHARE` gets nothing at all: even a token share would make every
+call wait for it, and on a lossy rail a few bytes can cost a 200 ms retransmission.
+Every :data:`PROBE_EVERY`-th call (by sequence number, the same on every rank)
+lifts each rail to at least :data:`PROBE_SHARE`, so a rail that recovered shows
+its speed again. No state is kept between calls, so a
 restarted rank agrees with the others at once.
 """
 
@@ -26,13 +27,21 @@ from recovery import events
 if TYPE_CHECKING:
     from resilient._signature import Exchange
 
-__all__ = ["PROBE_EVERY", "PROBE_SHARE", "QUANTUM", "WeightLearner", "agreed_weights"]
+__all__ = [
+    "DROP_SHARE",
+    "PROBE_EVERY",
+    "PROBE_SHARE",
+    "QUANTUM",
+    "WeightLearner",
+    "agreed_weights",
+]
 
 logger = logging.getLogger(__name__)
 
 QUANTUM: Final = 1024
 PROBE_EVERY: Final = 64
 PROBE_SHARE: Final = 1 / 16
+DROP_SHARE: Final = 1 / 64
 CONFIRM_CALLS: Final = 5
 
 
@@ -56,7 +65,7 @@ def agreed_weights(
         shares = [max(s, PROBE_SHARE) for s in shares]
         scale = sum(shares)
         shares = [s / scale for s in shares]
-    return tuple(float(max(1, round(s * QUANTUM))) for s in shares)
+    return tuple(0.0 if s < DROP_SHARE else float(max(1, round(s * QUANTUM))) for s in shares)
 
 
 class WeightLearner:

@@ -107,7 +107,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             self._channel = SignatureChannel(
                 rank=rank,
                 world=world_size,
-                rail_address=self.rails[0],
+                rail_addresses=self.rails,
                 store=store,
                 config=self.config,
                 epoch=epoch,
@@ -191,7 +191,10 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._channel is not None and nbytes <= INLINE_BYTES
 
     def _proposed_rates(self) -> tuple[float, ...]:
-        return self.engine.rail_rates
+        # A rail whose NIC is down proposes a token rate (0 would mean "unknown").
+        return tuple(
+            rate if self.nics.up[rail] else 1.0 for rail, rate in enumerate(self.engine.rail_rates)
+        )
 
     @staticmethod
     def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
