@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from chaos.injectors import InjectionContext, Injector, _Periodic
+from chaos.injectors import Flap, InjectionContext, Injector
 from chaos.scenario import Fault
 from resilient.errors import ChaosError
 
@@ -90,12 +90,11 @@ class _Partition(_Record):
         return {**_base(self.fault, "fail"), "peer": int(self.fault.param("peer"))}
 
 
-class _Flap(_Periodic):
-    """Puts and deletes a link-fail record, half a period each."""
+class _Flap(Flap):
+    """Puts and deletes a link-fail record instead of taking a NIC down."""
 
     def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
         super().__init__(fault, ctx)
-        self.flaps = 0
         self._rec = _NicDown(fault, ctx)
 
     def _check(self) -> None:
@@ -103,19 +102,8 @@ class _Flap(_Periodic):
         if float(self.fault.param("period_s")) <= 0:
             raise ChaosError("flap: period_s must be > 0")
 
-    def _tick(self) -> bool:
-        count = self.fault.param("count")
-        if count is not None and self.flaps >= int(count):
-            return False
-        half = float(self.fault.param("period_s")) / 2.0
-        self._rec._write(self._rec.record())
-        self.flaps += 1
-        stopped = self._halt.wait(half)
-        self._rec._write(None)
-        return not stopped and not self._halt.wait(half)
-
-    def _undo(self) -> None:
-        self._rec._write(None)
+    def _set(self, *, up: bool) -> None:
+        self._rec._write(None if up else self._rec.record())
 
 
 LOOPBACK_KINDS: Final[dict[str, type[Injector]]] = {

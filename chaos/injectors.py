@@ -227,7 +227,7 @@ class _NicUp(Injector):
         self.active = False
 
 
-class _Flap(_Periodic):
+class Flap(_Periodic):
     def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
         super().__init__(fault, ctx)
         self.flaps = 0
@@ -245,14 +245,18 @@ class _Flap(_Periodic):
         if count is not None and self.flaps >= int(count):
             return False
         half = float(self.fault.param("period_s")) / 2.0
-        _link(*self._rail_iface(), "down")
+        self._set(up=False)
         self.flaps += 1
         stopped = self._halt.wait(half)
-        _link(*self._rail_iface(), "up")
+        self._set(up=True)
         return not stopped and not self._halt.wait(half)
 
+    def _set(self, *, up: bool) -> None:
+        """Take the link down or up (the loopback flap overrides this)."""
+        _link(*self._rail_iface(), "up" if up else "down")
+
     def _undo(self) -> None:
-        _link(*self._rail_iface(), "up")
+        self._set(up=True)
 
 
 class _Throttle(Injector):
@@ -364,7 +368,7 @@ _KINDS: Final[dict[str, type[Injector]]] = {
     "slow": _Slow,
     "nic-down": _NicDown,
     "nic-up": _NicUp,
-    "flap": _Flap,
+    "flap": Flap,
     "throttle": _Throttle,
     "drop": _Drop,
     "partition": _Partition,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from chaos import _sh
-from chaos.injectors import InjectionContext, Injector, _Flap, make_injector
+from chaos.injectors import Flap, InjectionContext, Injector, make_injector
 from chaos.scenario import Fault
 from chaos.testbed import LoopbackTestbed, NetnsTestbed
 from chaos.testbed import Testbed as AnyTestbed
@@ -186,7 +186,7 @@ def test_flap_takes_the_link_down_and_up_count_times(
     flap = injectors.make(
         "flap", netns_2x2, {"rank": 1, "rail": 0, "period_s": period_s, "count": count}
     )
-    assert isinstance(flap, _Flap)  # for its flap counter
+    assert isinstance(flap, Flap)  # for its flap counter
     flap.start()
     assert _net.wait_for(lambda: flap.flaps == count, 10.0)
     time.sleep(2 * period_s)  # the last up, and time for a flap too many to show
