@@ -103,6 +103,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
         self.nics = NicMonitor(rank, self.rails).start()
         self._last_done = time.monotonic()
+        self._calls_submitted = self._calls_done = 0
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
@@ -156,8 +157,11 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
-        # Busy time: since this rank's previous call finished (0 if it still runs).
-        busy_us = max(0, int((time.monotonic() - self._last_done) * 1e6))
+        # Busy time: since this rank's previous call finished; 0 while one still runs
+        # (the rank was waiting, not computing). Each counter has one writer thread.
+        idle = self._calls_done == self._calls_submitted
+        busy_us = max(0, int((time.monotonic() - self._last_done) * 1e6)) if idle else 0
+        self._calls_submitted += 1
         verdict = (
             channel.submit(sig, payload, after_previous=after_previous, busy_us=busy_us)
             if channel
@@ -177,6 +181,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 return fn(exchange.inline)
             finally:
                 self._last_done = time.monotonic()
+                self._calls_done += 1
                 if channel is not None:
                     channel.mark_done()
 
