@@ -8,8 +8,10 @@ abort), and results stay bitwise identical because they do not depend on weights
 
 A rail of a ring is as fast as its slowest link, so each rail's rate is the
 minimum over ranks. Weights are proportional to rates, quantised to 1/1024; a rail
-under :data:`DROP_SHARE` gets nothing at all: even a token share would make every
-call wait for it, and on a lossy rail a few bytes can cost a 200 ms retransmission.
+under :data:`DROP_SHARE` gets nothing at all (outside probes): even a small share
+makes every call wait for that rail, and on a lossy rail a few bytes can cost a
+200 ms retransmission. The most this gives away is the bandwidth of rails 16x
+slower than the rest.
 Every :data:`PROBE_EVERY`-th call (by sequence number, the same on every rank)
 lifts each rail to at least :data:`PROBE_SHARE`, so a rail that recovered shows
 its speed again. No state is kept between calls, so a
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 QUANTUM: Final = 1024
 PROBE_EVERY: Final = 64
 PROBE_SHARE: Final = 1 / 16
-DROP_SHARE: Final = 1 / 64
+DROP_SHARE: Final = 1 / 16
 CONFIRM_CALLS: Final = 5
 
 
@@ -61,11 +63,13 @@ def agreed_weights(
         return tuple(static)
     total = sum(per_rail)
     shares = [rate / total for rate in per_rail]
-    if seq % PROBE_EVERY == 0:
+    probe = seq % PROBE_EVERY == 0
+    if probe:
         shares = [max(s, PROBE_SHARE) for s in shares]
         scale = sum(shares)
         shares = [s / scale for s in shares]
-    return tuple(0.0 if s < DROP_SHARE else float(max(1, round(s * QUANTUM))) for s in shares)
+    floor = 0.0 if probe else DROP_SHARE
+    return tuple(0.0 if s < floor else float(max(1, round(s * QUANTUM))) for s in shares)
 
 
 class WeightLearner:

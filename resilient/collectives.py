@@ -336,9 +336,14 @@ class RingEngine:
             self._measured[rail] += 1
             if self._measured[rail] <= _WARMUP_CALLS:
                 continue  # first calls pay for page faults and thread start-up
-            rate = size / secs
+            # Smoothed in time per byte, not in bytes per second: a call that stalled
+            # (a TCP retransmission on a lossy rail) weighs as much as the time it
+            # cost, where an average of rates would barely notice it.
+            cost = secs / size
             old = rates[rail]
-            rates[rail] = rate if old <= 0 else (1 - _RATE_ALPHA) * old + _RATE_ALPHA * rate
+            if old > 0:
+                cost = (1 - _RATE_ALPHA) / old + _RATE_ALPHA * cost
+            rates[rail] = 1.0 / cost
         self.rail_rates = tuple(rates)
 
     def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce) -> None:
