@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
-from resilient import _faults
+from resilient import _faults, _stall
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -112,6 +112,7 @@ class Link:
             ) from exc
         self.connect_s = time.monotonic() - start
         self.broken = False
+        self.watch_stalls = True
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
@@ -157,12 +158,25 @@ class Link:
         """
         timeout = self.config.deadline_s(nbytes)
         start = time.monotonic()
+        stalls = _stall.watch() if self.watch_stalls else None
+        token = (
+            stalls.begin(
+                (self.rank, self.peer, self.rail),
+                self,
+                nbytes / self.config.expected_link_bytes_per_s,
+            )
+            if stalls is not None
+            else 0
+        )
         try:
             work.wait(timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(
                 f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
             ) from exc
+        finally:
+            if stalls is not None:
+                stalls.end(token)
         h = _faults.hook()
         if h is not None:
             self._injected_failure("op")
@@ -247,6 +261,9 @@ class LinkTable:
                     config=self.config,
                     device_type=self.device_type,
                 )
+                # Waits of the signature exchange last as long as the latest rank
+                # takes to arrive (a checkpoint, an evaluation): not a link stall.
+                link.watch_stalls = self.name != "ctl"
                 self._links[(peer, rail)] = link
             logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
 

@@ -1,0 +1,99 @@
+"""Stalled link ops, reported long before their deadline.
+
+A link op that waits far longer than its size explains (a partition, a hung peer,
+a NIC that lost its carrier) fails only at its deadline, 10 s by default: gloo
+cannot be asked "are you stuck?" without giving up, since a ``wait`` that times out
+closes the pair. So waits register here instead, and a watchdog thread (one per
+process, started on first use) emits ``link.degraded`` for a link whose op has been
+pending longer than :data:`STALL_S` (plus the time its bytes need at the expected
+rate), once per stall; the wait itself goes on untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from recovery import events
+
+__all__ = ["STALL_S", "StallWatch", "watch"]
+
+logger = logging.getLogger(__name__)
+
+STALL_S: Final = 0.5
+_TICK_S: Final = 0.05
+
+
+@dataclass(slots=True)
+class _Op:
+    link: tuple[int, int, int]
+    owner: object  # the Link, for its name (formatted only when reported)
+    start: float
+    limit_s: float
+    reported: bool = False
+
+
+class StallWatch:
+    """Pending link ops; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._ops: dict[int, _Op] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.reported = 0
+
+    def begin(self, link: tuple[int, int, int], owner: object, expected_s: float) -> int:
+        """Register an op about to be waited on; returns the token for :meth:`end`."""
+        token = next(self._ids)
+        op = _Op(link, owner, time.monotonic(), STALL_S + expected_s)
+        with self._lock:
+            self._ops[token] = op
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+                self._thread.start()
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._ops.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_TICK_S)
+            now = time.monotonic()
+            with self._lock:
+                due = [
+                    op
+                    for op in self._ops.values()
+                    if not op.reported and now - op.start > op.limit_s
+                ]
+                # One report per link and stall, however many of its ops are pending.
+                seen: set[tuple[int, int, int]] = set()
+                fresh = []
+                for op in due:
+                    op.reported = True
+                    if op.link not in seen:
+                        seen.add(op.link)
+                        fresh.append((op, now - op.start))
+            for op, pending_s in fresh:
+                self.reported += 1
+                events.emit(
+                    "link.degraded",
+                    links=[op.link],
+                    reason=f"{op.owner!r}: an op has been pending for {pending_s * 1e3:.0f} ms",
+                    action="waiting (the op fails at its deadline if it never completes)",
+                )
+                logger.warning("%r: op pending for %.0f ms (stalled?)", op.owner, pending_s * 1e3)
+
+
+_WATCH = StallWatch()
+
+
+def watch() -> StallWatch:
+    """The process's watchdog."""
+    return _WATCH
