@@ -56,9 +56,8 @@ def make_testbed(scenario: Scenario) -> Testbed:
     return LoopbackTestbed(job.nproc, job.rails)
 
 
-def _control(etcd: EtcdCluster, job: str) -> Callable[[str, Mapping[str, Any] | None], None]:
+def _control(client: EtcdClient, job: str) -> Callable[[str, Mapping[str, Any] | None], None]:
     """Writes (or, with None, deletes) one in-process fault record of ``job``."""
-    client = EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0))
     prefix = JobKeys(job).sub(CONTROL_SUBPREFIX)
 
     def write(fault_id: str, record: Mapping[str, Any] | None) -> None:
@@ -259,11 +258,12 @@ def _run_job(
     )
     launcher = Launcher(config)
     watch = ProgressWatch(etcd.endpoints, config.job).start()
+    control_client = EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0))
     ctx = InjectionContext(
         testbed=testbed,
         pid_of=_pid_lookup(launcher, watch),
         etcd=etcd,
-        control=_control(etcd, config.job),
+        control=_control(control_client, config.job),
     )
     log = EventLog(out / "run", job=config.job, rank=-1, name="chaos")
     ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s, log)
@@ -274,6 +274,7 @@ def _run_job(
     finally:
         ctl.finish()
         watch.stop()
+        control_client.close()
         display.done()
         log.close()
     return RunFacts(

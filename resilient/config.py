@@ -327,5 +327,5 @@ class RankEnv:
             etcd=etcd,
             lease_ttl_s=_env_float(env, p + "LEASE_TTL_S", 5.0),
             run_dir=env.get(p + "RUN_DIR") or None,
-            fault_control=env.get(p + "FAULT_CONTROL", "0").strip() in ("1", "true", "yes"),
+            fault_control=_env_flag(env, p + "FAULT_CONTROL", False),
         )

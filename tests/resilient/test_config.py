@@ -39,6 +39,7 @@ def test_rank_env_reads_everything() -> None:
         ({"RANK": "0", "WORLD_SIZE": "1", "RESILIENT_INCARNATION": "-1"}, "INCARNATION"),
         ({"RANK": "0", "WORLD_SIZE": "1", "RESILIENT_JOB": "a/b"}, "job name"),
         ({"RANK": "0", "WORLD_SIZE": "1", "RESILIENT_ETCD": "h:notaport"}, "port"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "RESILIENT_FAULT_CONTROL": "maybe"}, "FAULT_CONTROL"),
     ],
 )
 def test_rank_env_errors_name_the_variable(env: dict[str, str], needle: str) -> None:
