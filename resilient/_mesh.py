@@ -15,20 +15,15 @@ fold the local contribution in at its rank position without an extra copy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
 
 import torch
 
+from resilient._channel import Route, Rx, Tx
 from resilient._ring import Span, sub_spans
-from resilient.links import Link
 
 __all__ = ["MeshRail"]
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-class _Links(Protocol):
-    def get(self, peer: int, rail: int) -> Link: ...
 
 
 class MeshRail:
@@ -40,7 +35,7 @@ class MeshRail:
         rank: int,
         world: int,
         rail: int,
-        links: _Links,
+        route: Route,
         flat: torch.Tensor,
         pieces: list[Span],
         subs: int,
@@ -52,34 +47,44 @@ class MeshRail:
         self.elem = flat.element_size()
         self.subs = [sub_spans(p, subs) for p in pieces]  # subs[chunk][j]
         self.peers = [p for p in range(world) if p != rank]
-        self.link = {p: links.get(p, rail) for p in self.peers}
+        self.tx = {p: Tx(route, p, rail) for p in self.peers}
+        self.rx = {p: Rx(route, p, rail) for p in self.peers}
         self._scratch = scratch
         # Sends of the reduce-scatter and of the all-gather are waited for apart: a
         # rank must not wait for its gather sends before posting its gather receives,
         # or two ranks would wait for each other once messages exceed socket buffers.
-        self.rs_sends: list[tuple[Link, Any, int]] = []
-        self.ag_sends: list[tuple[Link, Any, int]] = []
+        self.rs_sends: list[tuple[Tx, int, int]] = []
+        self.ag_sends: list[tuple[Tx, int, int]] = []
 
     def _view(self, span: Span) -> torch.Tensor:
         return self.flat[span.start : span.stop]
 
-    def _send(self, into: list[tuple[Link, Any, int]], peer: int, span: Span, tag: int) -> None:
+    def _send(self, into: list[tuple[Tx, int, int]], peer: int, span: Span, tag: int) -> None:
         if span.size:
-            link = self.link[peer]
-            into.append((link, link.isend(self._view(span), tag), span.size * self.elem))
+            tx = self.tx[peer]
+            into.append((tx, tx.post(self._view(span), tag), span.size * self.elem))
 
     @staticmethod
-    def _wait_all(sends: list[tuple[Link, Any, int]]) -> None:
-        for link, work, nbytes in sends:
-            link.wait(work, nbytes)
+    def _wait_all(sends: list[tuple[Tx, int, int]]) -> None:
+        for tx, idx, nbytes in sends:
+            tx.wait(idx, nbytes)
         sends.clear()
+
+    def _close(self) -> None:
+        """Acknowledge receipts, then wait for ours (see resilient._channel)."""
+        for p in self.peers:
+            self.rx[p].ack()
+        for p in self.peers:
+            self.tx[p].finish()
+        for p in self.peers:
+            self.rx[p].finish()
 
     def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
         """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does."""
         own = self.subs[self.rank]
         pool = self._scratch(len(self.peers) * sum(s.size for s in own))
         scratch: dict[tuple[int, int], torch.Tensor] = {}
-        recvs: dict[tuple[int, int], Any] = {}
+        recvs: dict[tuple[int, int], int] = {}
         offset = 0
         for j in range(self.k):
             for p in self.peers:
@@ -88,7 +93,7 @@ class MeshRail:
                     buf = pool[offset : offset + own[j].size]
                     offset += own[j].size
                     scratch[(p, j)] = buf
-                    recvs[(p, j)] = self.link[p].irecv(buf, j)
+                    recvs[(p, j)] = self.rx[p].post(buf, j)
         gathers: list[tuple[int, int]] = []
         for j in range(self.k):
             if own[j].size:
@@ -97,13 +102,14 @@ class MeshRail:
                 gathers += self._start_gather(j)
         self._wait_all(self.rs_sends)
         self._finish_gather(gathers)
+        self._close()
 
     def _fold(
         self,
         j: int,
         reduce: Reducer,
         scratch: dict[tuple[int, int], torch.Tensor],
-        recvs: dict[tuple[int, int], Any],
+        recvs: dict[tuple[int, int], int],
     ) -> None:
         """Reduce sub-chunk j of the own chunk in rank order 0..P-1."""
         mine = self._view(self.subs[self.rank][j])
@@ -114,7 +120,7 @@ class MeshRail:
                 if acc is not None:
                     reduce(mine, acc)  # acc op x_rank, computed in place as x_rank op acc
                 continue
-            self.link[q].wait(recvs[(q, j)], nbytes)
+            self.rx[q].wait(recvs[(q, j)], nbytes)
             part = scratch[(q, j)]
             if q < self.rank and acc is None:
                 acc = part
@@ -137,9 +143,9 @@ class MeshRail:
         for p, j in gathers:
             span = self.subs[p][j]
             if span.size:
-                recvs.append((p, self.link[p].irecv(self._view(span), self.k + j), span))
-        for p, work, span in recvs:
-            self.link[p].wait(work, span.size * self.elem)
+                recvs.append((p, self.rx[p].post(self._view(span), self.k + j), span))
+        for p, idx, span in recvs:
+            self.rx[p].wait(idx, span.size * self.elem)
         self._wait_all(self.ag_sends)
 
     def all_gather(self) -> None:
@@ -147,3 +153,4 @@ class MeshRail:
         for j in range(self.k):
             self._start_gather(j)
         self._finish_gather([(p, j) for j in range(self.k) for p in self.peers])
+        self._close()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from resilient._channel import Route, Rx, Tx
 from resilient._mesh import MeshRail
 from resilient._ring import Span, even_bounds, rail_pieces, recv_chunk, send_chunk, sub_spans
 from resilient.errors import ConfigError
@@ -145,6 +146,17 @@ class RingEngine:
         # this rank proposes for the learned rail weights (see resilient._weights).
         self.rail_rates: tuple[float, ...] = (0.0,) * self.num_rails
         self._measured = [0] * self.num_rails
+        # Failover: the health board (which rails are dead where) and the number of
+        # the call, the same on every rank, which names the failover records.
+        self.board: Any = None
+        self.failover_timeout_s = links.config.op_timeout_floor_s
+        self._calls = 0
+
+    def _route(self) -> Route:
+        self._calls += 1
+        return Route(
+            links=self.links, seq=self._calls, timeout_s=self.failover_timeout_s, board=self.board
+        )
 
     @property
     def left(self) -> int:
@@ -205,10 +217,13 @@ class RingEngine:
             return
         whole = [Span(0, flat.numel())]
         pieces = rail_pieces(whole, self._weights_for(flat))
-        self._run_rails(
-            lambda rail: self._chain(flat, pieces[rail][0], rail, root),
-            _rail_bytes(pieces, flat.element_size()),
-        )
+        route = self._route()
+
+        def run(rail: int) -> None:
+            if pieces[rail][0].size:
+                self._chain(flat, pieces[rail][0], rail, root, route)
+
+        self._run_rails(run, _rail_bytes(pieces, flat.element_size()))
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, dtype=torch.int32), Reduce.SUM)
@@ -247,6 +262,7 @@ class RingEngine:
         peers = [p for p in range(self.world) if p != self.rank]
         self.links.ensure((p, rail) for rail in rails for p in peers)
         elem = flat.element_size()
+        route = self._route()
 
         def run(rail: int) -> None:
             if rail not in rails:
@@ -255,7 +271,7 @@ class RingEngine:
                 rank=self.rank,
                 world=self.world,
                 rail=rail,
-                links=self.links,
+                route=route,
                 flat=flat,
                 pieces=pieces[rail],
                 subs=self._subs_for(pieces[rail], elem),
@@ -288,9 +304,8 @@ class RingEngine:
         op: Reduce,
     ) -> None:
         pieces = rail_pieces(chunks, self._weights_for(flat))
-        self.links.ensure(
-            (peer, rail) for rail in range(self.num_rails) for peer in (self.left, self.right)
-        )
+        used = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
+        self.links.ensure((peer, rail) for rail in used for peer in (self.left, self.right))
         elem = flat.element_size()
         plans = [
             _RingPlan(
@@ -298,9 +313,13 @@ class RingEngine:
             )
             for rail in range(self.num_rails)
         ]
-        self._run_rails(
-            lambda rail: self._ring_rail(flat, plans[rail], op), _rail_bytes(pieces, elem)
-        )
+        route = self._route()
+
+        def run(rail: int) -> None:
+            if rail in used:
+                self._ring_rail(flat, plans[rail], op, route)
+
+        self._run_rails(run, _rail_bytes(pieces, elem))
 
     def _run_rails(self, fn: Callable[[int], None], nbytes: Sequence[int] = ()) -> None:
         """Run ``fn(rail)`` for every rail concurrently; with ``nbytes`` (what each rail
@@ -346,64 +365,79 @@ class RingEngine:
             rates[rail] = 1.0 / cost
         self.rail_rates = tuple(rates)
 
-    def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce) -> None:
-        send_link = self.links.get(self.right, plan.rail)
-        recv_link = self.links.get(self.left, plan.rail)
+    def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce, route: Route) -> None:
+        tx, rx = Tx(route, self.right, plan.rail), Rx(route, self.left, plan.rail)
         reduce = _REDUCERS[op]
         k, elem = plan.subs, flat.element_size()
         subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
         largest = max((sp.size for chunk in subs for sp in chunk), default=0)
         pool = self.scratch(plan.rail, flat, largest * k)
         scratch = [pool[j * largest : (j + 1) * largest] for j in range(k)]
-        sends: list[list[tuple[Any, int]]] = [[] for _ in range(plan.steps)]
-        recvs: list[list[tuple[Any, Span]]] = [[] for _ in range(plan.steps)]
+        sends: list[list[tuple[int, int]]] = [[] for _ in range(plan.steps)]
+        recvs: list[list[tuple[int | None, Span]]] = [[] for _ in range(plan.steps)]
 
         def post(step: int, j: int) -> None:
             r = subs[recv_chunk(self.rank, step, self.world, plan.shift)][j]
             s = subs[send_chunk(self.rank, step, self.world, plan.shift)][j]
             tag = step * k + j
-            work = None
+            idx = None
             if r.size:
                 into = scratch[j][: r.size] if step < plan.reduce_steps else flat[r.start : r.stop]
-                work = recv_link.irecv(into, tag)
-            recvs[step].append((work, r))
+                idx = rx.post(into, tag)
+            recvs[step].append((idx, r))
             if s.size:
-                sends[step].append((send_link.isend(flat[s.start : s.stop], tag), s.size * elem))
+                sends[step].append((tx.post(flat[s.start : s.stop], tag), s.size * elem))
 
         for j in range(k):
             post(0, j)
         for step in range(plan.steps):
-            for j, (work, r) in enumerate(recvs[step]):
-                if work is not None:
-                    recv_link.wait(work, r.size * elem)
+            for j, (idx, r) in enumerate(recvs[step]):
+                if idx is not None:
+                    rx.wait(idx, r.size * elem)
                     if step < plan.reduce_steps:
                         reduce(flat[r.start : r.stop], scratch[j][: r.size])
                 if step + 1 < plan.steps:
                     post(step + 1, j)  # what just arrived is what goes out next
             if step >= 1:
                 # Step-1 sends read regions that later steps overwrite: finish them now.
-                for work, nbytes in sends[step - 1]:
-                    send_link.wait(work, nbytes)
-        for work, nbytes in sends[plan.steps - 1]:
-            send_link.wait(work, nbytes)
+                for idx, nbytes in sends[step - 1]:
+                    tx.wait(idx, nbytes)
+        for idx, nbytes in sends[plan.steps - 1]:
+            tx.wait(idx, nbytes)
+        _close(tx, rx)
 
-    def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int) -> None:
+    def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int, route: Route) -> None:
         pos = (self.rank - root) % self.world
         elem = flat.element_size()
         subs = sub_spans(piece, self._subs_for([piece], elem))
-        send_link = self.links.get(self.right, rail) if pos < self.world - 1 else None
-        recv_link = self.links.get(self.left, rail) if pos > 0 else None
-        sends: list[tuple[Any, int]] = []
+        tx = Tx(route, self.right, rail) if pos < self.world - 1 else None
+        rx = Rx(route, self.left, rail) if pos > 0 else None
+        sends: list[tuple[int, int]] = []
         recvs = [
-            (recv_link.irecv(flat[s.start : s.stop], j) if recv_link else None, j, s)
+            (rx.post(flat[s.start : s.stop], j) if rx else None, j, s)
             for j, s in enumerate(subs)
             if s.size
         ]
-        for work, j, s in recvs:
-            if recv_link is not None:
-                recv_link.wait(work, s.size * elem)
-            if send_link is not None:
-                sends.append((send_link.isend(flat[s.start : s.stop], j), s.size * elem))
-        for work, nbytes in sends:
-            assert send_link is not None
-            send_link.wait(work, nbytes)
+        for idx, j, s in recvs:
+            if rx is not None and idx is not None:
+                rx.wait(idx, s.size * elem)
+            if tx is not None:
+                sends.append((tx.post(flat[s.start : s.stop], j), s.size * elem))
+        for idx, nbytes in sends:
+            assert tx is not None
+            tx.wait(idx, nbytes)
+        _close(tx, rx)
+
+
+def _close(tx: Tx | None, rx: Rx | None) -> None:
+    """Acknowledge what was received, wait for what was sent to be acknowledged.
+
+    Acknowledgements are posted before anyone waits for one, so no rank waits on a
+    neighbour that waits on it.
+    """
+    if rx is not None:
+        rx.ack()
+    if tx is not None:
+        tx.finish()
+    if rx is not None:
+        rx.finish()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
-from resilient import _faults, _stall
+from resilient import _faults, _sockets, _stall
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -104,8 +105,11 @@ class Link:
         try:
             if device_type == "cuda":
                 self.pg: Any = _nccl_pair(PrefixStore(prefix, store), index, config)
+                self._conns: list[_sockets.Conn] = []
             else:
-                self.pg = _gloo_pair(PrefixStore(prefix, store), index, address, config)
+                with _sockets.capture(address) as got:
+                    self.pg = _gloo_pair(PrefixStore(prefix, store), index, address, config)
+                self._conns = got.conns
         except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
@@ -113,6 +117,13 @@ class Link:
         self.connect_s = time.monotonic() - start
         self.broken = False
         self.watch_stalls = True
+        # Called once when the link breaks (the health board publishes it, so the
+        # peer cuts its end too).
+        self.on_broken: Callable[[Link], None] | None = None
+        # (store, key) of failover records to publish as "finished" if this link
+        # breaks after a receive channel finished on it (see resilient._channel).
+        self.finished: deque[tuple[Store, str]] = deque(maxlen=8)
+        self._broken_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
@@ -122,17 +133,44 @@ class Link:
         if h is not None and h.failed(self.rank, self.peer, self.rail):
             raise self._failed(f"{self}: {what} failed: fault injected by chaos control")
 
-    def _failed(self, message: str) -> LinkError:
+    def _failed(self, message: str, action: str = "raised LinkError") -> LinkError:
         """Mark the link broken and log ``link.down`` once; returns the error to raise."""
-        if not self.broken:
-            self.broken = True
+        with self._broken_lock:
+            first, self.broken = not self.broken, True
+        if first:
             events.emit(
                 "link.down",
                 links=[(self.rank, self.peer, self.rail)],
                 reason=message,
-                action="raised LinkError",
+                action=action,
             )
+            logger.warning("rank %d: %s", self.rank, message)
+            if self.on_broken is not None:
+                try:
+                    self.on_broken(self)
+                except Exception:  # reporting must never mask the link error itself
+                    logger.exception("rank %d: reporting broken %r failed", self.rank, self)
+            self._publish_finished()
         return LinkError(message)
+
+    def abort(self, reason: str) -> None:
+        """Mark the link broken and cut its connection: pending ops fail at once.
+
+        Used when the link is known dead from elsewhere (its NIC went down, the peer
+        said so); waiting for its deadline would stall the collective for seconds.
+        """
+        self._failed(f"{self}: {reason}", action="cut its connection")
+        if _sockets.cut(self._conns):
+            logger.debug("rank %d: cut %r", self.rank, self)
+
+    def _publish_finished(self) -> None:
+        """Tell senders still waiting on this link that our receives here had finished."""
+        while self.finished:
+            store, key = self.finished.popleft()
+            try:
+                store.set(key, "done")
+            except Exception:  # the sender then fails at its own deadline, typed
+                logger.warning("rank %d: publishing %s failed", self.rank, key, exc_info=True)
 
     def isend(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
@@ -150,15 +188,18 @@ class Link:
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: recv failed: {exc}") from exc
 
-    def wait(self, work: Any, nbytes: int) -> None:
+    def wait(self, work: Any, nbytes: int, *, watch: bool = True) -> None:
         """Wait for ``work`` within the deadline for ``nbytes``.
+
+        ``watch=False`` keeps the wait out of stall reports (acknowledgements wait
+        for the peer to finish, not for bytes).
 
         Raises:
             LinkError: the peer failed, the connection broke or the deadline passed.
         """
         timeout = self.config.deadline_s(nbytes)
         start = time.monotonic()
-        stalls = _stall.watch() if self.watch_stalls else None
+        stalls = _stall.watch() if self.watch_stalls and watch else None
         token = (
             stalls.begin(
                 (self.rank, self.peer, self.rail),
@@ -231,11 +272,33 @@ class LinkTable:
         self._links: dict[tuple[int, int], Link] = {}
         self._generation: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
+        self.on_broken: Callable[[Link], None] | None = None
 
-    def prefix(self, peer: int, rail: int) -> str:
+    def prefix(self, peer: int, rail: int, gen: int | None = None) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
-        gen = self._generation.get((peer, rail), 0)
+        gen = self._generation.get((peer, rail), 0) if gen is None else gen
         return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
+
+    def _new_link(self, peer: int, rail: int, prefix: str, config: DataPlaneConfig) -> Link:
+        link = Link(
+            rank=self.rank,
+            peer=peer,
+            rail=rail,
+            address=self.rails[rail],
+            store=self.store,
+            prefix=prefix,
+            config=config,
+            device_type=self.device_type,
+        )
+        # Waits of the signature exchange last as long as the latest rank takes to
+        # arrive (a checkpoint, an evaluation): not a link stall.
+        link.watch_stalls = self.name != "ctl"
+        link.on_broken = self._broken
+        return link
+
+    def _broken(self, link: Link) -> None:
+        if self.on_broken is not None:
+            self.on_broken(link)
 
     def ensure(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Create the missing links among ``(peer, rail)`` pairs.
@@ -251,19 +314,7 @@ class LinkTable:
             with self._lock:
                 if (peer, rail) in self._links:
                     continue
-                link = Link(
-                    rank=self.rank,
-                    peer=peer,
-                    rail=rail,
-                    address=self.rails[rail],
-                    store=self.store,
-                    prefix=self.prefix(peer, rail),
-                    config=self.config,
-                    device_type=self.device_type,
-                )
-                # Waits of the signature exchange last as long as the latest rank
-                # takes to arrive (a checkpoint, an evaluation): not a link stall.
-                link.watch_stalls = self.name != "ctl"
+                link = self._new_link(peer, rail, self.prefix(peer, rail), self.config)
                 self._links[(peer, rail)] = link
             logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
 
@@ -276,6 +327,42 @@ class LinkTable:
 
     def links(self) -> dict[tuple[int, int], Link]:
         return dict(self._links)
+
+    def broken(self) -> list[Link]:
+        """Links that broke and were not rebuilt yet."""
+        return [link for link in list(self._links.values()) if link.broken]
+
+    def abort(self, reason: str, *, rail: int, peer: int | None = None) -> int:
+        """Cut this rank's links on ``rail`` (to ``peer`` only, when given); returns
+        how many were healthy until now."""
+        hit = [
+            link
+            for (p, r), link in list(self._links.items())
+            if r == rail and (peer is None or p == peer) and not link.broken
+        ]
+        for link in hit:
+            link.abort(reason)
+        return len(hit)
+
+    def rebuild(self, peer: int, rail: int, gen: int, config: DataPlaneConfig) -> Link:
+        """Build generation ``gen`` of the (peer, rail) link, not yet in service.
+
+        Raises:
+            LinkError: the rendezvous failed or timed out.
+        """
+        return self._new_link(peer, rail, self.prefix(peer, rail, gen), config)
+
+    def replace(self, link: Link, gen: int) -> Link | None:
+        """Put a rebuilt ``link`` in service; returns the one it replaced (closed in
+        the background). Every other link stays the same object."""
+        key = (link.peer, link.rail)
+        with self._lock:
+            old = self._links.get(key)
+            self._links[key] = link
+            self._generation[key] = gen
+        if old is not None:
+            old.close(background=True)
+        return old
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,169 @@
+"""The health board: which NICs and links each rank sees down, shared through the store.
+
+A rank learns of its own dead NIC in ~10 ms (:mod:`resilient._nic`), and of a link
+that failed under one of its ops at once. Its peer on the other end does not: its
+ops on that link just stop making progress, and gloo would only give up at their
+deadline (seconds). So every rank publishes what it sees down under
+``health/e<epoch>/r<rank>`` and bumps ``health/e<epoch>/v``; a poller thread per
+rank checks that counter every ``interval_s`` (one small store round trip) and,
+on a change, cuts its own end of every link a peer reported dead. Cutting fails
+the pending ops at once, which is what starts a failover (:mod:`resilient._channel`).
+
+The board also answers "which rails can carry traffic between me and this peer?"
+for choosing a backup rail, and "is this rail healthy here?" for the rail weights
+every rank agrees on (a rail broken anywhere gets no share until it is repaired).
+The poller only ever makes non-blocking store calls, so it never waits behind a
+rendezvous on the same store client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch._C._distributed_c10d import Store
+
+from resilient.links import Link, LinkTable
+
+__all__ = ["HealthBoard", "PeerState"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PeerState:
+    """What one rank published: its rails with a NIC down, and its broken links."""
+
+    nic_down: set[int] = field(default_factory=set)
+    broken: set[tuple[int, int]] = field(default_factory=set)  # (peer, rail)
+
+
+class HealthBoard:
+    """Publishes this rank's NIC/link state and acts on its peers'; see the module doc."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        store: Store,
+        epoch: int = 0,
+        interval_s: float = 0.005,
+    ) -> None:
+        self.rank, self.world, self.epoch = rank, world, epoch
+        self._store = store
+        self._prefix = f"health/e{epoch}"
+        self._interval = interval_s
+        self._tables: list[LinkTable] = []
+        self._nic_down: set[int] = set()
+        self._peers: dict[int, PeerState] = {}
+        self._version = 0
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- this rank ----------------------------------------------------------------
+    def attach(self, table: LinkTable) -> None:
+        """Report ``table``'s links when they break; cut them when peers say so."""
+        table.on_broken = self._link_broken
+        self._tables.append(table)
+
+    def start(self) -> HealthBoard:
+        if self._thread is None and self.world > 1:
+            self._thread = threading.Thread(target=self._run, name="health-board", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def nic_changed(self, rail: int, up: bool) -> None:
+        """NIC monitor callback: a dead NIC cuts every link of its rail, then is published."""
+        with self._lock:
+            (self._nic_down.discard if up else self._nic_down.add)(rail)
+        if not up:
+            for table in self._tables:
+                table.abort(f"the NIC of rail {rail} went down", rail=rail)
+        self.publish()
+
+    def _link_broken(self, link: Link) -> None:
+        self.publish()
+
+    def link_repaired(self) -> None:
+        self.publish()
+
+    def rail_ok(self, rail: int) -> bool:
+        """This rank's NIC on ``rail`` is up and none of its links there is broken."""
+        if rail in self._nic_down:
+            return False
+        return not any(link.rail == rail for t in self._tables for link in t.broken())
+
+    def usable(self, peer: int, rail: int) -> bool:
+        """Whether (peer, rail) can carry traffic, as far as anyone has said."""
+        state = self._peers.get(peer, PeerState())
+        if rail in self._nic_down or rail in state.nic_down:
+            return False
+        if (self.rank, rail) in state.broken:
+            return False
+        return not any(
+            (lk.peer, lk.rail) == (peer, rail) and lk.broken
+            for t in self._tables
+            for lk in t.links().values()
+        )
+
+    def nic_up_both(self, peer: int, rail: int) -> bool:
+        state = self._peers.get(peer, PeerState())
+        return rail not in self._nic_down and rail not in state.nic_down
+
+    def publish(self) -> None:
+        """Write this rank's record and bump the version (never raises)."""
+        broken = sorted({(lk.peer, lk.rail) for t in self._tables for lk in t.broken()})
+        record = json.dumps({"nic_down": sorted(self._nic_down), "broken": broken})
+        try:
+            self._store.set(f"{self._prefix}/r{self.rank}", record)
+            self._store.add(f"{self._prefix}/v", 1)
+        except Exception:  # the peers then learn at their own deadline
+            logger.warning("rank %d (epoch %d): publishing health failed", self.rank, self.epoch)
+
+    # -- peers ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._halt.wait(self._interval):
+            try:
+                version = int(self._store.add(f"{self._prefix}/v", 0))
+                if version != self._version:
+                    self._version = version
+                    self._refresh()
+            except Exception:  # store gone (shutdown) or busy: try again later
+                logger.debug("rank %d: health poll failed", self.rank, exc_info=True)
+                self._halt.wait(0.2)
+
+    def _refresh(self) -> None:
+        keys = [f"{self._prefix}/r{p}" for p in range(self.world) if p != self.rank]
+        present = [k for k in keys if self._store.check([k])]
+        values = self._store.multi_get(present) if present else []
+        for key, raw in zip(present, values, strict=True):
+            peer = int(key.rsplit("/r", 1)[1])
+            data = json.loads(bytes(raw).decode())
+            state = PeerState(set(data["nic_down"]), {(int(p), int(r)) for p, r in data["broken"]})
+            old = self._peers.get(peer, PeerState())
+            self._peers[peer] = state
+            # Only what is new: a report still standing from before our link was
+            # rebuilt must not cut the rebuilt one.
+            self._act(peer, state.nic_down - old.nic_down, state.broken - old.broken)
+
+    def _act(self, peer: int, nic_down: set[int], broken: set[tuple[int, int]]) -> None:
+        """Cut our end of whatever ``peer`` newly reported dead."""
+        for rail in sorted(nic_down):
+            self._cut(peer, [rail], f"rank {peer} reported its NIC of rail {rail} down")
+        rails = sorted(r for p, r in broken if p == self.rank)
+        self._cut(peer, rails, f"rank {peer} reported this link broken")
+
+    def _cut(self, peer: int, rails: Iterable[int], reason: str) -> None:
+        for rail in rails:
+            for table in self._tables:
+                table.abort(reason, rail=rail, peer=peer)
