@@ -31,8 +31,9 @@ they never match the backup rail's own traffic.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -50,13 +51,6 @@ _ACK_TAG: Final = 1 << 30
 _POLL_S: Final = 0.001
 
 
-class _Board:
-    """What a route asks the health board (see resilient._health.HealthBoard)."""
-
-    def usable(self, peer: int, rail: int) -> bool:
-        return True
-
-
 @dataclass(slots=True)
 class Route:
     """What the channels of one collective share: its links, number and store."""
@@ -65,6 +59,8 @@ class Route:
     seq: int
     timeout_s: float
     board: Any = None  # HealthBoard | None; typed loosely to keep this module leaf-level
+    # Failovers done, as (peer, from_rail, to_rail, resumed_at): the engine's record.
+    log: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def store(self) -> Store:
@@ -83,7 +79,7 @@ class Route:
         for rail in range(len(self.links.rails)):
             if rail in tried:
                 continue
-            if self.board is None or self.board.usable(peer, rail):
+            if self.board is None or self.board.usable(peer, rail, self.links):
                 return rail
         raise LinkError(
             f"rank {self.links.rank}: no healthy rail left to rank {peer} (tried {sorted(tried)})"
@@ -110,6 +106,7 @@ def _shift(tag: int, rail: int, gen: int) -> int:
 
 class _Channel:
     def __init__(self, route: Route, peer: int, rail: int) -> None:
+        self.thread = threading.get_ident()
         self.route, self.peer, self.rail = route, peer, rail
         self.link: Link = route.links.get(peer, rail)
         self.gen = 0
@@ -125,6 +122,12 @@ class _Channel:
         return _ACK_TAG + ((self.route.seq % 256) << 8) + (self.rail << 4) + self.gen
 
     def _event(self, n: int, old: Link, kind: str = "link.rerouted") -> None:
+        self.route.log.append((self.peer, old.rail, self.link.rail, n))
+        logger.warning(
+            "rank %d (%s call %d): %r failed; %s resumed from message %d on rail %d",
+            self.me, self.route.links.name, self.route.seq, old, type(self).__name__, n,
+            self.link.rail,
+        )  # fmt: skip
         events.emit(
             kind,
             links=[(self.me, self.peer, old.rail)],
@@ -134,59 +137,107 @@ class _Channel:
 
 
 class Tx(_Channel):
-    """What this rank sends to ``peer`` on ``rail`` in one collective."""
+    """What this rank sends to ``peer`` on ``rail`` in one collective.
+
+    Fails over in its own thread when one of its ops fails, or in a thread of its
+    own when its link is cut from elsewhere (failing over waits for the peer's
+    record, which must never hold up the thread that cuts links).
+    """
 
     def __init__(self, route: Route, peer: int, rail: int) -> None:
         super().__init__(route, peer, rail)
         self._delivered = False  # the receiver said it had everything
+        self._lock = threading.RLock()
         # The acknowledgement's receive is posted up front: were it posted only at
         # the end, every rank could be waiting for its left neighbour to post it.
         self._ack = torch.zeros(1, dtype=torch.int64)
         self._ack_work: Any = None
-        if self.link.broken:
-            self._failover()
-        else:
-            self._post_ack()
+        # Failing over means waiting for the peer's record: never in the constructor,
+        # where the peer may not have built its receiver yet.
+        self._stale = not self.link.watch_sender(self)
+        if not self._stale:
+            try:
+                self._ack_work = self.link.irecv(self._ack, self._ack_tag())
+            except LinkError:
+                self._stale = True
 
-    def _post_ack(self) -> None:
-        try:
-            self._ack_work = self.link.irecv(self._ack, self._ack_tag())
-        except LinkError:
-            self._failover()
+    def _check(self) -> None:
+        with self._lock:
+            if self._stale:
+                self._stale = False
+                self._failover(self.link)
 
     def post(self, tensor: torch.Tensor, tag: int) -> int:
-        idx = len(self._msgs)
-        self._msgs.append((tensor, tag))
-        self._works.append(None)
-        if self._delivered:
+        with self._lock:
+            idx = len(self._msgs)
+            self._msgs.append((tensor, tag))
+            self._works.append(None)
+            if self._stale:
+                self._check()  # posts this one too
+            elif not self._delivered:
+                try:
+                    self._works[idx] = self.link.isend(tensor, _shift(tag, self.rail, self.gen))
+                except LinkError:
+                    self._failover(self.link)  # re-posts this one too
             return idx
-        try:
-            self._works[idx] = self.link.isend(tensor, _shift(tag, self.rail, self.gen))
-        except LinkError:
-            self._failover()  # re-posts this one too
-        return idx
 
     def wait(self, idx: int, nbytes: int) -> None:
-        while self._works[idx] is not None:
+        self._check()
+        while True:
+            with self._lock:
+                link, work, gen = self.link, self._works[idx], self.gen
+            if work is None:
+                return
             try:
-                self.link.wait(self._works[idx], nbytes)
-                self._works[idx] = None
+                link.wait(work, nbytes)
             except LinkError:
-                self._failover()
+                self._failover(link)
+                continue
+            with self._lock:
+                if self.gen == gen:
+                    self._works[idx] = None
+                    return
 
     def finish(self) -> None:
         """Wait until the receiver acknowledged everything (a failover may re-send)."""
-        while not self._delivered:
+        self._check()
+        while True:
+            with self._lock:
+                link, work, gen = self.link, self._ack_work, self.gen
+                if self._delivered:
+                    link.unwatch_sender(self)
+                    return
             try:
-                self.link.wait(self._ack_work, 8, watch=False)
-                return
+                link.wait(work, 8, watch=False)
             except LinkError:
-                self._failover()
+                self._failover(link)
+                continue
+            with self._lock:
+                if self.gen == gen:
+                    self._delivered = True
 
-    def _failover(self) -> None:
-        old = self.link
-        if not old.broken:
-            old.abort("a send on it failed")
+    def cut(self, link: Link) -> None:
+        """``link`` was cut from elsewhere: fail over in a thread of our own."""
+
+        def run() -> None:
+            try:
+                self._failover(link)
+            except LinkError as exc:  # the owner's next op on the dead link raises too
+                logger.warning("rank %d: failover to rank %d: %s", self.me, self.peer, exc)
+
+        threading.Thread(target=run, name="tx-failover", daemon=True).start()
+
+    def _failover(self, failed: Link) -> None:
+        with self._lock:
+            if self.link is not failed or self._delivered:
+                return  # done already (by the owner, or by the thread of a cut)
+            old = self.link
+            if not old.broken:
+                old.abort("a send on it failed")
+            old.unwatch_sender(self)
+            self._resume(old)
+
+    def _resume(self, old: Link) -> None:
         while True:
             self.gen += 1
             record = self.route.read(self.route.key(self.me, self.peer, self.rail, self.gen))
@@ -197,79 +248,131 @@ class Tx(_Channel):
             n, rail = (int(x) for x in record.split(","))
             self.tried.add(rail)
             self.link = self.route.links.get(self.peer, rail)
+            if not self.link.watch_sender(self):
+                continue  # the receiver fails over again too: read the next record
             try:
                 for i, (tensor, tag) in enumerate(self._msgs):
                     shifted = _shift(tag, self.rail, self.gen)
                     self._works[i] = None if i < n else self.link.isend(tensor, shifted)
                 self._ack_work = self.link.irecv(self._ack, self._ack_tag())
             except LinkError:
-                continue  # the receiver fails over again too: read the next record
+                continue
             self._event(n, old)
             return
 
 
 class Rx(_Channel):
-    """What this rank receives from ``peer`` on ``rail`` in one collective."""
+    """What this rank receives from ``peer`` on ``rail`` in one collective.
+
+    Fails over from whichever thread learns first that its link is dead: its own,
+    or the one that cut the link (see :meth:`resilient.links.Link.abort`). That
+    never blocks, and publishing at once is what keeps two ranks from each waiting
+    for the other's record. A message that completed on the old link while the
+    failover ran is waited for again on the new one (the bytes are the same).
+    """
 
     def __init__(self, route: Route, peer: int, rail: int) -> None:
         super().__init__(route, peer, rail)
         self.consumed = 0
         self._ack = torch.ones(1, dtype=torch.int64)
         self._ack_sent: Any = None
-        if self.link.broken:
-            self._failover()
+        self._final = self._done = False
+        self._lock = threading.RLock()
+        if not self.link.watch_receiver(self):
+            self.failover()
 
     def post(self, into: torch.Tensor, tag: int) -> int:
-        idx = len(self._msgs)
-        self._msgs.append((into, tag))
-        self._works.append(None)
-        try:
-            self._works[idx] = self.link.irecv(into, _shift(tag, self.rail, self.gen))
-        except LinkError:
-            self._failover()
-        return idx
+        with self._lock:
+            idx = len(self._msgs)
+            self._msgs.append((into, tag))
+            self._works.append(None)
+            try:
+                self._works[idx] = self.link.irecv(into, _shift(tag, self.rail, self.gen))
+            except LinkError:
+                self.failover()
+            return idx
 
     def wait(self, idx: int, nbytes: int) -> None:
         """Wait for message ``idx``; messages must be waited for in posting order."""
         if idx != self.consumed:
             raise AssertionError(f"receive {idx} waited before {self.consumed}")
         while True:
+            with self._lock:
+                link, work, gen = self.link, self._works[idx], self.gen
             try:
-                self.link.wait(self._works[idx], nbytes)
-                self.consumed += 1
-                return
+                link.wait(work, nbytes)
             except LinkError:
-                self._failover()
+                with self._lock:
+                    if self.link is link:
+                        self.failover()
+                continue
+            with self._lock:
+                if self.gen == gen:
+                    self.consumed += 1
+                    return
 
     def ack(self) -> None:
-        """Post the acknowledgement once every message was consumed."""
-        self._ack_sent = None
-        try:
-            self._ack_sent = self.link.isend(self._ack, self._ack_tag())
-        except LinkError:
-            self._failover()
+        """Post the acknowledgement once every message was consumed.
+
+        From here on a failover re-sends nothing, not even the acknowledgement: it
+        publishes "done", which the sender reads if the acknowledgement was lost
+        (a second acknowledgement could wait forever for a receive never posted).
+        """
+        with self._lock:
+            self._final = True
+            if self._done:
+                return
+            try:
+                self._ack_sent = self.link.isend(self._ack, self._ack_tag())
+            except LinkError:
+                self.failover()
 
     def finish(self) -> None:
-        """Wait for the acknowledgement to go out; then, should the link break, say
-        we were done (call after :meth:`ack` and the sending side's finish)."""
-        while True:
+        """Wait for the acknowledgement to go out (call after :meth:`ack` and the
+        sending side's finish); should the link break later, the sender learns
+        from the record published then (see Link.finished)."""
+        with self._lock:
+            link, sent = self.link, self._ack_sent
+        if sent is not None:
             try:
-                if self._ack_sent is None:
-                    self._ack_sent = self.link.isend(self._ack, self._ack_tag())
-                self.link.wait(self._ack_sent, 8, watch=False)
-                break
+                link.wait(sent, 8, watch=False)
             except LinkError:
-                self._ack_sent = None
-                self._failover()
-        key = self.route.key(self.peer, self.me, self.rail, self.gen + 1)
-        self.link.finished.append((self.route.store, key))
-        if self.link.broken:  # broke between the ack and now: the sender may need it
+                self.failover()
+        with self._lock:
+            self.link.unwatch_receiver(self)
+            if self._done:
+                return
+            key = self.route.key(self.peer, self.me, self.rail, self.gen + 1)
+            self.link.finished.append((self.route.store, key))
+            broken = self.link.broken
+        if broken:  # broke between the ack and now: the sender may need it
             self.route.store.set(key, "done")
 
-    def _failover(self) -> None:
-        old = self.link
-        if not old.broken:
-            old.abort("a receive on it failed")
+    def failover(self) -> None:
+        """Resume on a backup rail from the first unconsumed message (never blocks).
+
+        Raises:
+            LinkError: no usable rail is left.
+        """
+        with self._lock:
+            if self._done:
+                return
+            old = self.link
+            if not old.broken:
+                old.abort("a receive on it failed")
+                if self.link is not old or self._done:
+                    return  # the abort failed us over already
+            old.unwatch_receiver(self)
+            self._ack_sent = None
+            if self._final:
+                self.gen += 1
+                key = self.route.key(self.peer, self.me, self.rail, self.gen)
+                self.route.store.set(key, "done")
+                self._done = True
+                return
+            self._resume(old)
+
+    def _resume(self, old: Link) -> None:
         while True:
             self.gen += 1
             rail = self.route.backup(self.peer, self.tried)
@@ -279,6 +382,8 @@ class Rx(_Channel):
                 self.route.key(self.peer, self.me, self.rail, self.gen), f"{n},{rail}"
             )
             self.link = self.route.links.get(self.peer, rail)
+            if not self.link.watch_receiver(self):
+                continue
             try:
                 for i in range(n, len(self._msgs)):
                     into, tag = self._msgs[i]

@@ -103,18 +103,13 @@ class HealthBoard:
             return False
         return not any(link.rail == rail for t in self._tables for link in t.broken())
 
-    def usable(self, peer: int, rail: int) -> bool:
-        """Whether (peer, rail) can carry traffic, as far as anyone has said."""
+    def usable(self, peer: int, rail: int, table: LinkTable) -> bool:
+        """Whether ``table``'s (peer, rail) link can carry traffic, as far as is known."""
         state = self._peers.get(peer, PeerState())
         if rail in self._nic_down or rail in state.nic_down:
             return False
-        if (self.rank, rail) in state.broken:
-            return False
-        return not any(
-            (lk.peer, lk.rail) == (peer, rail) and lk.broken
-            for t in self._tables
-            for lk in t.links().values()
-        )
+        link = table.links().get((peer, rail))
+        return link is None or not link.broken
 
     def nic_up_both(self, peer: int, rail: int) -> bool:
         state = self._peers.get(peer, PeerState())

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from resilient._signature import Exchange
 
 __all__ = [
+    "DOWN",
     "DROP_SHARE",
     "PROBE_EVERY",
     "PROBE_SHARE",
@@ -45,6 +46,8 @@ PROBE_EVERY: Final = 64
 PROBE_SHARE: Final = 1 / 16
 DROP_SHARE: Final = 1 / 16
 CONFIRM_CALLS: Final = 5
+# The rate a rank proposes for a rail it cannot use (NIC down, a link broken).
+DOWN: Final = -1.0
 
 
 def agreed_weights(
@@ -59,11 +62,25 @@ def agreed_weights(
     if n <= 1 or not rates:
         return tuple(static)
     per_rail = [min(int(row[r]) for row in rates) for r in range(n)]
+    down = [rate < 0 for rate in per_rail]
+    if all(down):
+        return tuple(static)  # nothing better to offer: the collectives fail over or fail
+    if any(down):
+        # A rail dead anywhere carries nothing, probes included, until it is repaired.
+        alive = [0.0 if d else w for d, w in zip(down, static, strict=True)]
+        if min(r for r, d in zip(per_rail, down, strict=True) if not d) <= 0:
+            return tuple(alive)
+        per_rail = [0 if d else r for r, d in zip(per_rail, down, strict=True)]
+        return _shares(per_rail, seq, probe_ok=False)
     if min(per_rail) <= 0:
         return tuple(static)
+    return _shares(per_rail, seq, probe_ok=True)
+
+
+def _shares(per_rail: Sequence[int], seq: int, *, probe_ok: bool) -> tuple[float, ...]:
     total = sum(per_rail)
     shares = [rate / total for rate in per_rail]
-    probe = seq % PROBE_EVERY == 0
+    probe = probe_ok and seq % PROBE_EVERY == 0
     if probe:
         shares = [max(s, PROBE_SHARE) for s in shares]
         scale = sum(shares)

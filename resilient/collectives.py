@@ -150,12 +150,17 @@ class RingEngine:
         # the call, the same on every rank, which names the failover records.
         self.board: Any = None
         self.failover_timeout_s = links.config.op_timeout_floor_s
+        self.failovers: list[tuple[int, int, int, int]] = []  # see Route.log
         self._calls = 0
 
     def _route(self) -> Route:
         self._calls += 1
         return Route(
-            links=self.links, seq=self._calls, timeout_s=self.failover_timeout_s, board=self.board
+            links=self.links,
+            seq=self._calls,
+            timeout_s=self.failover_timeout_s,
+            board=self.board,
+            log=self.failovers,
         )
 
     @property
@@ -260,7 +265,9 @@ class RingEngine:
         pieces = rail_pieces(chunks, self._weights_for(flat))
         rails = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
         peers = [p for p in range(self.world) if p != self.rank]
-        self.links.ensure((p, rail) for rail in rails for p in peers)
+        # Every rail, used or not: a failover must find its backup link built
+        # (building one in the middle of a collective is a rendezvous in odd order).
+        self.links.ensure((p, rail) for rail in range(self.num_rails) for p in peers)
         elem = flat.element_size()
         route = self._route()
 
@@ -305,7 +312,9 @@ class RingEngine:
     ) -> None:
         pieces = rail_pieces(chunks, self._weights_for(flat))
         used = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
-        self.links.ensure((peer, rail) for rail in used for peer in (self.left, self.right))
+        self.links.ensure(
+            (peer, rail) for rail in range(self.num_rails) for peer in (self.left, self.right)
+        )
         elem = flat.element_size()
         plans = [
             _RingPlan(

@@ -123,6 +123,9 @@ class Link:
         # (store, key) of failover records to publish as "finished" if this link
         # breaks after a receive channel finished on it (see resilient._channel).
         self.finished: deque[tuple[Store, str]] = deque(maxlen=8)
+        # Receive channels now using this link: failed over the moment it breaks.
+        self._receivers: list[Any] = []
+        self._senders: list[Any] = []
         self._broken_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -133,10 +136,36 @@ class Link:
         if h is not None and h.failed(self.rank, self.peer, self.rail):
             raise self._failed(f"{self}: {what} failed: fault injected by chaos control")
 
+    def watch_receiver(self, rx: Any) -> bool:
+        """Fail ``rx`` over when this link breaks; False if it already is broken."""
+        with self._broken_lock:
+            if not self.broken:
+                self._receivers.append(rx)
+            return not self.broken
+
+    def unwatch_receiver(self, rx: Any) -> None:
+        with self._broken_lock:
+            if rx in self._receivers:
+                self._receivers.remove(rx)
+
+    def watch_sender(self, tx: Any) -> bool:
+        """Tell ``tx`` (``tx.cut(link)``) when this link breaks; False if it is broken."""
+        with self._broken_lock:
+            if not self.broken:
+                self._senders.append(tx)
+            return not self.broken
+
+    def unwatch_sender(self, tx: Any) -> None:
+        with self._broken_lock:
+            if tx in self._senders:
+                self._senders.remove(tx)
+
     def _failed(self, message: str, action: str = "raised LinkError") -> LinkError:
         """Mark the link broken and log ``link.down`` once; returns the error to raise."""
         with self._broken_lock:
             first, self.broken = not self.broken, True
+            receivers, self._receivers = self._receivers, []
+            senders, self._senders = self._senders, []
         if first:
             events.emit(
                 "link.down",
@@ -151,6 +180,15 @@ class Link:
                 except Exception:  # reporting must never mask the link error itself
                     logger.exception("rank %d: reporting broken %r failed", self.rank, self)
             self._publish_finished()
+            # Receivers first: they only publish where to resume, which is what the
+            # peer's senders wait for.
+            for rx in receivers:
+                try:
+                    rx.failover()
+                except Exception:  # its own wait raises the same error, typed, later
+                    logger.warning("rank %d: failing over a receiver failed", self.rank)
+            for tx in senders:
+                tx.cut(self)
         return LinkError(message)
 
     def abort(self, reason: str) -> None:

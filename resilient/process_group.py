@@ -29,11 +29,12 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from resilient._args import check_tensors, reduce_op
+from resilient._health import HealthBoard
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, Signature
 from resilient._stragglers import StragglerWatch
-from resilient._weights import WeightLearner
+from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
@@ -100,8 +101,15 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
         self._stragglers = StragglerWatch(rank, epoch)
+        # Who sees which NIC or link dead: cuts our end of links peers report dead,
+        # so the collectives fail over at once instead of at their deadline.
+        self.board = HealthBoard(rank=rank, world=world_size, store=store, epoch=epoch)
+        self.board.attach(self.links)
+        self.engine.board = self.board
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
-        self.nics = NicMonitor(rank, self.rails).start()
+        self.nics = NicMonitor(rank, self.rails)
+        self.nics.on_change(self.board.nic_changed)
+        self.nics.start()
         self._last_done = time.monotonic()
         self._calls_submitted = self._calls_done = 0
         if self.config.check_mismatch and world_size > 1:
@@ -114,6 +122,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 epoch=epoch,
                 rates=self._proposed_rates if self._learner is not None else None,
             )
+            self.board.attach(self._channel.engine.links)
+            self._channel.engine.board = self.board
+        self.board.start()
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-comm-{rank}", daemon=True
@@ -196,9 +207,11 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         return self._channel is not None and nbytes <= INLINE_BYTES
 
     def _proposed_rates(self) -> tuple[float, ...]:
-        # A rail whose NIC is down proposes a token rate (0 would mean "unknown").
+        # A rail with its NIC down or a broken link here proposes DOWN: every rank
+        # then gives it no share at all until it is repaired (see resilient._weights).
         return tuple(
-            rate if self.nics.up[rail] else 1.0 for rail, rate in enumerate(self.engine.rail_rates)
+            rate if self.nics.up[rail] and self.board.rail_ok(rail) else DOWN
+            for rail, rate in enumerate(self.engine.rail_rates)
         )
 
     @staticmethod
@@ -212,6 +225,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             return
         self._closed = True
         self.nics.stop()
+        self.board.stop()
         self._queue.put(None)
         self._thread.join(timeout=60)
         if self._channel is not None:
@@ -236,6 +250,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 device_type="cuda",
             )
             self._cuda = self._new_engine(links, self.size())
+            self.board.attach(links)
+            self._cuda.board = self.board
         return self._cuda
 
     def _new_engine(self, links: LinkTable, world: int) -> RingEngine:
