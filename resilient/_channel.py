@@ -175,10 +175,11 @@ class Tx(_Channel):
             if self._stale:
                 self._check()  # posts this one too
             elif not self._delivered:
+                link = self.link
                 try:
-                    self._works[idx] = self.link.isend(tensor, _shift(tag, self.rail, self.gen))
+                    self._works[idx] = link.isend(tensor, _shift(tag, self.rail, self.gen))
                 except LinkError:
-                    self._failover(self.link)  # re-posts this one too
+                    self._failover(link)  # re-posts this one too
             return idx
 
     def wait(self, idx: int, nbytes: int) -> None:
@@ -279,17 +280,20 @@ class Rx(_Channel):
         self._final = self._done = False
         self._lock = threading.RLock()
         if not self.link.watch_receiver(self):
-            self.failover()
+            self.failover(self.link)  # never blocks: it only publishes where to resume
 
     def post(self, into: torch.Tensor, tag: int) -> int:
         with self._lock:
             idx = len(self._msgs)
             self._msgs.append((into, tag))
             self._works.append(None)
+            # Every failover names the link that failed: breaking it may already
+            # have failed this channel over (its receivers are told at once).
+            link = self.link
             try:
-                self._works[idx] = self.link.irecv(into, _shift(tag, self.rail, self.gen))
+                self._works[idx] = link.irecv(into, _shift(tag, self.rail, self.gen))
             except LinkError:
-                self.failover()
+                self.failover(link)
             return idx
 
     def wait(self, idx: int, nbytes: int) -> None:
@@ -302,9 +306,7 @@ class Rx(_Channel):
             try:
                 link.wait(work, nbytes)
             except LinkError:
-                with self._lock:
-                    if self.link is link:
-                        self.failover()
+                self.failover(link)
                 continue
             with self._lock:
                 if self.gen == gen:
@@ -322,10 +324,11 @@ class Rx(_Channel):
             self._final = True
             if self._done:
                 return
+            link = self.link
             try:
-                self._ack_sent = self.link.isend(self._ack, self._ack_tag())
+                self._ack_sent = link.isend(self._ack, self._ack_tag())
             except LinkError:
-                self.failover()
+                self.failover(link)
 
     def finish(self) -> None:
         """Wait for the acknowledgement to go out (call after :meth:`ack` and the
@@ -337,7 +340,7 @@ class Rx(_Channel):
             try:
                 link.wait(sent, 8, watch=False)
             except LinkError:
-                self.failover()
+                self.failover(link)
         with self._lock:
             self.link.unwatch_receiver(self)
             if self._done:
@@ -348,14 +351,18 @@ class Rx(_Channel):
         if broken:  # broke between the ack and now: the sender may need it
             self.route.store.set(key, "done")
 
-    def failover(self) -> None:
+    def failover(self, failed: Link) -> None:
         """Resume on a backup rail from the first unconsumed message (never blocks).
+
+        ``failed``: the link that broke; nothing is done if this channel already
+        left it (breaking a link fails its receivers over at once, from whichever
+        thread broke it).
 
         Raises:
             LinkError: no usable rail is left.
         """
         with self._lock:
-            if self._done:
+            if self._done or self.link is not failed:
                 return
             old = self.link
             if not old.broken:

@@ -184,9 +184,11 @@ class Link:
             # peer's senders wait for.
             for rx in receivers:
                 try:
-                    rx.failover()
+                    rx.failover(self)
                 except Exception:  # its own wait raises the same error, typed, later
-                    logger.warning("rank %d: failing over a receiver failed", self.rank)
+                    logger.warning(
+                        "rank %d: failing over a receiver failed", self.rank, exc_info=True
+                    )
             for tx in senders:
                 tx.cut(self)
         return LinkError(message)
