@@ -93,6 +93,8 @@ class Route:
         """
         end = time.monotonic() + self.timeout_s
         while True:
+            if self.links.closed:
+                raise LinkError(f"rank {self.links.rank}: links closed while waiting for {key}")
             if self.store.check([key]):
                 return bytes(self.store.get(key)).decode()
             if time.monotonic() > end:
@@ -219,6 +221,10 @@ class Tx(_Channel):
 
     def cut(self, link: Link) -> None:
         """``link`` was cut from elsewhere: fail over in a thread of our own."""
+        try:
+            self.route.backup(self.peer, self.tried | {link.rail})
+        except LinkError:
+            return  # nowhere to go: the owner's next op raises the LinkError
 
         def run() -> None:
             try:

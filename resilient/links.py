@@ -185,10 +185,10 @@ class Link:
             for rx in receivers:
                 try:
                     rx.failover(self)
-                except Exception:  # its own wait raises the same error, typed, later
-                    logger.warning(
-                        "rank %d: failing over a receiver failed", self.rank, exc_info=True
-                    )
+                except LinkError as exc:  # its own wait raises the same error, typed
+                    logger.warning("rank %d: no failover for %r: %s", self.rank, self, exc)
+                except Exception:
+                    logger.exception("rank %d: failing over a receiver failed", self.rank)
             for tx in senders:
                 tx.cut(self)
         return LinkError(message)
@@ -313,6 +313,7 @@ class LinkTable:
         self._generation: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self.on_broken: Callable[[Link], None] | None = None
+        self.closed = False
 
     def prefix(self, peer: int, rail: int, gen: int | None = None) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
@@ -405,6 +406,7 @@ class LinkTable:
         return old
 
     def close(self) -> None:
+        self.closed = True
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
