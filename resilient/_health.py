@@ -94,9 +94,6 @@ class HealthBoard:
     def _link_broken(self, link: Link) -> None:
         self.publish()
 
-    def link_repaired(self) -> None:
-        self.publish()
-
     def rail_ok(self, rail: int) -> bool:
         """This rank's NIC on ``rail`` is up and none of its links there is broken."""
         if rail in self._nic_down:

@@ -76,36 +76,24 @@ def capture(address: str | None) -> Iterator[Captured]:
     got.conns = [c for fd, c in after.items() if before.get(fd) != c]
 
 
-def _same(conn: Conn) -> bool:
-    try:
-        with socket.socket(fileno=_dup(conn.fd)) as s:
-            local = s.getsockname()[:2]
-            remote = s.getpeername()[:2]
-    except OSError:
-        return False
-    return _norm(local) == conn.local and _norm(remote) == conn.remote
-
-
 def _norm(addr: tuple[str, int]) -> tuple[str, int]:
     return str(addr[0]).removeprefix("::ffff:"), int(addr[1])
-
-
-def _dup(fd: int) -> int:
-    return os.dup(fd)
 
 
 def cut(conns: list[Conn]) -> int:
     """Shut down ``conns`` (both directions); returns how many were cut.
 
-    Pending gloo ops on them fail at once with "Connection closed". Only the
-    duplicate descriptor made here is closed; gloo closes its own.
+    Pending gloo ops on them fail at once with "Connection closed". Each descriptor
+    is checked to still be the recorded connection first (numbers get reused).
+    Only the duplicate descriptor made here is closed; gloo closes its own.
     """
     done = 0
     for conn in conns:
-        if not _same(conn):
-            continue
         try:
-            with socket.socket(fileno=_dup(conn.fd)) as s:
+            with socket.socket(fileno=os.dup(conn.fd)) as s:
+                local, remote = _norm(s.getsockname()[:2]), _norm(s.getpeername()[:2])
+                if (local, remote) != (conn.local, conn.remote):
+                    continue
                 s.shutdown(socket.SHUT_RDWR)
             done += 1
         except OSError as exc:  # already gone: nothing to interrupt

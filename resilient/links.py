@@ -315,20 +315,20 @@ class LinkTable:
         self.on_broken: Callable[[Link], None] | None = None
         self.closed = False
 
-    def prefix(self, peer: int, rail: int, gen: int | None = None) -> str:
+    def prefix(self, peer: int, rail: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
-        gen = self._generation.get((peer, rail), 0) if gen is None else gen
+        gen = self._generation.get((peer, rail), 0)
         return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
-    def _new_link(self, peer: int, rail: int, prefix: str, config: DataPlaneConfig) -> Link:
+    def _new_link(self, peer: int, rail: int) -> Link:
         link = Link(
             rank=self.rank,
             peer=peer,
             rail=rail,
             address=self.rails[rail],
             store=self.store,
-            prefix=prefix,
-            config=config,
+            prefix=self.prefix(peer, rail),
+            config=self.config,
             device_type=self.device_type,
         )
         # Waits of the signature exchange last as long as the latest rank takes to
@@ -355,7 +355,7 @@ class LinkTable:
             with self._lock:
                 if (peer, rail) in self._links:
                     continue
-                link = self._new_link(peer, rail, self.prefix(peer, rail), self.config)
+                link = self._new_link(peer, rail)
                 self._links[(peer, rail)] = link
             logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
 
@@ -384,26 +384,6 @@ class LinkTable:
         for link in hit:
             link.abort(reason)
         return len(hit)
-
-    def rebuild(self, peer: int, rail: int, gen: int, config: DataPlaneConfig) -> Link:
-        """Build generation ``gen`` of the (peer, rail) link, not yet in service.
-
-        Raises:
-            LinkError: the rendezvous failed or timed out.
-        """
-        return self._new_link(peer, rail, self.prefix(peer, rail, gen), config)
-
-    def replace(self, link: Link, gen: int) -> Link | None:
-        """Put a rebuilt ``link`` in service; returns the one it replaced (closed in
-        the background). Every other link stays the same object."""
-        key = (link.peer, link.rail)
-        with self._lock:
-            old = self._links.get(key)
-            self._links[key] = link
-            self._generation[key] = gen
-        if old is not None:
-            old.close(background=True)
-        return old
 
     def close(self) -> None:
         self.closed = True
