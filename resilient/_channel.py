@@ -310,7 +310,7 @@ class Rx(_Channel):
             with self._lock:
                 link, work, gen = self.link, self._works[idx], self.gen
             try:
-                link.wait(work, nbytes)
+                link.wait(work, nbytes, interruptible=True)
             except LinkError:
                 self.failover(link)
                 continue

@@ -4,13 +4,25 @@ gloo offers no way to interrupt a pending ``wait``: ``abort()``/``shutdown()`` o
 the group leave it blocked until its timeout, and a timed-out wait closes the pair
 anyway. A ``shutdown(SHUT_RDWR)`` on the pair's socket does interrupt it: gloo's
 event loop sees the connection end and fails every pending op of that pair within
-microseconds. So while a link is built, the TCP connections that appear in this
-process (on the link's address) are recorded, and :func:`cut` shuts them down.
+microseconds. So each link learns which connection is its own, and :func:`cut`
+shuts it down.
 
-Building links is serialised through :data:`BUILD_LOCK` so that the connections
-that appear during one build belong to that link. Before cutting, each recorded
-descriptor is checked to still be the same connection (same local and remote
-address), because a closed descriptor number can be reused by anything.
+Which connection is a link's is not simply "the one that appeared while it was
+built". The connecting end's socket does appear during the build (gloo connects
+synchronously, and builds are serialised through :data:`BUILD_LOCK`). But the
+listening end shares one listener per rail with every other link there, and gloo
+accepts connections as soon as they arrive: the peer of a link built later may
+connect while this rank is still building another one, so a window on the
+listening end catches other links' connections and can miss its own (measured on
+the netns testbed: a link recorded two connections to other peers, was cut, and
+its pending receive went on waiting). So the two ends compare notes through the
+store (:func:`pair_up`): each publishes the outgoing connections that appeared
+during its build, each keeps the connection whose mirror image the peer
+published, and each confirms what it kept so the connecting end keeps it too.
+
+Before cutting, each recorded descriptor is checked to still be the same
+connection (same local and remote address), because a closed descriptor number
+can be reused by anything.
 """
 
 from __future__ import annotations
@@ -20,16 +32,19 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import psutil
 
-__all__ = ["BUILD_LOCK", "Conn", "capture", "cut"]
+__all__ = ["BUILD_LOCK", "Conn", "capture", "cut", "pair_up"]
 
 logger = logging.getLogger(__name__)
 
 BUILD_LOCK = threading.RLock()
+_POLL_S: Final = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,40 +55,85 @@ class Conn:
     local: tuple[str, int]
     remote: tuple[str, int]
 
+    def text(self) -> str:
+        return f"{self.local[0]}:{self.local[1]}>{self.remote[0]}:{self.remote[1]}"
+
+    def mirror(self) -> str:
+        """How the other end of this connection writes it (see :meth:`text`)."""
+        return f"{self.remote[0]}:{self.remote[1]}>{self.local[0]}:{self.local[1]}"
+
 
 @dataclass(slots=True)
 class Captured:
-    """Connections that appeared during a :func:`capture` block."""
+    """Outgoing connections (local port not a listener of ours) opened in a block."""
 
     conns: list[Conn] = field(default_factory=list)
 
 
-def _established(address: str | None) -> dict[int, Conn]:
+def _addr(a: Any) -> tuple[str, int]:
+    return str(a.ip).removeprefix("::ffff:"), int(a.port)
+
+
+def _established() -> tuple[dict[int, Conn], set[int]]:
+    """This process's established TCP connections by descriptor, and its listening ports."""
     out: dict[int, Conn] = {}
+    listening: set[int] = set()
     try:
         conns = psutil.Process().net_connections(kind="tcp")
     except (psutil.Error, OSError):  # /proc unreadable: links simply cannot be cut
-        return out
+        return out, listening
     for c in conns:
-        if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
-            continue
-        local = (str(c.laddr.ip).removeprefix("::ffff:"), int(c.laddr.port))
-        if address is not None and local[0] != address:
-            continue
-        remote = (str(c.raddr.ip).removeprefix("::ffff:"), int(c.raddr.port))
-        out[c.fd] = Conn(c.fd, local, remote)
-    return out
+        if c.status == psutil.CONN_LISTEN:
+            listening.add(int(c.laddr.port))
+        elif c.status == psutil.CONN_ESTABLISHED and c.raddr and c.fd >= 0:
+            out[c.fd] = Conn(c.fd, _addr(c.laddr), _addr(c.raddr))
+    return out, listening
 
 
 @contextlib.contextmanager
-def capture(address: str | None) -> Iterator[Captured]:
-    """Record the connections on ``address`` that this block opens (holds BUILD_LOCK)."""
+def capture() -> Iterator[Captured]:
+    """Record the outgoing connections this block opens (holds BUILD_LOCK)."""
     got = Captured()
     with BUILD_LOCK:
-        before = _established(address)
+        before, _ = _established()
         yield got
-        after = _established(address)
-    got.conns = [c for fd, c in after.items() if before.get(fd) != c]
+        after, listening = _established()
+    got.conns = [
+        c for fd, c in after.items() if before.get(fd) != c and c.local[1] not in listening
+    ]
+
+
+def _read(store: Any, key: str, deadline: float) -> str | None:
+    """Poll ``key`` (a blocking get would hold the shared store client)."""
+    while True:
+        if store.check([key]):
+            return bytes(store.get(key)).decode()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
+def pair_up(store: Any, me: int, got: Captured, timeout_s: float) -> list[Conn]:
+    """The connection(s) of a just-built two-rank link, agreed with the peer.
+
+    ``store`` is the link's own (prefixed) store and ``me`` this end's index (0/1).
+    Returns [] if the peer does not answer within ``timeout_s`` (the link then
+    works, but cannot be cut; its ops fail at their deadline instead).
+    """
+    deadline = time.monotonic() + timeout_s
+    store.set(f"conn/{me}", ",".join(c.text() for c in got.conns))
+    theirs = _read(store, f"conn/{1 - me}", deadline)
+    if theirs is None:
+        logger.warning("link end %d: the peer never published its connection", me)
+        return []
+    wanted = set(filter(None, theirs.split(",")))
+    kept = [c for c in _established()[0].values() if c.mirror() in wanted]
+    store.set(f"kept/{me}", ",".join(c.text() for c in kept))
+    confirmed = _read(store, f"kept/{1 - me}", deadline)
+    if confirmed is not None:
+        ok = set(filter(None, confirmed.split(",")))
+        kept += [c for c in got.conns if c.mirror() in ok]
+    return kept
 
 
 def _norm(addr: tuple[str, int]) -> tuple[str, int]:

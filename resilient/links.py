@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
-from resilient import _faults, _sockets, _stall
+from resilient import _faults, _sockets, _stall, _waiter
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -103,20 +103,29 @@ class Link:
         index = 0 if rank < peer else 1
         start = time.monotonic()
         try:
+            own = PrefixStore(prefix, store)
             if device_type == "cuda":
-                self.pg: Any = _nccl_pair(PrefixStore(prefix, store), index, config)
+                self.pg: Any = _nccl_pair(own, index, config)
                 self._conns: list[_sockets.Conn] = []
             else:
-                with _sockets.capture(address) as got:
-                    self.pg = _gloo_pair(PrefixStore(prefix, store), index, address, config)
-                self._conns = got.conns
+                with _sockets.capture() as got:
+                    self.pg = _gloo_pair(own, index, address, config)
+                self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
         except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
             ) from exc
         self.connect_s = time.monotonic() - start
+        if device_type != "cuda" and len(self._conns) != 1:
+            logger.warning(
+                "rank %d: %r has %d known connections (want 1): cutting it may not "
+                "interrupt its ops", rank, self, len(self._conns),
+            )  # fmt: skip
         self.broken = False
         self.watch_stalls = True
+        # Another rail to fail over to: only then is a wait worth interrupting early
+        # (with one rail the op fails at its deadline either way).
+        self.has_backup = False
         # Called once when the link breaks (the health board publishes it, so the
         # peer cuts its end too).
         self.on_broken: Callable[[Link], None] | None = None
@@ -127,6 +136,7 @@ class Link:
         self._receivers: list[Any] = []
         self._senders: list[Any] = []
         self._broken_lock = threading.Lock()
+        self._waiters = _waiter.Waiters(repr(self))
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
@@ -166,6 +176,7 @@ class Link:
             first, self.broken = not self.broken, True
             receivers, self._receivers = self._receivers, []
             senders, self._senders = self._senders, []
+        self._waiters.interrupt()
         if first:
             events.emit(
                 "link.down",
@@ -228,11 +239,15 @@ class Link:
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: recv failed: {exc}") from exc
 
-    def wait(self, work: Any, nbytes: int, *, watch: bool = True) -> None:
+    def wait(
+        self, work: Any, nbytes: int, *, watch: bool = True, interruptible: bool = False
+    ) -> None:
         """Wait for ``work`` within the deadline for ``nbytes``.
 
         ``watch=False`` keeps the wait out of stall reports (acknowledgements wait
-        for the peer to finish, not for bytes).
+        for the peer to finish, not for bytes). ``interruptible`` (receives of at
+        least ``_waiter.MIN_BYTES``) makes the wait end as soon as the link breaks,
+        even when gloo's own wait would not (see :mod:`resilient._waiter`).
 
         Raises:
             LinkError: the peer failed, the connection broke or the deadline passed.
@@ -250,7 +265,10 @@ class Link:
             else 0
         )
         try:
-            work.wait(timedelta(seconds=timeout))
+            if interruptible and self.has_backup and self._conns and nbytes >= _waiter.MIN_BYTES:
+                self._wait_interruptible(work, nbytes, timeout)
+            else:
+                work.wait(timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(
                 f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
@@ -265,12 +283,22 @@ class Link:
             if delay > 0:
                 time.sleep(delay)
 
+    def _wait_interruptible(self, work: Any, nbytes: int, timeout: float) -> None:
+        job = self._waiters.wait(work, timeout)
+        if job.interrupted:
+            raise self._failed(f"{self}: cut while waiting for {nbytes} B")
+        if job.error is not None:
+            raise self._failed(
+                f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {job.error}"
+            ) from job.error
+
     def close(self, *, background: bool | None = None) -> None:
         """Drop the group; a broken one in a background thread (closing it can block).
 
         Healthy groups are dropped synchronously: a gloo group still alive while the
         interpreter exits can abort the process.
         """
+        self._waiters.close()
         pg, self.pg = getattr(self, "pg", None), None
         if pg is None:
             return
@@ -334,6 +362,7 @@ class LinkTable:
         # Waits of the signature exchange last as long as the latest rank takes to
         # arrive (a checkpoint, an evaluation): not a link stall.
         link.watch_stalls = self.name != "ctl"
+        link.has_backup = len(self.rails) > 1
         link.on_broken = self._broken
         return link
 
