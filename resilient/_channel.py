@@ -192,7 +192,7 @@ class Tx(_Channel):
             if work is None:
                 return
             try:
-                link.wait(work, nbytes)
+                link.wait(work, nbytes, interruptible=True)
             except LinkError:
                 self._failover(link)
                 continue

@@ -9,7 +9,9 @@ connection cut 0.4 s in, returned only at its 4 s timeout; the same with the NIC
 down). And gloo offers no way to wake a wait early: its work has no future, no
 abort, and ``is_completed`` stays false until ``wait`` is called.
 
-So a large receive is waited for in a helper thread, while the caller waits on an
+The same holds for a send that did not fit in the socket buffer (gloo queues
+the rest, and closing the pair signals only ops on bound buffers). So a large
+op is waited for in a helper thread, while the caller waits on an
 event that either the helper or :meth:`Waiters.interrupt` sets. An interrupted
 caller moves on (its channel fails over); the helper stays blocked until gloo's
 timeout and then exits, on a link that is dead by then anyway. One helper thread
@@ -28,7 +30,7 @@ from typing import Any, Final
 
 __all__ = ["MIN_BYTES", "Pending", "Waiters"]
 
-# Smaller receives take one or two segments: one caught half-arrived is rare, and
+# Smaller messages take one or two segments: one caught half-way is rare, and
 # a thread hand-off would cost more than the message.
 MIN_BYTES: Final = 64 * 1024
 

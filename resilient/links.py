@@ -245,9 +245,10 @@ class Link:
         """Wait for ``work`` within the deadline for ``nbytes``.
 
         ``watch=False`` keeps the wait out of stall reports (acknowledgements wait
-        for the peer to finish, not for bytes). ``interruptible`` (receives of at
-        least ``_waiter.MIN_BYTES``) makes the wait end as soon as the link breaks,
-        even when gloo's own wait would not (see :mod:`resilient._waiter`).
+        for the peer to finish, not for bytes). ``interruptible`` (ops of at least
+        ``_waiter.MIN_BYTES`` on a link with a backup rail) makes the wait end as
+        soon as the link breaks, even when gloo's own wait would not (see
+        :mod:`resilient._waiter`).
 
         Raises:
             LinkError: the peer failed, the connection broke or the deadline passed.
