@@ -59,6 +59,9 @@ class Route:
     seq: int
     timeout_s: float
     board: Any = None  # HealthBoard | None; typed loosely to keep this module leaf-level
+    # Rails every rank agreed to use in this call (None: all). A repaired link is
+    # chosen as a backup only once it is agreed, i.e. in service at both ends.
+    allowed: frozenset[int] | None = None
     # Failovers done, as (peer, from_rail, to_rail, resumed_at): the engine's record.
     log: list[tuple[int, int, int, int]] = field(default_factory=list)
 
@@ -77,7 +80,7 @@ class Route:
             LinkError: no rail is left.
         """
         for rail in range(len(self.links.rails)):
-            if rail in tried:
+            if rail in tried or (self.allowed is not None and rail not in self.allowed):
                 continue
             if self.board is None or self.board.usable(peer, rail, self.links):
                 return rail

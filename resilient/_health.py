@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from torch._C._distributed_c10d import Store
 
+from resilient._repair import LinkRepair
 from resilient.links import Link, LinkTable
 
 __all__ = ["HealthBoard", "PeerState"]
@@ -52,8 +53,15 @@ class HealthBoard:
         store: Store,
         epoch: int = 0,
         interval_s: float = 0.005,
+        repair_timeout_s: float | None = None,
     ) -> None:
         self.rank, self.world, self.epoch = rank, world, epoch
+        # Rebuilds broken links once both ends are up (None: links stay broken).
+        self.repair = (
+            LinkRepair(rank=rank, board=self, epoch=epoch, timeout_s=repair_timeout_s)
+            if repair_timeout_s is not None and world > 1
+            else None
+        )
         self._store = store
         self._prefix = f"health/e{epoch}"
         self._interval = interval_s
@@ -70,17 +78,23 @@ class HealthBoard:
         """Report ``table``'s links when they break; cut them when peers say so."""
         table.on_broken = self._link_broken
         self._tables.append(table)
+        if self.repair is not None:
+            self.repair.attach(table)
 
     def start(self) -> HealthBoard:
         if self._thread is None and self.world > 1:
             self._thread = threading.Thread(target=self._run, name="health-board", daemon=True)
             self._thread.start()
+            if self.repair is not None:
+                self.repair.start()
         return self
 
     def stop(self) -> None:
         self._halt.set()
         if self._thread is not None:
             self._thread.join(2.0)
+        if self.repair is not None:
+            self.repair.stop()
 
     def nic_changed(self, rail: int, up: bool) -> None:
         """NIC monitor callback: a dead NIC cuts every link of its rail, then is published."""
@@ -111,6 +125,10 @@ class HealthBoard:
     def nic_up_both(self, peer: int, rail: int) -> bool:
         state = self._peers.get(peer, PeerState())
         return rail not in self._nic_down and rail not in state.nic_down
+
+    def peer_sees_broken(self, peer: int, rail: int) -> bool:
+        """``peer``'s latest record lists its link to this rank on ``rail`` as broken."""
+        return (self.rank, rail) in self._peers.get(peer, PeerState()).broken
 
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""

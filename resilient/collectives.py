@@ -161,6 +161,7 @@ class RingEngine:
             timeout_s=self.failover_timeout_s,
             board=self.board,
             log=self.failovers,
+            allowed=frozenset(r for r, w in enumerate(self.weights) if w > 0),
         )
 
     @property

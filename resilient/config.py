@@ -148,6 +148,9 @@ class DataPlaneConfig:
     ``learn_rail_weights``: with several rails, no explicit ``rail_weights`` and
     ``check_mismatch`` on, weights follow the measured rail rates (agreed by all
     ranks in the signature exchange; see :mod:`resilient._weights`).
+    ``repair_links``: rebuild a broken link in the background once the NICs at both
+    ends are up, each attempt (rendezvous, probe) bounded by ``repair_timeout_s``
+    (see :mod:`resilient._repair`).
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -161,6 +164,8 @@ class DataPlaneConfig:
     mesh_max_world: int = 8
     mesh_below_bytes: int = 8 << 20
     single_rail_below_bytes: int = 256 << 10
+    repair_links: bool = True
+    repair_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -174,6 +179,8 @@ class DataPlaneConfig:
                 raise ConfigError(f"rail_weights={self.rail_weights}: one must be > 0")
         if self.sub_chunk_bytes < 4096:
             raise ConfigError(f"sub_chunk_bytes={self.sub_chunk_bytes}: must be >= 4096")
+        if self.repair_timeout_s <= 0:
+            raise ConfigError(f"repair_timeout_s={self.repair_timeout_s}: must be > 0")
         if self.connect_timeout_s <= 0 or self.op_timeout_floor_s <= 0:
             raise ConfigError("DataPlaneConfig timeouts must be > 0")
         if self.expected_link_bytes_per_s <= 0:
@@ -187,8 +194,9 @@ class DataPlaneConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> DataPlaneConfig:
         """Read ``RESILIENT_SUB_CHUNK_BYTES``, ``RESILIENT_OP_TIMEOUT_S``,
         ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
-        ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1) and
-        ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1).
+        ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1),
+        ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_REPAIR_LINKS`` (0/1) and
+        ``RESILIENT_REPAIR_TIMEOUT_S``.
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -212,6 +220,8 @@ class DataPlaneConfig:
             check_mismatch=check,
             learn_rail_weights=learn,
             topology=env.get(p + "TOPOLOGY", "auto").strip().lower() or "auto",
+            repair_links=_env_flag(env, p + "REPAIR_LINKS", True),
+            repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
         )
 
 

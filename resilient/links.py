@@ -10,6 +10,7 @@ in a background thread, because dropping a gloo group can block for seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -349,7 +350,7 @@ class LinkTable:
         gen = self._generation.get((peer, rail), 0)
         return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
-    def _new_link(self, peer: int, rail: int) -> Link:
+    def _new_link(self, peer: int, rail: int, config: DataPlaneConfig | None = None) -> Link:
         link = Link(
             rank=self.rank,
             peer=peer,
@@ -357,9 +358,10 @@ class LinkTable:
             address=self.rails[rail],
             store=self.store,
             prefix=self.prefix(peer, rail),
-            config=self.config,
+            config=config or self.config,
             device_type=self.device_type,
         )
+        link.config = self.config  # a shorter rendezvous limit does not shorten op deadlines
         # Waits of the signature exchange last as long as the latest rank takes to
         # arrive (a checkpoint, an evaluation): not a link stall.
         link.watch_stalls = self.name != "ctl"
@@ -398,6 +400,37 @@ class LinkTable:
 
     def links(self) -> dict[tuple[int, int], Link]:
         return dict(self._links)
+
+    def generation(self, peer: int, rail: int) -> int:
+        return self._generation.get((peer, rail), 0)
+
+    def rebuild(self, peer: int, rail: int, generation: int, timeout_s: float) -> Link:
+        """A new link to ``peer`` on ``rail`` at ``generation``, not in service yet.
+
+        The generation is taken even if the build fails, so the next attempt never
+        meets this one's rendezvous keys.
+
+        Raises:
+            LinkError: the rendezvous failed or took longer than ``timeout_s``.
+        """
+        with self._lock:
+            self._generation[(peer, rail)] = generation
+        config = dataclasses.replace(self.config, connect_timeout_s=timeout_s)
+        return self._new_link(peer, rail, config)
+
+    def install(self, link: Link) -> bool:
+        """Put a rebuilt link in service in place of the broken one (closed in the
+        background); False (and ``link`` closed) if the table is closed."""
+        with self._lock:
+            old = None if self.closed else self._links.get((link.peer, link.rail))
+            if not self.closed:
+                self._links[(link.peer, link.rail)] = link
+        if self.closed:
+            link.close()
+            return False
+        if old is not None:
+            old.close(background=True)
+        return True
 
     def broken(self) -> list[Link]:
         """Links that broke and were not rebuilt yet."""

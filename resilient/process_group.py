@@ -103,7 +103,10 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._stragglers = StragglerWatch(rank, epoch)
         # Who sees which NIC or link dead: cuts our end of links peers report dead,
         # so the collectives fail over at once instead of at their deadline.
-        self.board = HealthBoard(rank=rank, world=world_size, store=store, epoch=epoch)
+        self.board = HealthBoard(
+            rank=rank, world=world_size, store=store, epoch=epoch,
+            repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
+        )  # fmt: skip
         self.board.attach(self.links)
         self.engine.board = self.board
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.

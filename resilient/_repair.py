@@ -1,0 +1,199 @@
+"""Local link repair: rebuild only the broken link, in the background, and put it back.
+
+A broken link (its NIC went down, its connection was cut) stays out of service
+while its collectives run on other rails (:mod:`resilient._channel`). Once the
+NICs at both ends are up again and the peer, too, reports the link broken (so it
+is alive; see :class:`~resilient._health.HealthBoard`), a repair thread per rank
+rebuilds that one link, and no other:
+
+1. **Agree on a generation.** The lower rank of the pair leads: it writes the next
+   generation under ``repair/<table>/e<epoch>/<device>/<lo>-<hi>/r<rail>/go``; the
+   other end joins when it sees a generation newer than its own. The generation is
+   part of the link's rendezvous prefix, so a rebuilt link never meets stale keys.
+2. **Build** the two-rank group (a rendezvous bounded by ``timeout_s``).
+3. **Probe** it: a one-element all_reduce within ``timeout_s`` must give 2.
+4. **Both ends confirm** (``.../g<gen>/ok<rank>``) before either puts it in service,
+   so a link is never in service at one end only.
+5. **Install** it in the table (the broken one is closed in the background), log
+   ``link.repaired``, and publish the health record: the rail's ranks then propose
+   it up again and, once every rank does, it gets its share of the data back.
+
+A failed attempt (peer gone again, probe failed) is retried with exponential
+backoff (``backoff_s`` doubling up to ``max_backoff_s``) at the next generation.
+Both ends handle their broken links in one global order (lowest pair, then rail),
+as link builds do, so two repair threads never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+
+from recovery import events
+from resilient.errors import LinkError
+from resilient.links import Link, LinkTable
+
+__all__ = ["LinkRepair"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S: Final = 0.002
+
+
+class LinkRepair:
+    """The repair thread of one rank; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        board: Any,  # HealthBoard: nic_up_both, peer_sees_broken, publish
+        epoch: int = 0,
+        interval_s: float = 0.05,
+        timeout_s: float = 5.0,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.rank, self.epoch, self.board = rank, epoch, board
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.tables: list[LinkTable] = []
+        self.repaired: list[tuple[str, int, int, int]] = []  # (table, peer, rail, gen)
+        self._failures: dict[tuple[str, int, int], int] = {}
+        self._next_try: dict[tuple[str, int, int], float] = {}
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def attach(self, table: LinkTable) -> None:
+        self.tables.append(table)
+
+    def start(self) -> LinkRepair:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="link-repair", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s * 3 + 1.0)
+
+    def _run(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            try:
+                self._round()
+            except Exception:  # never let the thread die: a later round retries
+                logger.exception("rank %d (epoch %d): link repair round failed", *self._who())
+
+    def _who(self) -> tuple[int, int]:
+        return self.rank, self.epoch
+
+    def _round(self) -> None:
+        todo = [
+            (table, link)
+            for table in list(self.tables)
+            if not table.closed
+            for link in table.broken()
+        ]
+        todo.sort(key=lambda tl: (min(self.rank, tl[1].peer), max(self.rank, tl[1].peer),
+                                  tl[1].rail, tl[0].name))  # fmt: skip
+        for table, link in todo:
+            if self._halt.is_set() or table.closed:
+                return
+            ident = (table.name, link.peer, link.rail)
+            if time.monotonic() < self._next_try.get(ident, 0.0):
+                continue
+            # The peer must report this link broken too: then it is alive, and its
+            # end is out of service as well (a dead peer never says so).
+            if self.board.nic_up_both(link.peer, link.rail) and self.board.peer_sees_broken(
+                link.peer, link.rail
+            ):
+                self._attempt(table, link, ident)
+
+    def _key(self, table: LinkTable, link: Link) -> str:
+        lo, hi = min(self.rank, link.peer), max(self.rank, link.peer)
+        return f"repair/{table.name}/e{table.epoch}/{table.device_type}/{lo}-{hi}/r{link.rail}"
+
+    def _generation(self, table: LinkTable, link: Link) -> int | None:
+        """The generation to build now, or None (the leader has not asked yet)."""
+        key = self._key(table, link) + "/go"
+        mine = table.generation(link.peer, link.rail)
+        if self.rank < link.peer:
+            table.store.set(key, str(mine + 1))
+            return mine + 1
+        if not table.store.check([key]):
+            return None
+        theirs = int(bytes(table.store.get(key)).decode())
+        return theirs if theirs > mine else None
+
+    def _attempt(self, table: LinkTable, link: Link, ident: tuple[str, int, int]) -> None:
+        gen = self._generation(table, link)
+        if gen is None:
+            return
+        start = time.monotonic()
+        new: Link | None = None
+        try:
+            new = table.rebuild(link.peer, link.rail, gen, self.timeout_s)
+            self._probe(new)
+            self._confirm(table, new, gen)
+        except (LinkError, RuntimeError) as exc:
+            self._failed(ident, link, gen, exc)
+            if new is not None:
+                new.close(background=True)
+            return
+        if not table.install(new):
+            return
+        ms = (time.monotonic() - start) * 1e3
+        self._failures.pop(ident, None)
+        self.repaired.append((table.name, link.peer, link.rail, gen))
+        events.emit(
+            "link.repaired",
+            epoch=self.epoch,
+            links=[(self.rank, link.peer, link.rail)],
+            duration_ms=ms,
+            reason=f"{link!r} was broken; the NICs at both ends are up",
+            action=f"rebuilt it alone at generation {gen}, probed, back in service",
+            links_rebuilt=1,
+            table=table.name,
+            generation=gen,
+        )
+        logger.warning(
+            "rank %d (epoch %d): %s %r repaired at generation %d in %.0f ms",
+            self.rank, self.epoch, table.name, new, gen, ms,
+        )  # fmt: skip
+        self.board.publish()
+
+    def _probe(self, link: Link) -> None:
+        t = torch.ones(1)
+        try:
+            link.pg.allreduce([t]).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise LinkError(f"{link!r}: probe failed: {exc}") from exc
+        if float(t.item()) != 2.0:
+            raise LinkError(f"{link!r}: probe returned {t.item()} instead of 2")
+
+    def _confirm(self, table: LinkTable, link: Link, gen: int) -> None:
+        """Both ends probed it: only then does either put it in service."""
+        base = f"{self._key(table, link)}/g{gen}"
+        table.store.set(f"{base}/ok{self.rank}", "1")
+        theirs = f"{base}/ok{link.peer}"
+        end = time.monotonic() + self.timeout_s
+        while not table.store.check([theirs]):
+            if time.monotonic() > end or self._halt.is_set():
+                raise LinkError(f"{link!r}: rank {link.peer} did not confirm generation {gen}")
+            time.sleep(_POLL_S)
+
+    def _failed(self, ident: tuple[str, int, int], link: Link, gen: int, exc: Exception) -> None:
+        n = self._failures.get(ident, 0) + 1
+        self._failures[ident] = n
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (n - 1))
+        self._next_try[ident] = time.monotonic() + delay
+        logger.warning(
+            "rank %d (epoch %d): repairing %r at generation %d failed (attempt %d, next in "
+            "%.1f s): %s", self.rank, self.epoch, link, gen, n, delay, exc,
+        )  # fmt: skip

@@ -1,0 +1,84 @@
+"""Local link repair: a rank loses a rail's NIC and gets it back while training goes
+on; only the links of that rank on that rail are rebuilt, every other link stays the
+same object, the rail gets its share back, and every result is bitwise equal to the
+fault-free one (real processes, real gloo links and connections)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests._dist import run_world
+
+pytestmark = pytest.mark.timeout(240)
+
+VICTIM = 1
+
+
+def _tables(pg: Any) -> list[Any]:
+    return [pg.links] + ([pg._channel.engine.links] if pg._channel is not None else [])
+
+
+def _snapshot(pg: Any) -> dict[tuple[str, int, int], Any]:
+    return {(t.name, p, r): link for t in _tables(pg) for (p, r), link in t.links().items()}
+
+
+def _healthy(pg: Any) -> bool:
+    return not any(t.broken() for t in _tables(pg)) and pg.engine.weights[0] > 0
+
+
+def _lose_and_regain_rail(pg: Any, rank: int, world: int, n: int) -> dict[str, Any]:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11 + rank))
+    want = x.clone()
+    pg.allreduce([want]).wait()  # the fault-free result; builds the links
+    before = _snapshot(pg)
+    if rank == VICTIM:
+        pg.board.nic_changed(0, False)  # what NicMonitor reports when r0 goes down
+    equal, calls, down_weights = [], 0, []
+    for calls in range(1, 400):  # every rank makes the same calls
+        got = x.clone()
+        pg.allreduce([got]).wait()
+        equal.append(torch.equal(got, want))
+        down_weights.append(pg.engine.weights[0])
+        if rank == VICTIM and calls == 3:
+            pg.board.nic_changed(0, True)  # the NIC is back
+        done = torch.tensor([1.0 if calls > 3 and _healthy(pg) else 0.0])
+        pg.allreduce([done]).wait()
+        if done.item() == world:
+            break
+        time.sleep(0.02)
+    after = _snapshot(pg)
+    return {
+        "all_equal": all(equal),
+        "calls": calls,
+        "rail0_dropped": min(down_weights) == 0,
+        "healthy": _healthy(pg),
+        "same": {k: after[k] is before[k] for k in before},
+        "generations": {k: t.generation(k[1], k[2]) for t in _tables(pg) for k in before
+                        if k[0] == t.name},  # fmt: skip
+        "repaired": list(pg.board.repair.repaired),
+    }
+
+
+@pytest.mark.parametrize("topology", ["ring", "mesh"])
+def test_only_the_broken_links_are_rebuilt_and_the_rail_comes_back(topology: str) -> None:
+    out = run_world(
+        _lose_and_regain_rail,
+        4,
+        rails=2,
+        args=(1 << 18,),
+        config={"topology": topology, "single_rail_below_bytes": 0, "repair_timeout_s": 5.0},
+    )
+    for rank, res in enumerate(out):
+        assert res["all_equal"], rank
+        assert res["healthy"], rank
+        assert res["rail0_dropped"], rank  # the rail really was out of service
+        for (table, peer, rail), same in res["same"].items():
+            touched = rail == 0 and VICTIM in (rank, peer)
+            assert same is not touched, (rank, table, peer, rail)
+            assert (res["generations"][(table, peer, rail)] >= 1) is touched
+    victim = {(t, p, r) for t, p, r, _ in out[VICTIM]["repaired"]}
+    assert victim == {k for k, same in out[VICTIM]["same"].items() if not same}
