@@ -158,28 +158,30 @@ class Tx(_Channel):
         self._ack = torch.zeros(1, dtype=torch.int64)
         self._ack_work: Any = None
         # Failing over means waiting for the peer's record: never in the constructor,
-        # where the peer may not have built its receiver yet.
-        self._stale = not self.link.watch_sender(self)
-        if not self._stale:
+        # where the peer may not have built its receiver yet. The dead link is kept,
+        # not a flag: a cut may fail this channel over (in its own thread) before
+        # the stale mark is acted on, and the backup must not be taken for it.
+        link = self.link
+        self._stale: Link | None = None if link.watch_sender(self) else link
+        if self._stale is None:
             try:
-                self._ack_work = self.link.irecv(self._ack, self._ack_tag())
+                self._ack_work = link.irecv(self._ack, self._ack_tag())
             except LinkError:
-                self._stale = True
+                self._stale = link
 
     def _check(self) -> None:
         with self._lock:
-            if self._stale:
-                self._stale = False
-                self._failover(self.link)
+            stale, self._stale = self._stale, None
+            if stale is not None:
+                self._failover(stale)  # a no-op if the channel left it already
 
     def post(self, tensor: torch.Tensor, tag: int) -> int:
         with self._lock:
             idx = len(self._msgs)
             self._msgs.append((tensor, tag))
             self._works.append(None)
-            if self._stale:
-                self._check()  # posts this one too
-            elif not self._delivered:
+            self._check()  # a failover here re-posts this one too
+            if self._works[idx] is None and not self._delivered:
                 link = self.link
                 try:
                     self._works[idx] = link.isend(tensor, _shift(tag, self.rail, self.gen))

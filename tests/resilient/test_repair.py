@@ -57,8 +57,9 @@ def _lose_and_regain_rail(pg: Any, rank: int, world: int, n: int) -> dict[str, A
         "rail0_dropped": min(down_weights) == 0,
         "healthy": _healthy(pg),
         "same": {k: after[k] is before[k] for k in before},
-        "generations": {k: t.generation(k[1], k[2]) for t in _tables(pg) for k in before
-                        if k[0] == t.name},  # fmt: skip
+        "generations": {
+            k: t.generation(k[1], k[2]) for t in _tables(pg) for k in before if k[0] == t.name
+        },
         "repaired": list(pg.board.repair.repaired),
     }
 
