@@ -53,12 +53,21 @@ class _Helper:
         self.thread.start()
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
             try:
                 job.work.wait(timedelta(seconds=job.timeout_s))
             except Exception as exc:  # handed to the caller, which raises it typed
                 job.error = exc
+            finally:
+                # No reference to gloo work may outlive its wait here: a thread idle
+                # in get() would keep the last one alive until interpreter teardown,
+                # after its group is gone (seen: "terminate called" at exit).
+                job.work = None
             job.done.set()
+            job = None
 
 
 class Waiters:
