@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from typing import Any, Final
 
 import psutil
 
-__all__ = ["BUILD_LOCK", "Conn", "capture", "cut", "pair_up"]
+__all__ = ["BUILD_LOCK", "Conn", "Progress", "capture", "cut", "pair_up", "progress"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,25 @@ def _norm(addr: tuple[str, int]) -> tuple[str, int]:
     return str(addr[0]).removeprefix("::ffff:"), int(addr[1])
 
 
+@contextlib.contextmanager
+def _verified(conn: Conn) -> Iterator[socket.socket | None]:
+    """A duplicate of ``conn``'s descriptor if it still is that connection, else None."""
+    try:
+        s = socket.socket(fileno=os.dup(conn.fd))
+    except OSError:
+        yield None
+        return
+    with s:
+        try:
+            same = (_norm(s.getsockname()[:2]), _norm(s.getpeername()[:2])) == (
+                conn.local,
+                conn.remote,
+            )
+        except OSError:
+            same = False
+        yield s if same else None
+
+
 def cut(conns: list[Conn]) -> int:
     """Shut down ``conns`` (both directions); returns how many were cut.
 
@@ -149,13 +169,40 @@ def cut(conns: list[Conn]) -> int:
     """
     done = 0
     for conn in conns:
-        try:
-            with socket.socket(fileno=os.dup(conn.fd)) as s:
-                local, remote = _norm(s.getsockname()[:2]), _norm(s.getpeername()[:2])
-                if (local, remote) != (conn.local, conn.remote):
-                    continue
+        with _verified(conn) as s:
+            if s is None:
+                continue
+            try:
                 s.shutdown(socket.SHUT_RDWR)
-            done += 1
-        except OSError as exc:  # already gone: nothing to interrupt
-            logger.debug("cutting %s failed: %s", conn, exc)
+                done += 1
+            except OSError as exc:  # already gone: nothing to interrupt
+                logger.debug("cutting %s failed: %s", conn, exc)
     return done
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the kernel knows of a connection's progress (``TCP_INFO``)."""
+
+    unacked: int  # segments sent and not acknowledged yet
+    retransmits: int  # retransmission timeouts in a row, without an ACK between
+    since_ack_ms: int  # since the last ACK from the peer
+
+
+def progress(conn: Conn) -> Progress | None:
+    """``conn``'s TCP progress, or None if it is gone (or not Linux)."""
+    with _verified(conn) as s:
+        if s is None:
+            return None
+        try:
+            raw = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 104)
+        except OSError:
+            return None
+    if len(raw) < 60:
+        return None
+    # struct tcp_info: u8 state, ca_state, retransmits, ...; u32 rto, ato, snd_mss,
+    # rcv_mss, unacked (offset 24), ...; u32 last_ack_recv at offset 56.
+    retransmits = raw[2]
+    (unacked,) = struct.unpack_from("=I", raw, 24)
+    (since_ack,) = struct.unpack_from("=I", raw, 56)
+    return Progress(unacked=unacked, retransmits=retransmits, since_ack_ms=since_ack)

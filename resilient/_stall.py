@@ -7,6 +7,12 @@ closes the pair. So waits register here instead, and a watchdog thread (one per
 process, started on first use) emits ``link.degraded`` for a link whose op has been
 pending longer than :data:`STALL_S` (plus the time its bytes need at the expected
 rate), once per stall; the wait itself goes on untouched.
+
+While such an op stays pending, the watchdog also asks its link whether the kernel
+sees the connection dead (``network_stall``: data unacknowledged, retransmission
+timeouts, no ACK for a second; a partition or heavy loss, not a slow peer). If so
+it cuts the link, which fails the op over to another rail at once instead of at
+its deadline.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class _Op:
     start: float
     limit_s: float
     reported: bool = False
+    cut: bool = False
 
 
 class StallWatch:
@@ -46,11 +53,17 @@ class StallWatch:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.reported = 0
+        self.cut = 0
 
-    def begin(self, link: tuple[int, int, int], owner: object, expected_s: float) -> int:
-        """Register an op about to be waited on; returns the token for :meth:`end`."""
+    def begin(
+        self, link: tuple[int, int, int], owner: object, expected_s: float, *, report: bool = True
+    ) -> int:
+        """Register an op about to be waited on; returns the token for :meth:`end`.
+
+        ``report=False``: never logged as stalled, only checked for a dead connection.
+        """
         token = next(self._ids)
-        op = _Op(link, owner, time.monotonic(), STALL_S + expected_s)
+        op = _Op(link, owner, time.monotonic(), STALL_S + expected_s, reported=not report)
         with self._lock:
             self._ops[token] = op
             if self._thread is None:
@@ -67,6 +80,9 @@ class StallWatch:
             time.sleep(_TICK_S)
             now = time.monotonic()
             with self._lock:
+                overdue = [
+                    op for op in self._ops.values() if not op.cut and now - op.start > op.limit_s
+                ]
                 due = [
                     op
                     for op in self._ops.values()
@@ -89,6 +105,29 @@ class StallWatch:
                     action="waiting (the op fails at its deadline if it never completes)",
                 )
                 logger.warning("%r: op pending for %.0f ms (stalled?)", op.owner, pending_s * 1e3)
+            self._cut_dead(overdue)
+
+    def _cut_dead(self, overdue: list[_Op]) -> None:
+        """Cut the links of overdue ops whose connection the kernel sees dead."""
+        done: set[int] = set()
+        for op in overdue:
+            check = getattr(op.owner, "network_stall", None)
+            if check is None or id(op.owner) in done:
+                continue
+            try:
+                reason = check()
+            except Exception:  # a check must never stop the watchdog
+                logger.debug("stall check of %r failed", op.owner, exc_info=True)
+                continue
+            if reason is None:
+                continue
+            done.add(id(op.owner))
+            op.cut = True
+            self.cut += 1
+            try:
+                op.owner.abort(f"network stalled: {reason}")  # type: ignore[attr-defined]
+            except Exception:
+                logger.exception("cutting stalled %r failed", op.owner)
 
 
 _WATCH = StallWatch()

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,10 @@ __all__ = ["Link", "LinkTable"]
 
 logger = logging.getLogger(__name__)
 
+
+# A connection with unacknowledged data and no ACK for this long is cut (see
+# Link.network_stall and resilient._stall): well past a few retransmission timeouts.
+STALL_CUT_MS: Final = 1000
 
 _DEVICES: dict[str, Any] = {}
 _DEVICES_LOCK = threading.Lock()
@@ -215,6 +219,22 @@ class Link:
         if _sockets.cut(self._conns):
             logger.debug("rank %d: cut %r", self.rank, self)
 
+    def network_stall(self) -> str | None:
+        """Why this link's connection looks dead to the kernel, or None.
+
+        Dead means: data is waiting for an ACK, the retransmission timer fired,
+        and no ACK came for ``STALL_CUT_MS``. A slow or late peer shows none of
+        that (its ACKs still come), nor does a throttled link.
+        """
+        for conn in self._conns:
+            p = _sockets.progress(conn)
+            if p is not None and p.unacked and p.retransmits and p.since_ack_ms >= STALL_CUT_MS:
+                return (
+                    f"{p.unacked} segment(s) unacknowledged, {p.retransmits} retransmission "
+                    f"timeout(s), no ACK for {p.since_ack_ms} ms"
+                )
+        return None
+
     def _publish_finished(self) -> None:
         """Tell senders still waiting on this link that our receives here had finished."""
         while self.finished:
@@ -246,25 +266,24 @@ class Link:
         """Wait for ``work`` within the deadline for ``nbytes``.
 
         ``watch=False`` keeps the wait out of stall reports (acknowledgements wait
-        for the peer to finish, not for bytes). ``interruptible`` (ops of at least
-        ``_waiter.MIN_BYTES`` on a link with a backup rail) makes the wait end as
-        soon as the link breaks, even when gloo's own wait would not (see
-        :mod:`resilient._waiter`).
+        for the peer to finish, not for bytes); a dead connection is cut either way.
+        ``interruptible`` (ops of at least ``_waiter.MIN_BYTES`` on a link with a
+        backup rail) makes the wait end as soon as the link breaks, even when gloo's
+        own wait would not (see :mod:`resilient._waiter`).
 
         Raises:
             LinkError: the peer failed, the connection broke or the deadline passed.
         """
         timeout = self.config.deadline_s(nbytes)
         start = time.monotonic()
-        stalls = _stall.watch() if self.watch_stalls and watch else None
-        token = (
-            stalls.begin(
-                (self.rank, self.peer, self.rail),
-                self,
-                nbytes / self.config.expected_link_bytes_per_s,
-            )
-            if stalls is not None
-            else 0
+        # Every wait is watched for a dead connection; only data waits are reported
+        # as stalls (a late peer is not a stalled link).
+        stalls = _stall.watch()
+        token = stalls.begin(
+            (self.rank, self.peer, self.rail),
+            self,
+            nbytes / self.config.expected_link_bytes_per_s,
+            report=self.watch_stalls and watch,
         )
         try:
             if interruptible and self.has_backup and self._conns and nbytes >= _waiter.MIN_BYTES:
@@ -276,8 +295,7 @@ class Link:
                 f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
             ) from exc
         finally:
-            if stalls is not None:
-                stalls.end(token)
+            stalls.end(token)
         h = _faults.hook()
         if h is not None:
             self._injected_failure("op")
