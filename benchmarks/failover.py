@@ -182,10 +182,10 @@ def detection(run_dir: str, t_down: float | None) -> dict[str, Any]:
         "links_rebuilt": len({
             (e.get("table"), *sorted((e["links"][0][0], e["links"][0][1])), e["links"][0][2],
              e.get("generation"))
-            for e in evs if e["kind"] == "link.repaired"
-        }),
-        "repair_ms": max((float(e["duration_ms"]) for e in evs if e["kind"] == "link.repaired"),
-                         default=None),
+            for e in evs if e["kind"] == "link.repaired" and e.get("table")
+        }),  # (the rail weights' own "link.repaired", a rail's share back, has no table)
+        "repair_ms": max((float(e["duration_ms"]) for e in evs
+                          if e["kind"] == "link.repaired" and e.get("table")), default=None),
         "rerouted": sum(1 for e in evs if e["kind"] == "link.rerouted"),
         "kinds": sorted({e["kind"] for e in evs}),
     }  # fmt: skip

@@ -128,7 +128,11 @@ class WeightLearner:
                 "link.degraded" if slow else "link.repaired",
                 epoch=self.epoch,
                 links=[(self.rank, -1, rail)],
-                reason=f"rail {rail} measured at {slowest / 1e6:.1f} MB/s (slowest rank)",
+                reason=(
+                    f"rail {rail} is down or has a broken link at some rank"
+                    if slowest == DOWN
+                    else f"rail {rail} measured at {slowest / 1e6:.1f} MB/s (slowest rank)"
+                ),
                 action=f"rail weights now {':'.join(f'{x:g}' for x in weights)}",
             )
             logger.warning(
