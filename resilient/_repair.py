@@ -18,8 +18,9 @@ rebuilds that one link, and no other:
    ``link.repaired``, and publish the health record: the rail's ranks then propose
    it up again and, once every rank does, it gets its share of the data back.
 
-A failed attempt (peer gone again, probe failed) is retried with exponential
-backoff (``backoff_s`` doubling up to ``max_backoff_s``) at the next generation.
+A failed attempt (peer gone again, probe failed) is retried at the next generation
+after an exponential backoff (tenacity's ``wait_exponential``: ``backoff_s``
+doubling up to ``max_backoff_s``), counted per link.
 Both ends handle their broken links in one global order (lowest pair, then rail),
 as link builds do, so two repair threads never wait on each other in a cycle.
 """
@@ -30,9 +31,11 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Final
+from types import SimpleNamespace
+from typing import Any, Final, cast
 
 import torch
+from tenacity import RetryCallState, wait_exponential
 
 from recovery import events
 from resilient.errors import LinkError
@@ -61,7 +64,7 @@ class LinkRepair:
     ) -> None:
         self.rank, self.epoch, self.board = rank, epoch, board
         self.interval_s, self.timeout_s = interval_s, timeout_s
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._backoff = wait_exponential(multiplier=backoff_s, max=max_backoff_s)
         self.tables: list[LinkTable] = []
         self.repaired: list[tuple[str, int, int, int]] = []  # (table, peer, rail, gen)
         self._failures: dict[tuple[str, int, int], int] = {}
@@ -191,7 +194,10 @@ class LinkRepair:
     def _failed(self, ident: tuple[str, int, int], link: Link, gen: int, exc: Exception) -> None:
         n = self._failures.get(ident, 0) + 1
         self._failures[ident] = n
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (n - 1))
+        # tenacity's schedule, kept per link rather than in a blocking retry loop:
+        # one link's backoff must not hold up the repair of the others.
+        attempt = cast(RetryCallState, SimpleNamespace(attempt_number=n))
+        delay = float(self._backoff(attempt))
         self._next_try[ident] = time.monotonic() + delay
         logger.warning(
             "rank %d (epoch %d): repairing %r at generation %d failed (attempt %d, next in "

@@ -83,3 +83,19 @@ def test_only_the_broken_links_are_rebuilt_and_the_rail_comes_back(topology: str
             assert (res["generations"][(table, peer, rail)] >= 1) is touched
     victim = {(t, p, r) for t, p, r, _ in out[VICTIM]["repaired"]}
     assert victim == {k for k, same in out[VICTIM]["same"].items() if not same}
+
+
+def test_failed_repairs_back_off_exponentially_per_link() -> None:
+    from resilient._repair import LinkRepair
+
+    repair = LinkRepair(rank=0, board=None, backoff_s=0.1, max_backoff_s=1.0)
+    delays = []
+    for _ in range(6):
+        before = time.monotonic()
+        repair._failed(("link", 1, 0), "Link(0<->1, rail 0)", 1, RuntimeError("x"))  # type: ignore[arg-type]
+        delays.append(repair._next_try[("link", 1, 0)] - before)
+    assert [round(d, 1) for d in delays] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    # Another link starts from the beginning: backoff is counted per link.
+    before = time.monotonic()
+    repair._failed(("link", 2, 0), "Link(0<->2, rail 0)", 1, RuntimeError("x"))  # type: ignore[arg-type]
+    assert round(repair._next_try[("link", 2, 0)] - before, 1) == 0.1
