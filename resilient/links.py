@@ -379,7 +379,6 @@ class LinkTable:
             config=config or self.config,
             device_type=self.device_type,
         )
-        link.config = self.config  # a shorter rendezvous limit does not shorten op deadlines
         # Waits of the signature exchange last as long as the latest rank takes to
         # arrive (a checkpoint, an evaluation): not a link stall.
         link.watch_stalls = self.name != "ctl"
