@@ -91,10 +91,9 @@ class LinkRepair:
             try:
                 self._round()
             except Exception:  # never let the thread die: a later round retries
-                logger.exception("rank %d (epoch %d): link repair round failed", *self._who())
-
-    def _who(self) -> tuple[int, int]:
-        return self.rank, self.epoch
+                logger.exception(
+                    "rank %d (epoch %d): link repair round failed", self.rank, self.epoch
+                )
 
     def _round(self) -> None:
         todo = [
