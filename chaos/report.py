@@ -320,13 +320,18 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
 
 
 def _straggler_confirmed(facts: RunFacts) -> int | None:
-    """Training steps from the first fault to the first ``straggler.confirmed`` event."""
+    """Training steps from the first fault to the first ``straggler.confirmed`` event
+    naming the rank that fault slowed down (any rank when the fault names none)."""
     fired = [f for f in facts.faults if f.fired_s is not None and f.fired_step is not None]
     if not fired:
         return None
     start = facts.t0 + float(fired[0].fired_s or 0.0)
-    confirmed = [e for e in facts.events
-                 if e.get("kind") == "straggler.confirmed" and float(e["ts"]) >= start]  # fmt: skip
+    slowed = fired[0].params.get("rank")
+    confirmed = [
+        e for e in facts.events
+        if e.get("kind") == "straggler.confirmed" and float(e["ts"]) >= start
+        and (slowed is None or e.get("rank") == slowed)
+    ]  # fmt: skip
     if not confirmed:
         return None
     when = float(confirmed[0]["ts"])

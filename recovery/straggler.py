@@ -1,14 +1,16 @@
 """Straggler detection: which rank is slow, robustly, with hysteresis.
 
 In synchronous training every rank's *step* takes the same wall time (the fast ones
-wait in the collectives), so the detector looks at each rank's **busy time** per
-step (compute, without waiting for peers) and, when known, its links' speed.
+wait in the collectives), so the detector is fed a per-rank cost per sample where
+longer means slower: in :mod:`resilient._stragglers`, the time a rank is active
+while its peers wait for it, or how much longer its wall time is than the time it
+could actually run.
 
 For each rank and step it computes two scores over a sliding window:
 
-* relative: the median busy time of its peers / its own (1.0 = like the others,
+* relative: the median cost of its peers / its own (1.0 = like the others,
   0.77 = 30 % slower);
-* individual: its own best recent busy time / its current one (catches a rank that
+* individual: its own best recent cost / its current one (catches a rank that
   got slower even when all are slow).
 
 A rank is *suspected* when its relative score is below ``1 - margin`` and below the
@@ -16,8 +18,8 @@ peers' spread (median absolute deviation, scaled) on that step; *confirmed* afte
 ``confirm_steps`` suspect steps out of the last ``confirm_window``; *cleared* after
 ``clear_steps`` normal steps in a row. Noise of a few percent never confirms; a
 rank 30 % slower is confirmed within ``confirm_window`` steps. The verdict says
-``compute`` (its busy time is long) or ``link`` (its busy time is normal but its
-links measure slow).
+``compute`` (its cost is high) or ``link`` (its cost is normal but its links
+measure slow).
 """
 
 from __future__ import annotations

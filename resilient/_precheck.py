@@ -11,6 +11,11 @@ Calls whose exchange reads tensor data (inline payloads) or must mean "everyone 
 here" (barrier) are exchanged only once every earlier call finished locally, so they
 see the results of earlier collectives. Every rank exchanges in submission order,
 on links no data phase uses, so the exchanges always pair up.
+
+Each rank also keeps an exchange clock: how long its control thread has waited
+inside exchanges for the other ranks, and all the rest of its time ("active").
+Every row carries the rank's totals, so all ranks see who keeps the others waiting
+(straggler detection) from the same numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -25,6 +31,7 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from resilient._signature import Exchange, Signature, check_signatures
+from resilient._stolen import StolenTime
 from resilient._weights import agreed_weights
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
@@ -67,9 +74,12 @@ class SignatureChannel:
         self._done = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue[
-            tuple[int, Signature, Payload | None, bool, int, Future[Exchange]] | None
+            tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None
         ]
         self._queue = queue.Queue()
+        self._started = time.monotonic()
+        self._waited_us = 0  # written by the control thread only
+        self._stolen = StolenTime(f"resilient-stolen-{rank}")
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-ctl-{rank}", daemon=True
         )
@@ -81,19 +91,18 @@ class SignatureChannel:
         payload: Payload | None = None,
         *,
         after_previous: bool = False,
-        busy_us: int = 0,
     ) -> Future[Exchange]:
         """Schedule the exchange of ``sig``; the future holds the :class:`Exchange`.
 
         With ``after_previous`` (or a ``payload``) the exchange waits until every
-        earlier call was marked done. ``busy_us``: how long this rank computed before
-        the call. The future raises CollectiveMismatch or LinkError.
+        earlier call was marked done. The future raises CollectiveMismatch or
+        LinkError.
         """
         self._submitted += 1
         fut: Future[Exchange] = Future()
         quiet = after_previous or payload is not None
         seq = self._submitted
-        self._queue.put((seq, sig.with_seq(seq), payload, quiet, busy_us, fut))
+        self._queue.put((seq, sig.with_seq(seq), payload, quiet, fut))
         return fut
 
     def mark_done(self) -> None:
@@ -105,6 +114,7 @@ class SignatureChannel:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._stolen.close()
         self.engine.close()
         self.engine.links.close()
 
@@ -118,13 +128,22 @@ class SignatureChannel:
             item = self._queue.get()
             if item is None:
                 return
-            seq, sig, payload, quiet, busy_us, fut = item
+            seq, sig, payload, quiet, fut = item
             try:
                 if quiet:
                     self._wait_done(seq - 1)
                 data = payload() if payload is not None else None
                 rates = self._rates() if self._rates is not None else ()
-                exchange = check_signatures(self.engine, sig, self.rank, data, rates, busy_us)
+                began = time.monotonic()
+                clock = (
+                    int((began - self._started) * 1e6) - self._waited_us,
+                    self._waited_us,
+                    self._stolen.total_us,
+                )
+                try:
+                    exchange = check_signatures(self.engine, sig, self.rank, data, rates, clock)
+                finally:
+                    self._waited_us += int((time.monotonic() - began) * 1e6)
                 if self._rates is not None:
                     self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
                 fut.set_result(exchange)

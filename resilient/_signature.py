@@ -52,11 +52,12 @@ _HEADER = 8 + _MAX_DIMS
 # After the header: each rank's measured rate of each rail (bytes/s), for the
 # learned rail weights. Not part of the signature: ranks legitimately differ there.
 MAX_RAILS = 8
-# Then how long the rank was busy (outside collectives) before this call, in us:
-# what straggler detection compares across ranks.
-_BUSY = _HEADER + MAX_RAILS
+# Then the rank's exchange clock, in us since its channel started: time spent
+# waiting inside exchanges for the other ranks, and all the rest ("active": its own
+# compute and data). What straggler detection compares across ranks.
+_CLOCK = _HEADER + MAX_RAILS
 INLINE_BYTES = 2048
-_WIDTH = _BUSY + 1 + INLINE_BYTES // 8
+_WIDTH = _CLOCK + 3 + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -156,13 +157,14 @@ class Exchange:
 
     ``inline``: every rank's payload bytes, ``(world, INLINE_BYTES)`` uint8 (zero
     rows where none was given); ``rates``: every rank's measured rail rates;
-    ``busy_us``: how long each rank computed before this call.
+    ``clocks``: every rank's ``(active_us, waited_us, stolen_us)`` totals when it began this
+    exchange (see :class:`~resilient._precheck.SignatureChannel`).
     """
 
     seq: int
     inline: torch.Tensor
     rates: list[list[int]]
-    busy_us: list[int] = field(default_factory=list)
+    clocks: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def check_signatures(
@@ -171,7 +173,7 @@ def check_signatures(
     rank: int,
     payload: torch.Tensor | None = None,
     rates: Sequence[float] = (),
-    busy_us: int = 0,
+    clock: tuple[int, int, int] = (0, 0, 0),
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
     ``payload``. Raises on all ranks if signatures differ, before any data moved.
@@ -185,8 +187,8 @@ def check_signatures(
     table[rank, :_HEADER] = sig.encode()
     for rail, rate in enumerate(rates[:MAX_RAILS]):
         table[rank, _HEADER + rail] = int(rate)
-    table[rank, _BUSY] = busy_us
-    body = _BUSY + 1
+    table[rank, _CLOCK : _CLOCK + 3] = torch.tensor(clock, dtype=torch.int64)
+    body = _CLOCK + 3
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         if raw.numel() > INLINE_BYTES:
@@ -198,8 +200,8 @@ def check_signatures(
         return Exchange(
             seq=sig.seq,
             inline=table[:, body:].contiguous().view(torch.uint8),
-            rates=table[:, _HEADER:_BUSY].tolist(),
-            busy_us=table[:, _BUSY].tolist(),
+            rates=table[:, _HEADER:_CLOCK].tolist(),
+            clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:body].tolist()],
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):

@@ -1,15 +1,28 @@
 """Straggler detection fed by the signature exchange, reported as events.
 
-Every call's exchange carries how long each rank computed before it (its busy
-time). All ranks see the same numbers, so each runs the same
+Every exchange row carries the rank's clock (see :mod:`resilient._precheck`):
+time spent waiting inside exchanges for the other ranks, time *stolen* (the process
+could not run: stopped, CPU-throttled, starved) and the rest ("active"). All ranks
+see every rank's clock in the same exchange table, so each runs the same
 :class:`~recovery.straggler.StragglerDetector` and reaches the same verdicts
 without any extra message; verdicts become ``straggler.suspected`` /
 ``straggler.confirmed`` / ``straggler.cleared`` events and warnings.
 
-One call's busy time is noisy (back-to-back buckets have almost none, and a rank
-that the OS descheduled for a moment looks busy), so busy times are summed over
-:data:`CALLS_PER_SAMPLE` calls, about one training step or more, before the
-detector sees them; windows where every rank was idle are skipped.
+Two signals, two detectors, because they fail differently:
+
+* **stalled**: a process that does not run is slow at everything, compute and
+  communication alike, so its peers block in the same collectives it blocks in and
+  their clocks barely differ. Its own stolen time gives it away: the detector sees
+  ``elapsed / (elapsed - stolen)``, how much longer the rank takes than it would
+  if it ran all the time (1.43 for a rank stopped 30 % of the time).
+* **compute**: a rank whose compute is slow (a throttled GPU) keeps running but
+  submits its collectives late, so the others wait for it in the exchange and its
+  active time is the longest. Active time also carries every scheduling hiccup, so
+  this detector judges longer samples.
+
+One call is too short to judge (a rank descheduled for a moment is late once), so
+samples span at least :data:`STALL_SAMPLE_S` / :data:`COMPUTE_SAMPLE_S` of wall
+time and :data:`MIN_CALLS` calls.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import logging
 from typing import TYPE_CHECKING, Final
 
 from recovery import events
-from recovery.straggler import StragglerDetector
+from recovery.straggler import StragglerDetector, Transition
 
 if TYPE_CHECKING:
     from resilient._signature import Exchange
@@ -27,49 +40,84 @@ __all__ = ["StragglerWatch"]
 
 logger = logging.getLogger(__name__)
 
-CALLS_PER_SAMPLE: Final = 8
-# Below this (summed over a sample) the busy time is scheduling noise, not compute.
-_MIN_BUSY_US: Final = 5000
+STALL_SAMPLE_S: Final = 0.05
+COMPUTE_SAMPLE_S: Final = 0.4
+MIN_CALLS: Final = 2
+
+Clock = tuple[int, int, int]  # active, waited, stolen (us)
+
+
+class _Sampler:
+    """Cuts the stream of clocks into samples of at least ``span_s`` and MIN_CALLS."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_us = span_s * 1e6
+        self._mark: list[Clock] = []
+        self._calls = 0
+
+    def take(self, clocks: list[Clock]) -> list[Clock] | None:
+        """Per rank (active, waited, stolen) since the last sample, once one is due."""
+        if len(self._mark) != len(clocks):  # first call, or the world changed
+            self._mark, self._calls = clocks, 0
+            return None
+        self._calls += 1
+        delta = [
+            (a - a0, w - w0, s - s0)
+            for (a, w, s), (a0, w0, s0) in zip(clocks, self._mark, strict=True)
+        ]
+        if self._calls < MIN_CALLS or max(a + w for a, w, _ in delta) < self.span_us:
+            return None
+        self._mark, self._calls = clocks, 0
+        return delta
 
 
 class StragglerWatch:
-    """One rank's view of every rank's busy times; see the module docstring."""
+    """One rank's view of every rank's exchange clock; see the module docstring."""
 
     def __init__(self, rank: int, epoch: int = 0) -> None:
         self.rank, self.epoch = rank, epoch
-        self.detector = StragglerDetector()
-        self._sums: list[int] = []
-        self._calls = 0
+        self.stalled = StragglerDetector()
+        self.compute = StragglerDetector()
+        self._stall_sampler = _Sampler(STALL_SAMPLE_S)
+        self._compute_sampler = _Sampler(COMPUTE_SAMPLE_S)
+
+    def state(self, rank: int) -> str:
+        """The worse of the two detectors' states for ``rank``."""
+        states = (self.stalled.state(rank), self.compute.state(rank))
+        return next((s for s in ("confirmed", "suspected") if s in states), "ok")
 
     def observe(self, exchange: Exchange) -> None:
-        busy = exchange.busy_us
-        if len(busy) < 3:
+        clocks = exchange.clocks
+        if len(clocks) < 3:
             return
-        if len(self._sums) != len(busy):
-            self._sums = [0] * len(busy)
-        self._sums = [a + b for a, b in zip(self._sums, busy, strict=True)]
-        self._calls += 1
-        if self._calls < CALLS_PER_SAMPLE:
-            return
-        sums, self._sums, self._calls = self._sums, [0] * len(busy), 0
-        if max(sums) < _MIN_BUSY_US:
-            return
-        transitions = self.detector.observe(
-            exchange.seq, {r: us / 1e6 for r, us in enumerate(sums)}
+        found: list[tuple[Transition, str]] = []
+        delta = self._stall_sampler.take(clocks)
+        if delta is not None:
+            slowdown = {r: (a + w) / max(a + w - s, 1) for r, (a, w, s) in enumerate(delta)}
+            found += [(t, "stalled") for t in self.stalled.observe(exchange.seq, slowdown)]
+        delta = self._compute_sampler.take(clocks)
+        if delta is not None:
+            active = {r: max(a, 1) / 1e6 for r, (a, _, _) in enumerate(delta)}
+            found += [(t, "compute") for t in self.compute.observe(exchange.seq, active)]
+        for t, signal in found:
+            self._report(t, signal)
+
+    def _report(self, t: Transition, signal: str) -> None:
+        what = (
+            "took {:.2f}x its peers' median time: it could not run part of the time "
+            "(stopped, throttled or starved)"
+            if signal == "stalled"
+            else "was active {:.2f}x its peers' median time while they waited for it"
+        ).format(1 / t.relative)
+        events.emit(
+            f"straggler.{t.kind}",
+            epoch=self.epoch,
+            rank=t.rank,
+            reason=f"rank {t.rank} {what} (individual score {t.individual:.2f}, cause: {signal})",
+            action="reported",
+            call=t.step,
         )
-        for t in transitions:
-            events.emit(
-                f"straggler.{t.kind}",
-                epoch=self.epoch,
-                rank=t.rank,
-                reason=(
-                    f"rank {t.rank} busy {1 / t.relative:.2f}x the median of its peers "
-                    f"(individual score {t.individual:.2f}, cause: {t.cause})"
-                ),
-                action="reported",
-                call=t.step,
-            )
-            logger.warning(
-                "rank %d (epoch %d, call %d): rank %d straggler %s (relative %.2f, %s)",
-                self.rank, self.epoch, t.step, t.rank, t.kind, t.relative, t.cause,
-            )  # fmt: skip
+        logger.warning(
+            "rank %d (epoch %d, call %d): rank %d straggler %s (relative %.2f, cause %s)",
+            self.rank, self.epoch, t.step, t.rank, t.kind, t.relative, signal,
+        )  # fmt: skip

@@ -18,7 +18,6 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -113,8 +112,6 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.nics = NicMonitor(rank, self.rails)
         self.nics.on_change(self.board.nic_changed)
         self.nics.start()
-        self._last_done = time.monotonic()
-        self._calls_submitted = self._calls_done = 0
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
@@ -171,16 +168,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
-        # Busy time: since this rank's previous call finished; 0 while one still runs
-        # (the rank was waiting, not computing). Each counter has one writer thread.
-        idle = self._calls_done == self._calls_submitted
-        busy_us = max(0, int((time.monotonic() - self._last_done) * 1e6)) if idle else 0
-        self._calls_submitted += 1
-        verdict = (
-            channel.submit(sig, payload, after_previous=after_previous, busy_us=busy_us)
-            if channel
-            else None
-        )
+        verdict = channel.submit(sig, payload, after_previous=after_previous) if channel else None
 
         def run() -> Any:
             try:
@@ -194,8 +182,6 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 self._stragglers.observe(exchange)
                 return fn(exchange.inline)
             finally:
-                self._last_done = time.monotonic()
-                self._calls_done += 1
                 if channel is not None:
                     channel.mark_done()
 

@@ -267,3 +267,29 @@ max_detect_ms = 1000.0
     lines = timeline.stdout.splitlines()
     assert "fault.injected" in lines[1] and "1-*@r0" in lines[1]
     assert any("link.down" in line and "@r0" in line for line in lines[2:])
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_a_rank_stopped_30_percent_of_the_time_is_confirmed_a_straggler(tmp_path: Path) -> None:
+    body = """
+[[fault]]
+kind = "slow"
+rank = 2
+factor = 0.7
+at_step = 30
+
+[expect]
+completes = true
+params_equal_across_ranks = true
+straggler_confirmed_within_steps = 20
+"""
+    scenario = _scenario(tmp_path, body, topology="netns", steps=120)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 200)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], stderr[-3000:]
+    events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
+              for line in f.read_text().splitlines()]  # fmt: skip
+    confirmed = {e["rank"] for e in events if e["kind"] == "straggler.confirmed"}
+    assert confirmed == {2}, confirmed

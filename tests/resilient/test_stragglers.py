@@ -1,0 +1,85 @@
+"""Straggler watch on the exchange clocks: the stolen-time and the compute signals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from resilient._signature import Exchange
+from resilient._stragglers import StragglerWatch
+
+RANKS = 4
+CALL_US = 25_000  # two calls per 50 ms step
+
+
+class _Job:
+    """Running clocks of RANKS ranks; every call each rank is active, waits or is stolen."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.clocks = [[0, 0, 0] for _ in range(RANKS)]
+        self.seq = 0
+
+    def call(self, *, stopped: int | None = None, late: int | None = None) -> Exchange:
+        """One call of CALL_US wall time. ``stopped`` could not run 30 % of it (and so
+        was as late as everyone: its peers block in the same ops); ``late`` computed
+        30 % longer and the others waited for it in the exchange."""
+        for r, c in enumerate(self.clocks):
+            jitter = self.rng.gauss(0, 0.05) * CALL_US
+            waited = max(0.0, 0.3 * CALL_US + jitter)
+            stolen = self.rng.expovariate(1 / (0.03 * CALL_US))
+            if r == stopped:
+                stolen += 0.3 * CALL_US
+            if late is not None:
+                waited = 0.05 * CALL_US if r == late else waited + 0.3 * CALL_US
+            total = CALL_US * (1.3 if late is not None else 1.0)
+            c[0] += int(total - waited)
+            c[1] += int(waited)
+            c[2] += int(min(stolen, total))
+        self.seq += 1
+        return Exchange(
+            seq=self.seq,
+            inline=torch.zeros(RANKS, 1, dtype=torch.uint8),
+            rates=[[] for _ in range(RANKS)],
+            clocks=[(a, w, s) for a, w, s in self.clocks],
+        )
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(3))
+def test_clean_jittery_calls_confirm_nobody(seed: int) -> None:
+    job, watch = _Job(seed), StragglerWatch(rank=0)
+    for _ in range(2000):  # 1000 steps
+        watch.observe(job.call())
+    assert all(watch.state(r) != "confirmed" for r in range(RANKS))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rank_that_cannot_run_30_percent_is_confirmed_within_20_steps(seed: int) -> None:
+    job, watch = _Job(seed), StragglerWatch(rank=1)
+    for _ in range(200):
+        watch.observe(job.call())
+    calls = 0
+    while watch.stalled.state(3) != "confirmed":
+        watch.observe(job.call(stopped=3))
+        calls += 1
+        assert calls < 40, "not confirmed within 20 steps"
+    assert [watch.state(r) for r in range(3)] == ["ok"] * 3
+    for _ in range(200):
+        watch.observe(job.call())
+    assert watch.state(3) == "ok"
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_its_peers_wait_for_is_a_compute_straggler() -> None:
+    job, watch = _Job(11), StragglerWatch(rank=2)
+    for _ in range(200):
+        watch.observe(job.call())
+    for _ in range(200):
+        watch.observe(job.call(late=1))
+    assert watch.compute.state(1) == "confirmed"
+    assert watch.stalled.state(1) == "ok"
+    assert [watch.state(r) for r in (0, 2, 3)] == ["ok"] * 3
