@@ -10,9 +10,14 @@ healthy (every host's NIC at ``--rate-mbit``, tbf both ways, set with the chaos
 The lower bound of the degraded all_reduce is ``max(T_healthy, N / (b * B))``:
 the healthy ranks can do no better than their own ring, and the slow rank must at
 least send its N bytes and receive the N-byte result over its slow NIC
-(DESIGN.md). A ring (gloo's, and ours today) runs at ``1/b`` of its healthy time
-instead. Prints a table, then a JSON line with ``b, resilient_ms, gloo_ms,
-bound_ms, resilient_over_bound, gloo_over_bound``.
+(DESIGN.md). A ring (gloo's) runs at ``1/b`` of its healthy time instead. The
+resilient group measures its links' send rates after each reduction; once the
+ranks agree that one rank's links are all slow, all_reduce leaves that rank out of
+the reduction (it sends once and receives once). The warm-up covers that
+agreement; ``slow_rank`` in the JSON says what the ranks agreed on at the end
+(``--no-straggler-schedule`` keeps the normal schedule, for comparison). Prints a
+table, then a JSON line with ``b, resilient_ms, gloo_ms, bound_ms,
+resilient_over_bound, gloo_over_bound``.
 
 Needs root (network namespaces, tc). Loopback shaping cannot stand in here: on
 ``lo`` the connecting side of a link is unbound, so only half of a rank's
@@ -56,6 +61,7 @@ class Plan:
     rails: tuple[str, ...]
     mgmt: tuple[str, ...]
     topology: str = "auto"
+    straggler_schedule: bool = True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,15 +71,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-mbit", type=float, default=400.0, help="healthy NIC rate (400)")
     p.add_argument("--b", type=float, default=0.5, help="slow rank's fraction of it (0.5)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (2)")
+    p.add_argument(
+        "--warmup", type=int, default=8,
+        help="untimed iterations first (8: time for the ranks to agree on a slow rank)",
+    )  # fmt: skip
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
+    p.add_argument(
+        "--no-straggler-schedule", dest="straggler_schedule", action="store_false",
+        help="never leave the slow rank out of the reduction (for comparison)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if not 0 < args.b <= 1 or args.ranks < 3 or args.size_mb <= 0 or args.rate_mbit <= 0:
         p.error("need 0 < b <= 1, ranks >= 3, size-mb > 0, rate-mbit > 0")
     return args
 
 
-def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[float]]:
+def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
     enter_netns(plan.netns[rank])  # first: every thread started later inherits it
     import torch
 
@@ -90,7 +103,8 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[fl
         "resilient": ResilientProcessGroup(
             rank=rank, world_size=world, rails=[addr], store=store,
             config=DataPlaneConfig(connect_timeout_s=plan.timeout_s,
-                                   op_timeout_floor_s=plan.timeout_s, topology=plan.topology),
+                                   op_timeout_floor_s=plan.timeout_s, topology=plan.topology,
+                                   straggler_schedule=plan.straggler_schedule),
         ),
     }  # fmt: skip
     times: dict[str, list[float]] = {n: [] for n in NAMES}
@@ -106,14 +120,15 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, list[fl
                 groups[name].allreduce([t]).wait(wait)
                 if it >= plan.warmup:
                     times[name].append((time.perf_counter() - start) * 1e3)
+        slow = groups["resilient"].engine.slow_rank
     finally:
         groups["resilient"].shutdown()
         groups["gloo"].shutdown()
         control.shutdown()
-    return times
+    return {**times, "slow_rank": [-1 if slow is None else slow]}
 
 
-def measure(plan: Plan, testbed: Any, rates: list[float]) -> dict[str, float]:
+def measure(plan: Plan, testbed: Any, rates: list[float]) -> dict[str, Any]:
     """Median (slowest rank per iteration) of each configuration, host r at rates[r]."""
     from chaos.injectors import InjectionContext, make_injector
     from chaos.scenario import Fault
@@ -130,8 +145,12 @@ def measure(plan: Plan, testbed: Any, rates: list[float]) -> dict[str, float]:
     finally:
         for t in throttles:
             t.stop()
-    per_iter = max_over_ranks(results)
-    return {n: summarise(v)["median"] for n, v in per_iter.items()}
+    per_iter = max_over_ranks([{n: r[n] for n in NAMES} for r in results])
+    agreed = {r["slow_rank"][0] for r in results}
+    return {
+        **{n: summarise(v)["median"] for n, v in per_iter.items()},
+        "slow_rank": agreed.pop() if len(agreed) == 1 else "ranks disagree",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             world=args.ranks, numel=nbytes // 4, iters=args.iters, warmup=args.warmup,
             timeout_s=timeout, netns=tuple(str(h.netns) for h in hosts),
             rails=tuple(h.rails[0] for h in hosts), mgmt=tuple(h.mgmt_addr for h in hosts),
-            topology=args.topology,
+            topology=args.topology, straggler_schedule=args.straggler_schedule,
         )  # fmt: skip
         rates = [args.rate_mbit] * args.ranks
         healthy = measure(plan, testbed, rates)
@@ -163,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         testbed.down()
     floor_ms = nbytes / (args.b * rate_bps) * 1e3
-    bound = max(min(healthy.values()), floor_ms)
+    bound = max(min(healthy[n] for n in NAMES), floor_ms)
     s = {
         "bench": "degraded",
         "ranks": args.ranks,
@@ -172,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         "b": args.b,
         "iters": args.iters,
         "topology": args.topology,
-        "healthy_ms": {n: round(v, 2) for n, v in healthy.items()},
+        "straggler_schedule": args.straggler_schedule,
+        "healthy_ms": {n: round(healthy[n], 2) for n in NAMES},
+        "slow_rank": {"healthy": healthy["slow_rank"], "degraded": degraded["slow_rank"]},
         "resilient_ms": round(degraded["resilient"], 2),
         "gloo_ms": round(degraded["gloo"], 2),
         "slow_nic_floor_ms": round(floor_ms, 2),

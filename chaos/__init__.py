@@ -1,7 +1,8 @@
 """Fault injection: netns testbed, injectors, TOML scenarios and the ``resilient chaos`` CLI.
 
-So far: scenario files (:mod:`chaos.scenario`). The testbed, the injectors and the
-CLI come with the rest of the chaos work.
+Scenario files (:mod:`chaos.scenario`), the testbeds (:mod:`chaos.testbed`), the
+injectors (:mod:`chaos.injectors`), the runner and its report (:mod:`chaos.runner`,
+:mod:`chaos.report`) and the CLI (:mod:`chaos.cli`).
 """
 
 from chaos.scenario import (

@@ -80,9 +80,20 @@ class MeshRail:
             self.rx[p].finish()
 
     def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
-        """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does."""
+        """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does.
+
+        With ``then_gather`` the gather's receives are posted at once, into scratch,
+        and copied in at the end: receiving into the buffer itself would have to wait
+        until our reduce-scatter sends (which read it) finished, and gloo sends
+        nothing until the receive is posted, so on bandwidth-bound links the two
+        halves would not overlap (measured on 400 Mbit/s links, 4 MiB: 258-269 ms
+        without, 200-231 ms with). A rank that owns no chunk (the straggler-aware
+        schedule) so receives the result while still sending its own data.
+        """
         own = self.subs[self.rank]
-        pool = self._scratch(len(self.peers) * sum(s.size for s in own))
+        own_n = len(self.peers) * sum(s.size for s in own)
+        gather_n = sum(s.size for p in self.peers for s in self.subs[p]) if then_gather else 0
+        pool = self._scratch(own_n + gather_n)
         scratch: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[int, int], int] = {}
         offset = 0
@@ -94,15 +105,31 @@ class MeshRail:
                     offset += own[j].size
                     scratch[(p, j)] = buf
                     recvs[(p, j)] = self.rx[p].post(buf, j)
-        gathers: list[tuple[int, int]] = []
+        landed = self._post_gather_into(pool[own_n:]) if then_gather else []
         for j in range(self.k):
             if own[j].size:
                 self._fold(j, reduce, scratch, recvs)
             if then_gather:
-                gathers += self._start_gather(j)
+                self._start_gather(j)
         self._wait_all(self.rs_sends)
-        self._finish_gather(gathers)
+        for p, idx, span, buf in landed:
+            self.rx[p].wait(idx, span.size * self.elem)
+            self._view(span).copy_(buf)
+        self._wait_all(self.ag_sends)
         self._close()
+
+    def _post_gather_into(self, pool: torch.Tensor) -> list[tuple[int, int, Span, torch.Tensor]]:
+        """Post every gather receive into ``pool``: (peer, op index, span, buffer)."""
+        out = []
+        offset = 0
+        for j in range(self.k):
+            for p in self.peers:
+                span = self.subs[p][j]
+                if span.size:
+                    buf = pool[offset : offset + span.size]
+                    offset += span.size
+                    out.append((p, self.rx[p].post(buf, self.k + j), span, buf))
+        return out
 
     def _fold(
         self,

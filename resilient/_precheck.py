@@ -57,9 +57,11 @@ class SignatureChannel:
         config: DataPlaneConfig,
         epoch: int = 0,
         rates: Callable[[], Sequence[float]] | None = None,
+        lagging: Callable[[], tuple[int, int, int]] | None = None,
     ) -> None:
         self.rank = rank
         self._rates = rates
+        self._lagging = lagging
         links = LinkTable(
             rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
             name="ctl",
@@ -140,8 +142,11 @@ class SignatureChannel:
                     self._waited_us,
                     self._stolen.total_us,
                 )
+                lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
                 try:
-                    exchange = check_signatures(self.engine, sig, self.rank, data, rates, clock)
+                    exchange = check_signatures(
+                        self.engine, sig, self.rank, data, rates, clock, lag
+                    )
                 finally:
                     self._waited_us += int((time.monotonic() - began) * 1e6)
                 if self._rates is not None:

@@ -19,6 +19,7 @@ __all__ = [
     "rail_sizes",
     "recv_chunk",
     "send_chunk",
+    "skip_bounds",
     "sub_spans",
 ]
 
@@ -47,6 +48,17 @@ def even_bounds(n: int, parts: int) -> list[Span]:
         out.append(Span(start, stop))
         start = stop
     return out
+
+
+def skip_bounds(n: int, parts: int, skip: int) -> list[Span]:
+    """Like :func:`even_bounds`, but part ``skip`` is empty and the others share ``n``."""
+    if not 0 <= skip < parts or parts < 2:
+        raise ValueError(f"skip={skip}: need 0 <= skip < parts and parts >= 2 (parts={parts})")
+    shared = even_bounds(n, parts - 1)
+    out = shared[:skip]
+    at = shared[skip - 1].stop if skip else 0
+    out.append(Span(at, at))
+    return out + shared[skip:]
 
 
 def rail_sizes(n: int, weights: Sequence[float], align: int = 1) -> list[int]:

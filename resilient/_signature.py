@@ -56,8 +56,12 @@ MAX_RAILS = 8
 # waiting inside exchanges for the other ranks, and all the rest ("active": its own
 # compute and data). What straggler detection compares across ranks.
 _CLOCK = _HEADER + MAX_RAILS
+# Then who held the rank's latest measured reduction up: peer (-1: none), the
+# permille of the op spent waiting for it, reductions measured (resilient._slowrank).
+_LAG = _CLOCK + 3
 INLINE_BYTES = 2048
-_WIDTH = _CLOCK + 3 + INLINE_BYTES // 8
+_BODY = _LAG + 3
+_WIDTH = _BODY + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -158,13 +162,16 @@ class Exchange:
     ``inline``: every rank's payload bytes, ``(world, INLINE_BYTES)`` uint8 (zero
     rows where none was given); ``rates``: every rank's measured rail rates;
     ``clocks``: every rank's ``(active_us, waited_us, stolen_us)`` totals when it began this
-    exchange (see :class:`~resilient._precheck.SignatureChannel`).
+    exchange (see :class:`~resilient._precheck.SignatureChannel`); ``lagging``:
+    every rank's ``(peer, permille, count)``: who held its latest measured reduction
+    up, and how many it measured.
     """
 
     seq: int
     inline: torch.Tensor
     rates: list[list[int]]
     clocks: list[tuple[int, int, int]] = field(default_factory=list)
+    lagging: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def check_signatures(
@@ -174,6 +181,7 @@ def check_signatures(
     payload: torch.Tensor | None = None,
     rates: Sequence[float] = (),
     clock: tuple[int, int, int] = (0, 0, 0),
+    lagging: tuple[int, int, int] = (-1, 0, 0),
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
     ``payload``. Raises on all ranks if signatures differ, before any data moved.
@@ -187,8 +195,9 @@ def check_signatures(
     table[rank, :_HEADER] = sig.encode()
     for rail, rate in enumerate(rates[:MAX_RAILS]):
         table[rank, _HEADER + rail] = int(rate)
-    table[rank, _CLOCK : _CLOCK + 3] = torch.tensor(clock, dtype=torch.int64)
-    body = _CLOCK + 3
+    table[rank, _CLOCK:_LAG] = torch.tensor(clock, dtype=torch.int64)
+    table[rank, _LAG:_BODY] = torch.tensor(lagging, dtype=torch.int64)
+    body = _BODY
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         if raw.numel() > INLINE_BYTES:
@@ -201,7 +210,8 @@ def check_signatures(
             seq=sig.seq,
             inline=table[:, body:].contiguous().view(torch.uint8),
             rates=table[:, _HEADER:_CLOCK].tolist(),
-            clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:body].tolist()],
+            clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:_LAG].tolist()],
+            lagging=[(int(p), int(m), int(c)) for p, m, c in table[:, _LAG:_BODY].tolist()],
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):

@@ -40,7 +40,7 @@ from typing import Any, Final
 
 import psutil
 
-__all__ = ["BUILD_LOCK", "Conn", "Progress", "capture", "cut", "pair_up", "progress"]
+__all__ = ["BUILD_LOCK", "Conn", "Progress", "capture", "cut", "pair_up", "progress", "sent"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,28 @@ class Progress:
     unacked: int  # segments sent and not acknowledged yet
     retransmits: int  # retransmission timeouts in a row, without an ACK between
     since_ack_ms: int  # since the last ACK from the peer
+
+
+def sent(conn: Conn) -> tuple[int, int] | None:
+    """``(bytes_acked, busy_us)`` of ``conn``'s sending side, or None (gone, old kernel).
+
+    ``busy_us`` is the kernel's time with data to send (``tcpi_busy_time``, Linux
+    4.10+, jiffy resolution), so the two deltas over an interval give the rate the
+    path allowed, whatever the application did in between.
+    """
+    with _verified(conn) as s:
+        if s is None:
+            return None
+        try:
+            raw = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 176)
+        except OSError:
+            return None
+    if len(raw) < 176:
+        return None
+    # struct tcp_info: u64 tcpi_bytes_acked at offset 120, u64 tcpi_busy_time at 168.
+    (acked,) = struct.unpack_from("=Q", raw, 120)
+    (busy,) = struct.unpack_from("=Q", raw, 168)
+    return acked, busy
 
 
 def progress(conn: Conn) -> Progress | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +27,15 @@ import torch
 
 from resilient._channel import Route, Rx, Tx
 from resilient._mesh import MeshRail
-from resilient._ring import Span, even_bounds, rail_pieces, recv_chunk, send_chunk, sub_spans
+from resilient._ring import (
+    Span,
+    even_bounds,
+    rail_pieces,
+    recv_chunk,
+    send_chunk,
+    skip_bounds,
+    sub_spans,
+)
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -79,6 +88,13 @@ _REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
 
 
 MAX_SUBS = 8
+FINE_SUB_BYTES = 64 << 10
+# Reductions smaller than this are latency-bound: their send rates say nothing
+# about a slow NIC. Below LAG_MIN_BUSY_US of sending (the kernel counts in
+# jiffies), a peer's rate is not measured.
+LAG_MIN_BYTES = 256 << 10
+LAG_MIN_BUSY_US = 5000
+_LAG_ALPHA = 0.5
 
 
 def finish_avg(t: torch.Tensor, op: Reduce, world: int) -> None:
@@ -152,6 +168,14 @@ class RingEngine:
         self.failover_timeout_s = links.config.op_timeout_floor_s
         self.failovers: list[tuple[int, int, int, int]] = []  # see Route.log
         self._calls = 0
+        # A rank whose NICs are all slow (agreed on by every rank, see
+        # resilient._slowrank): all_reduce then leaves it out of the reduction work.
+        self.slow_rank: int | None = None
+        # The slowest peer to send to, measured after mesh reductions: (peer, its
+        # rate in permille of the other peers' median, measurements so far).
+        self.lagging: tuple[int, int, int] = (-1, 1000, 0)
+        self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        self._peer_rates: dict[int, float] = {}
 
     def _route(self) -> Route:
         self._calls += 1
@@ -180,7 +204,14 @@ class RingEngine:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            if self._use_mesh(flat):
+            if self.slow_rank is not None and self.world > 2:
+                # Straggler-aware: the slow rank owns no chunk, so it sends its N
+                # bytes once and receives the N-byte result once, while the others
+                # reduce among themselves (DESIGN.md). Still the mesh's rank-order
+                # fold, so the bits are the same as the mesh's.
+                self._mesh(flat, skip_bounds(flat.numel(), self.world, self.slow_rank), op,
+                           gather=True, fine=True)  # fmt: skip
+            elif self._use_mesh(flat):
                 self._mesh(flat, chunks, op, gather=True)
             else:
                 self._ring(
@@ -260,7 +291,13 @@ class RingEngine:
         return tuple(1.0 if r == best else 0.0 for r in range(self.num_rails))
 
     def _mesh(
-        self, flat: torch.Tensor, chunks: list[Span], op: Reduce | None, *, gather: bool
+        self,
+        flat: torch.Tensor,
+        chunks: list[Span],
+        op: Reduce | None,
+        *,
+        gather: bool,
+        fine: bool = False,
     ) -> None:
         """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``."""
         pieces = rail_pieces(chunks, self._weights_for(flat))
@@ -282,7 +319,7 @@ class RingEngine:
                 route=route,
                 flat=flat,
                 pieces=pieces[rail],
-                subs=self._subs_for(pieces[rail], elem),
+                subs=self._subs_for(pieces[rail], elem, fine=fine),
                 scratch=lambda n: self.scratch(rail, flat, n),
             )
             if op is None:
@@ -291,15 +328,50 @@ class RingEngine:
                 m.reduce_scatter(_REDUCERS[op], then_gather=gather)
 
         self._run_rails(run, _rail_bytes(pieces, elem))
+        if op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
+            self._note_lagging(peers)
 
-    def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
+    def _note_lagging(self, peers: list[int]) -> None:
+        """Measure each peer's link send rate since the last measured reduction and
+        keep the slowest: ``(peer, permille of the others' median, count)``."""
+        rates: dict[int, float] = {}
+        table = self.links.links()
+        for peer in peers:
+            acked = busy = 0
+            for rail in range(self.num_rails):
+                link = table.get((peer, rail))
+                now = link.sent() if link is not None else None
+                if link is None or now is None:
+                    continue
+                before = self._sent.get((peer, rail))
+                self._sent[(peer, rail)] = (link, *now)
+                if before is not None and before[0] is link:
+                    acked, busy = acked + now[0] - before[1], busy + now[1] - before[2]
+            if busy >= LAG_MIN_BUSY_US:
+                # Smoothed: one op's rates swing with TCP's dynamics.
+                old = self._peer_rates.get(peer)
+                new = acked / busy
+                rates[peer] = self._peer_rates[peer] = (
+                    new if old is None else old + _LAG_ALPHA * (new - old)
+                )
+        if len(rates) < 2:
+            return
+        slowest = min(rates, key=lambda p: rates[p])
+        others = statistics.median(r for p, r in rates.items() if p != slowest)
+        share = min(1000, int(1000 * rates[slowest] / others)) if others > 0 else 1000
+        self.lagging = (slowest, share, self.lagging[2] + 1)
+
+    def _subs_for(self, pieces: Sequence[Span], elem: int, *, fine: bool = False) -> int:
         """Sub-chunks per piece: ``sub_chunk_bytes`` each, but at most MAX_SUBS.
 
         Enough to overlap sending, receiving and reducing; more only adds per-op
         cost (each gloo op costs tens of microseconds of CPU) on large tensors.
+        ``fine`` (the straggler-aware schedule): MAX_SUBS of at least FINE_SUB_BYTES,
+        so the slow rank starts receiving the result soon after it started sending.
         """
         largest = max((p.size for p in pieces), default=0) * elem
-        return max(1, min(MAX_SUBS, -(-largest // self.sub_chunk_bytes)))
+        grain = FINE_SUB_BYTES if fine else self.sub_chunk_bytes
+        return max(1, min(MAX_SUBS, -(-largest // grain)))
 
     def _ring(
         self,

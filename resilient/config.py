@@ -148,6 +148,9 @@ class DataPlaneConfig:
     ``learn_rail_weights``: with several rails, no explicit ``rail_weights`` and
     ``check_mismatch`` on, weights follow the measured rail rates (agreed by all
     ranks in the signature exchange; see :mod:`resilient._weights`).
+    ``straggler_schedule``: when the ranks agree that every link of one rank is slow,
+    all_reduce gives that rank no share of the reduction (see
+    :mod:`resilient._slowrank`; needs ``check_mismatch`` and a mesh topology).
     ``repair_links``: rebuild a broken link in the background once the NICs at both
     ends are up, each attempt (rendezvous, probe) bounded by ``repair_timeout_s``
     (see :mod:`resilient._repair`).
@@ -164,6 +167,7 @@ class DataPlaneConfig:
     mesh_max_world: int = 8
     mesh_below_bytes: int = 8 << 20
     single_rail_below_bytes: int = 256 << 10
+    straggler_schedule: bool = True
     repair_links: bool = True
     repair_timeout_s: float = 5.0
 
@@ -195,8 +199,8 @@ class DataPlaneConfig:
         """Read ``RESILIENT_SUB_CHUNK_BYTES``, ``RESILIENT_OP_TIMEOUT_S``,
         ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
         ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1),
-        ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_REPAIR_LINKS`` (0/1) and
-        ``RESILIENT_REPAIR_TIMEOUT_S``.
+        ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
+        ``RESILIENT_REPAIR_LINKS`` (0/1) and ``RESILIENT_REPAIR_TIMEOUT_S``.
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -220,6 +224,7 @@ class DataPlaneConfig:
             check_mismatch=check,
             learn_rail_weights=learn,
             topology=env.get(p + "TOPOLOGY", "auto").strip().lower() or "auto",
+            straggler_schedule=_env_flag(env, p + "STRAGGLER_SCHEDULE", True),
             repair_links=_env_flag(env, p + "REPAIR_LINKS", True),
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
         )

@@ -32,6 +32,7 @@ from resilient._health import HealthBoard
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._signature import INLINE_BYTES, Signature
+from resilient._slowrank import SlowRankVote
 from resilient._stragglers import StragglerWatch
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
@@ -100,6 +101,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
         self._stragglers = StragglerWatch(rank, epoch)
+        # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
+        # from mesh reductions.
+        self._slow_vote = (
+            SlowRankVote(rank, world_size, epoch)
+            if self.config.straggler_schedule and self.engine.mesh and world_size >= 3
+            else None
+        )
         # Who sees which NIC or link dead: cuts our end of links peers report dead,
         # so the collectives fail over at once instead of at their deadline.
         self.board = HealthBoard(
@@ -121,6 +129,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 config=self.config,
                 epoch=epoch,
                 rates=self._proposed_rates if self._learner is not None else None,
+                lagging=self._lagging if self._slow_vote is not None else None,
             )
             self.board.attach(self._channel.engine.links)
             self._channel.engine.board = self.board
@@ -180,6 +189,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     # data of this call moves.
                     self.engine.weights = self._learner.weights_for(exchange)
                 self._stragglers.observe(exchange)
+                if self._slow_vote is not None:
+                    self.engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 return fn(exchange.inline)
             finally:
                 if channel is not None:
@@ -194,6 +205,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         ranks once their signatures matched: it depends only on numel and dtype)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return self._channel is not None and nbytes <= INLINE_BYTES
+
+    def _lagging(self) -> tuple[int, int, int]:
+        return self.engine.lagging
 
     def _proposed_rates(self) -> tuple[float, ...]:
         # A rail with its NIC down or a broken link here proposes DOWN: every rank

@@ -226,3 +226,29 @@ def test_a_departed_peer_gives_a_typed_error_not_a_hang(topology: str) -> None:
     for kind, elapsed in results[:-1]:
         assert kind in ("LinkError", "CollectiveTimeout"), kind
         assert elapsed < 3.0 + 5.0  # the op deadline, plus slack for a loaded machine
+
+
+def _straggler_aware(pg: Any, rank: int, world: int) -> dict[str, str]:
+    """The straggler-aware schedule (each rank in turn left out of the reduction)
+    gives the mesh's bits: same fold order, only who folds changes."""
+    from resilient.collectives import Reduce, fold_rows
+
+    out: dict[str, str] = {}
+    for slow in (None, *range(world)):
+        pg.engine.slow_rank = slow
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for n, op in ((1, Reduce.SUM), (1001, Reduce.AVG), (300_001, Reduce.MAX)):
+                t = _input(rank, n, dtype)
+                pg.engine.all_reduce(t, op)
+                want = fold_rows(torch.stack([_input(r, n, dtype) for r in range(world)]), op)
+                assert torch.equal(t, want), (slow, dtype, n, op)
+                out[f"{slow}/{dtype}/{n}/{op}"] = _digest(t)
+    pg.engine.slow_rank = None
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_straggler_aware_all_reduce_is_bitwise_the_mesh_result_on_every_rank() -> None:
+    results = run_world(_straggler_aware, 4, rails=2, timeout_s=150, config={"topology": "mesh"})
+    assert all(r == results[0] for r in results)
+    assert len(results[0]) == 5 * 3 * 3

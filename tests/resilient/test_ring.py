@@ -76,3 +76,16 @@ def test_sub_spans_partition() -> None:
     assert [s.size for s in subs] == [7, 7, 6]
     assert subs[0].start == 10 and subs[-1].stop == 30
     assert all(s.size == 0 for s in sub_spans(Span(5, 5), 4))
+
+
+def test_skip_bounds_leaves_one_part_empty_and_shares_the_rest() -> None:
+    from resilient._ring import skip_bounds
+
+    for skip in range(4):
+        spans = skip_bounds(10, 4, skip)
+        assert spans[skip].size == 0
+        assert [s.size for i, s in enumerate(spans) if i != skip] == [4, 3, 3]
+        assert spans[0].start == 0 and spans[-1].stop == 10
+        assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
+    with pytest.raises(ValueError):
+        skip_bounds(10, 4, 4)

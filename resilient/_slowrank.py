@@ -1,0 +1,123 @@
+"""Agreeing on one slow rank, so all_reduce can take the straggler-aware schedule.
+
+When every NIC of one rank is slow, a ring or an even mesh runs the whole job at
+that rank's speed: it moves as many bytes as anyone. The straggler-aware schedule
+(:meth:`~resilient.collectives.RingEngine.all_reduce` with ``slow_rank``) gives it
+no chunk to reduce, so it sends its data once and receives the result once while
+the others reduce among themselves (DESIGN.md's bound ``max(T_healthy, N/(bB))``).
+
+Evidence: after each mesh reduction of at least ``LAG_MIN_BYTES`` every rank reads
+its links' send rates from the kernel (bytes acknowledged per microsecond the
+connection had data to send, ``TCP_INFO``) and names its slowest peer, with that
+rate in permille of the median of its other peers (``RingEngine.lagging``). The
+kernel's rate is what the path allowed, whatever the schedule, so it reads the
+same in either schedule. Every exchange row carries it, so all ranks see the same
+table, run the same vote and switch on the same call; the results stay identical
+on every rank (the straggler-aware schedule folds in the mesh's rank order).
+
+* enter: on :data:`ENTER_VOTES` consecutive votes with new measurements, at least
+  :func:`quorum` of the other ranks name the same rank at :data:`ENTER_PERMILLE` or
+  less;
+* leave: on :data:`LEAVE_VOTES` consecutive such votes, the quorum no longer names
+  it at :data:`LEAVE_PERMILLE` or less;
+* after leaving, :data:`COOLDOWN_CALLS` calls pass before it may enter again, so a
+  rank near the threshold does not flip the schedule back and forth.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Final
+
+from recovery import events
+
+__all__ = ["SlowRankVote", "quorum"]
+
+logger = logging.getLogger(__name__)
+
+ENTER_PERMILLE: Final = 650
+LEAVE_PERMILLE: Final = 800
+ENTER_VOTES: Final = 3
+LEAVE_VOTES: Final = 3
+COOLDOWN_CALLS: Final = 100
+
+Lagging = tuple[int, int, int]  # slowest peer (-1: none), its permille, measurements
+
+
+def quorum(world: int) -> int:
+    """How many of the other ranks must name a rank: two thirds of them, at least 2."""
+    return max(2, -(-2 * (world - 1) // 3))
+
+
+def named(lagging: Sequence[Lagging], permille: int) -> int | None:
+    """The rank a quorum of the others name as slow, at ``permille`` or less."""
+    votes: dict[int, int] = {}
+    for voter, (peer, share, _) in enumerate(lagging):
+        if 0 <= peer < len(lagging) and peer != voter and share <= permille:
+            votes[peer] = votes.get(peer, 0) + 1
+    need = quorum(len(lagging))
+    return next((p for p, n in votes.items() if n >= need), None)
+
+
+class SlowRankVote:
+    """The agreed slow rank (or None), updated from each exchange's ``lagging``."""
+
+    def __init__(self, rank: int, world: int, epoch: int = 0) -> None:
+        self.rank, self.world, self.epoch = rank, world, epoch
+        self.slow: int | None = None
+        self._streak = 0
+        self._candidate: int | None = None
+        self._seen: tuple[int, ...] = ()
+        self._cooldown_until = 0
+
+    def decide(self, seq: int, lagging: Sequence[Lagging]) -> int | None:
+        """The slow rank for call ``seq`` (the same on every rank for the same table)."""
+        if self.world < 3 or len(lagging) != self.world:
+            return self.slow
+        counts = tuple(c for _, _, c in lagging)
+        if counts == self._seen:  # no new measurement: nothing to vote on
+            return self.slow
+        self._seen = counts
+        if self.slow is None:
+            self._vote_enter(seq, named(lagging, ENTER_PERMILLE))
+        else:
+            self._vote_leave(seq, named(lagging, LEAVE_PERMILLE))
+        return self.slow
+
+    def _vote_enter(self, seq: int, candidate: int | None) -> None:
+        if candidate is None or seq < self._cooldown_until:
+            self._candidate, self._streak = None, 0
+            return
+        self._streak = self._streak + 1 if candidate == self._candidate else 1
+        self._candidate = candidate
+        if self._streak >= ENTER_VOTES:
+            self.slow, self._streak = candidate, 0
+            self._report(seq, entered=True)
+
+    def _vote_leave(self, seq: int, candidate: int | None) -> None:
+        self._streak = 0 if candidate == self.slow else self._streak + 1
+        if self._streak >= LEAVE_VOTES:
+            self._report(seq, entered=False)
+            self.slow, self._streak, self._candidate = None, 0, None
+            self._cooldown_until = seq + COOLDOWN_CALLS
+
+    def _report(self, seq: int, *, entered: bool) -> None:
+        slow = self.slow
+        assert slow is not None
+        if entered:
+            reason = (
+                f"the other ranks send to rank {slow} at <= {ENTER_PERMILLE / 10:.0f}% of "
+                "their rate to anyone else: its links are all slow"
+            )
+            action = f"straggler-aware all_reduce: rank {slow} sends once, receives once"
+        else:
+            reason = f"the other ranks send to rank {slow} about as fast as to anyone else"
+            action = "all_reduce back to the normal schedule"
+        events.emit(
+            "link.rerouted", epoch=self.epoch, links=[(slow, -1, -1)], reason=reason,
+            action=action, call=seq,
+        )  # fmt: skip
+        logger.warning(
+            "rank %d (epoch %d, call %d): %s (%s)", self.rank, self.epoch, seq, action, reason
+        )

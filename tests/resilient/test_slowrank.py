@@ -1,0 +1,73 @@
+"""The slow-rank vote: a quorum, fresh measurements, hysteresis and a cooldown."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient._slowrank import (
+    COOLDOWN_CALLS,
+    ENTER_VOTES,
+    LEAVE_VOTES,
+    SlowRankVote,
+    named,
+    quorum,
+)
+
+
+def _table(world: int, slow: int | None, share: int, count: int) -> list[tuple[int, int, int]]:
+    """Every other rank names ``slow`` at ``share`` permille; ``slow`` names rank 0."""
+    rows = []
+    for r in range(world):
+        if slow is None or r == slow:
+            rows.append(((r + 1) % world, 900, count))
+        else:
+            rows.append((slow, share, count))
+    return rows
+
+
+def test_quorum_is_two_thirds_of_the_others_and_at_least_two() -> None:
+    assert [quorum(w) for w in (3, 4, 5, 8, 16)] == [2, 2, 3, 5, 10]
+
+
+def test_named_needs_a_quorum_below_the_threshold() -> None:
+    assert named(_table(4, 3, 300, 1), 500) == 3
+    assert named(_table(4, 3, 600, 1), 500) is None
+    lone = [(3, 100, 1), (0, 900, 1), (0, 900, 1), (0, 900, 1)]
+    assert named(lone, 500) is None  # one rank's word is not enough
+    assert named([(0, 0, 1), (0, 900, 1), (0, 900, 1)], 500) is None  # nobody names itself
+
+
+def test_enters_after_fresh_votes_only_and_leaves_with_hysteresis() -> None:
+    vote, seq, count = SlowRankVote(0, 4), 0, 0
+
+    def step(slow: int | None, share: int, *, fresh: bool = True) -> int | None:
+        nonlocal seq, count
+        seq, count = seq + 1, count + (1 if fresh else 0)
+        return vote.decide(seq, _table(4, slow, share, count))
+
+    assert step(2, 300) is None
+    for _ in range(10):  # the same measurement seen again is not a new vote
+        assert step(2, 300, fresh=False) is None
+    for _ in range(ENTER_VOTES - 2):
+        assert step(2, 300) is None
+    assert step(2, 300) == 2
+    # Between the thresholds it stays (hysteresis), however long.
+    for _ in range(20):
+        assert step(2, 650) == 2
+    for _ in range(LEAVE_VOTES - 1):
+        assert step(None, 0) == 2
+    assert step(None, 0) is None
+    left_at = seq
+    # Cooldown: even a clear verdict does not switch back at once.
+    while seq < left_at + COOLDOWN_CALLS - 1:
+        assert step(1, 100) is None
+    for _ in range(ENTER_VOTES):
+        got = step(1, 100)
+    assert got == 1
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_small_worlds_never_switch(world: int) -> None:
+    vote = SlowRankVote(0, world)
+    for seq in range(10):
+        assert vote.decide(seq, [(0, 0, seq)] * world) is None
