@@ -79,20 +79,23 @@ class MeshRail:
         for p in self.peers:
             self.rx[p].finish()
 
-    def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
+    def reduce_scatter(self, reduce: Reducer, *, then_gather: bool, early: bool = False) -> None:
         """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does.
 
-        With ``then_gather`` the gather's receives are posted at once, into scratch,
-        and copied in at the end: receiving into the buffer itself would have to wait
-        until our reduce-scatter sends (which read it) finished, and gloo sends
-        nothing until the receive is posted, so on bandwidth-bound links the two
-        halves would not overlap (measured on 400 Mbit/s links, 4 MiB: 258-269 ms
-        without, 200-231 ms with). A rank that owns no chunk (the straggler-aware
-        schedule) so receives the result while still sending its own data.
+        ``early`` (with ``then_gather``): the gather's receives are posted at once,
+        into scratch, and copied in at the end. Receiving into the buffer itself has
+        to wait until our reduce-scatter sends (which read it) finished, and gloo
+        sends nothing until the receive is posted, so on bandwidth-bound links the
+        two halves do not overlap: a rank that owns no chunk (the straggler-aware
+        schedule) would receive the result only after sending all its data. On
+        400 Mbit/s links, 4 MiB, the healthy mesh took 200-231 ms with it, 258-269 ms
+        without; on CPU-bound loopback the extra copy costs 5-8 points of DDP step
+        time, so only the straggler-aware schedule uses it.
         """
         own = self.subs[self.rank]
         own_n = len(self.peers) * sum(s.size for s in own)
-        gather_n = sum(s.size for p in self.peers for s in self.subs[p]) if then_gather else 0
+        early = early and then_gather
+        gather_n = sum(s.size for p in self.peers for s in self.subs[p]) if early else 0
         pool = self._scratch(own_n + gather_n)
         scratch: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[int, int], int] = {}
@@ -105,17 +108,21 @@ class MeshRail:
                     offset += own[j].size
                     scratch[(p, j)] = buf
                     recvs[(p, j)] = self.rx[p].post(buf, j)
-        landed = self._post_gather_into(pool[own_n:]) if then_gather else []
+        landed = self._post_gather_into(pool[own_n:]) if early else []
+        gathers: list[tuple[int, int]] = []
         for j in range(self.k):
             if own[j].size:
                 self._fold(j, reduce, scratch, recvs)
             if then_gather:
-                self._start_gather(j)
+                gathers += self._start_gather(j)
         self._wait_all(self.rs_sends)
-        for p, idx, span, buf in landed:
-            self.rx[p].wait(idx, span.size * self.elem)
-            self._view(span).copy_(buf)
-        self._wait_all(self.ag_sends)
+        if early:
+            for p, idx, span, buf in landed:
+                self.rx[p].wait(idx, span.size * self.elem)
+                self._view(span).copy_(buf)
+            self._wait_all(self.ag_sends)
+        else:
+            self._finish_gather(gathers)
         self._close()
 
     def _post_gather_into(self, pool: torch.Tensor) -> list[tuple[int, int, Span, torch.Tensor]]:

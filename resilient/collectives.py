@@ -174,6 +174,7 @@ class RingEngine:
         # The slowest peer to send to, measured after mesh reductions: (peer, its
         # rate in permille of the other peers' median, measurements so far).
         self.lagging: tuple[int, int, int] = (-1, 1000, 0)
+        self.measure_lag = False  # set by whoever reads ``lagging``
         self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}
         self._peer_rates: dict[int, float] = {}
 
@@ -299,7 +300,8 @@ class RingEngine:
         gather: bool,
         fine: bool = False,
     ) -> None:
-        """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``."""
+        """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``.
+        ``fine``: the straggler-aware variant (finer sub-chunks, gather posted early)."""
         pieces = rail_pieces(chunks, self._weights_for(flat))
         rails = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
         peers = [p for p in range(self.world) if p != self.rank]
@@ -325,10 +327,10 @@ class RingEngine:
             if op is None:
                 m.all_gather()
             else:
-                m.reduce_scatter(_REDUCERS[op], then_gather=gather)
+                m.reduce_scatter(_REDUCERS[op], then_gather=gather, early=fine)
 
         self._run_rails(run, _rail_bytes(pieces, elem))
-        if op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
+        if self.measure_lag and op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
             self._note_lagging(peers)
 
     def _note_lagging(self, peers: list[int]) -> None:

@@ -105,9 +105,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # from mesh reductions.
         self._slow_vote = (
             SlowRankVote(rank, world_size, epoch)
-            if self.config.straggler_schedule and self.engine.mesh and world_size >= 3
+            if self.config.straggler_schedule
+            and self.config.check_mismatch
+            and self.engine.mesh
+            and world_size >= 3
             else None
         )
+        self.engine.measure_lag = self._slow_vote is not None
         # Who sees which NIC or link dead: cuts our end of links peers report dead,
         # so the collectives fail over at once instead of at their deadline.
         self.board = HealthBoard(
