@@ -6,7 +6,10 @@ cannot be asked "are you stuck?" without giving up, since a ``wait`` that times 
 closes the pair. So waits register here instead, and a watchdog thread (one per
 process, started on first use) emits ``link.degraded`` for a link whose op has been
 pending longer than :data:`STALL_S` (plus the time its bytes need at the expected
-rate), once per stall; the wait itself goes on untouched.
+rate), once per stall; the wait itself goes on untouched. Waits that may
+legitimately last (acknowledgements, control links: they wait for the peer's own
+progress) are reported only when the kernel shows the first signs of a dead
+connection (retransmission timeouts and no ACK for :data:`STALL_S`).
 
 While such an op stays pending, the watchdog also asks its link whether the kernel
 sees the connection dead (``network_stall``: data unacknowledged, retransmission
@@ -41,6 +44,7 @@ class _Op:
     start: float
     limit_s: float
     reported: bool = False
+    quiet: bool = False
     cut: bool = False
 
 
@@ -63,7 +67,7 @@ class StallWatch:
         ``report=False``: never logged as stalled, only checked for a dead connection.
         """
         token = next(self._ids)
-        op = _Op(link, owner, time.monotonic(), STALL_S + expected_s, reported=not report)
+        op = _Op(link, owner, time.monotonic(), STALL_S + expected_s, quiet=not report)
         with self._lock:
             self._ops[token] = op
             if self._thread is None:
@@ -88,24 +92,42 @@ class StallWatch:
                     for op in self._ops.values()
                     if not op.reported and now - op.start > op.limit_s
                 ]
+            why = {id(op): self._suspect(op) if op.quiet else "" for op in due}
+            with self._lock:
                 # One report per link and stall, however many of its ops are pending.
                 seen: set[tuple[int, int, int]] = set()
                 fresh = []
                 for op in due:
+                    if why[id(op)] is None:
+                        continue  # a quiet op, and its connection still looks alive
                     op.reported = True
                     if op.link not in seen:
                         seen.add(op.link)
-                        fresh.append((op, now - op.start))
-            for op, pending_s in fresh:
+                        fresh.append((op, now - op.start, why[id(op)]))
+            for op, pending_s, kernel in fresh:
                 self.reported += 1
                 events.emit(
                     "link.degraded",
                     links=[op.link],
-                    reason=f"{op.owner!r}: an op has been pending for {pending_s * 1e3:.0f} ms",
+                    reason=f"{op.owner!r}: an op has been pending for {pending_s * 1e3:.0f} ms"
+                    + (f" ({kernel})" if kernel else ""),
                     action="waiting (the op fails at its deadline if it never completes)",
                 )
                 logger.warning("%r: op pending for %.0f ms (stalled?)", op.owner, pending_s * 1e3)
             self._cut_dead(overdue)
+
+    @staticmethod
+    def _suspect(op: _Op) -> str | None:
+        """What the kernel sees wrong with a quiet op's connection, or None."""
+        check = getattr(op.owner, "network_stall", None)
+        if check is None:
+            return None
+        try:
+            reason: str | None = check(int(STALL_S * 1000))
+        except Exception:  # a check must never stop the watchdog
+            logger.debug("stall check of %r failed", op.owner, exc_info=True)
+            return None
+        return reason
 
     def _cut_dead(self, overdue: list[_Op]) -> None:
         """Cut the links of overdue ops whose connection the kernel sees dead."""

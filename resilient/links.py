@@ -227,16 +227,16 @@ class Link:
             return None
         return sum(s[0] for s in stats if s), sum(s[1] for s in stats if s)
 
-    def network_stall(self) -> str | None:
+    def network_stall(self, min_ms: int = STALL_CUT_MS) -> str | None:
         """Why this link's connection looks dead to the kernel, or None.
 
         Dead means: data is waiting for an ACK, the retransmission timer fired,
-        and no ACK came for ``STALL_CUT_MS``. A slow or late peer shows none of
-        that (its ACKs still come), nor does a throttled link.
+        and no ACK came for ``min_ms``. A slow or late peer shows none of that
+        (its ACKs still come), nor does a throttled link.
         """
         for conn in self._conns:
             p = _sockets.progress(conn)
-            if p is not None and p.unacked and p.retransmits and p.since_ack_ms >= STALL_CUT_MS:
+            if p is not None and p.unacked and p.retransmits and p.since_ack_ms >= min_ms:
                 return (
                     f"{p.unacked} segment(s) unacknowledged, {p.retransmits} retransmission "
                     f"timeout(s), no ACK for {p.since_ack_ms} ms"

@@ -32,6 +32,40 @@ def test_a_pending_op_is_reported_once_per_stall() -> None:
     assert [(s["kind"], s["links"]) for s in seen] == [("link.degraded", [(0, 1, 0)])]
 
 
+class _Conn:
+    """Stands in for a link: what the kernel says of its connection."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+        self.asked: list[int] = []
+
+    def network_stall(self, min_ms: int = 1000) -> str | None:
+        self.asked.append(min_ms)
+        return "1 segment(s) unacknowledged" if self.dead and min_ms < 1000 else None
+
+
+@pytest.mark.timeout(10)
+def test_a_quiet_op_is_reported_only_when_the_kernel_sees_its_connection_failing() -> None:
+    import recovery.events as ev
+
+    seen: list[dict[str, Any]] = []
+    real = ev.emit
+    ev.emit = lambda kind, **f: seen.append({"kind": kind, **f})  # type: ignore[assignment]
+    alive, dead = _Conn(dead=False), _Conn(dead=True)
+    try:
+        w = StallWatch()
+        a = w.begin((0, 1, 0), alive, 0.0, report=False)  # e.g. waiting for an ack
+        b = w.begin((0, 2, 0), dead, 0.0, report=False)
+        time.sleep(STALL_S + 0.3)
+        w.end(a)
+        w.end(b)
+    finally:
+        ev.emit = real  # type: ignore[assignment]
+    assert [(s["kind"], s["links"]) for s in seen] == [("link.degraded", [(0, 2, 0)])]
+    assert "unacknowledged" in seen[0]["reason"]
+    assert alive.asked and all(m == int(STALL_S * 1000) or m == 1000 for m in alive.asked)
+
+
 def _late_peer(pg: Any, rank: int, world: int) -> dict[str, Any]:
     from resilient import _stall
 
