@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from resilient._args import check_tensors, reduce_op
+from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
@@ -124,6 +125,14 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self.nics = NicMonitor(rank, self.rails)
         self.nics.on_change(self.board.nic_changed)
         self.nics.start()
+        # GPU health (Xid errors, throttling, NVLink) when NVML and a GPU are here.
+        self.gpu = (
+            GpuHealth.open(torch.cuda.current_device(), rank=rank, epoch=epoch)
+            if torch.cuda.is_available()
+            else None
+        )
+        if self.gpu is not None:
+            self.gpu.start()
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
@@ -232,6 +241,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             return
         self._closed = True
         self.nics.stop()
+        if self.gpu is not None:
+            self.gpu.close()
         self.board.stop()
         self._queue.put(None)
         self._thread.join(timeout=60)
