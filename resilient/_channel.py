@@ -26,6 +26,10 @@ acknowledgement.
 
 Tags of re-routed messages are shifted by the original rail and generation, so
 they never match the backup rail's own traffic.
+
+When no rail is left and the failed link was cut by us (the peer is alive), the
+receiver names the store itself as the backup (``RELAY_RAIL``, see
+:mod:`resilient._relay`), if the route allows it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from recovery import events
+from resilient._relay import RELAY_RAIL, StoreLink
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
 
@@ -64,6 +69,8 @@ class Route:
     allowed: frozenset[int] | None = None
     # Failovers done, as (peer, from_rail, to_rail, resumed_at): the engine's record.
     log: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # May a pair with no rail left go through the store (resilient._relay)?
+    relay: bool = False
 
     @property
     def store(self) -> Store:
@@ -87,6 +94,17 @@ class Route:
         raise LinkError(
             f"rank {self.links.rank}: no healthy rail left to rank {peer} (tried {sorted(tried)})"
         )
+
+    def can_relay(self, failed: Link | StoreLink) -> bool:
+        """Through the store only if we cut ``failed`` ourselves: then the peer is
+        alive (a peer that closed the connection may be dead)."""
+        return self.relay and getattr(failed, "cut_reason", None) is not None
+
+    def link(self, peer: int, rail: int, orig_rail: int, gen: int) -> Link | StoreLink:
+        """The link a channel resumes on: ``rail``'s, or the store's."""
+        if rail == RELAY_RAIL:
+            return StoreLink(self, peer, orig_rail, gen)
+        return self.links.get(peer, rail)
 
     def read(self, key: str) -> str:
         """Poll ``key`` (never a blocking get: the store client is shared).
@@ -113,7 +131,7 @@ class _Channel:
     def __init__(self, route: Route, peer: int, rail: int) -> None:
         self.thread = threading.get_ident()
         self.route, self.peer, self.rail = route, peer, rail
-        self.link: Link = route.links.get(peer, rail)
+        self.link: Link | StoreLink = route.links.get(peer, rail)
         self.gen = 0
         self.tried = {rail}
         # Acknowledgements exist so that a failover can still re-send; with a single
@@ -130,18 +148,22 @@ class _Channel:
     def _ack_tag(self) -> int:
         return _ACK_TAG + ((self.route.seq % 256) << 8) + (self.rail << 4) + self.gen
 
-    def _event(self, n: int, old: Link, kind: str = "link.rerouted") -> None:
+    def _event(self, n: int, old: Link | StoreLink, kind: str = "link.rerouted") -> None:
         self.route.log.append((self.peer, old.rail, self.link.rail, n))
+        where = (
+            "through the store (no rail left)"
+            if self.link.rail == RELAY_RAIL
+            else f"on rail {self.link.rail}"
+        )
         logger.warning(
-            "rank %d (%s call %d): %r failed; %s resumed from message %d on rail %d",
-            self.me, self.route.links.name, self.route.seq, old, type(self).__name__, n,
-            self.link.rail,
+            "rank %d (%s call %d): %r failed; %s resumed from message %d %s",
+            self.me, self.route.links.name, self.route.seq, old, type(self).__name__, n, where,
         )  # fmt: skip
         events.emit(
             kind,
             links=[(self.me, self.peer, old.rail)],
             reason=f"{old!r} failed during call {self.route.seq}",
-            action=f"resumed from message {n} on rail {self.link.rail}",
+            action=f"resumed from message {n} {where}",
         )
 
 
@@ -166,7 +188,7 @@ class Tx(_Channel):
         # not a flag: a cut may fail this channel over (in its own thread) before
         # the stale mark is acted on, and the backup must not be taken for it.
         link = self.link
-        self._stale: Link | None = None if link.watch_sender(self) else link
+        self._stale: Link | StoreLink | None = None if link.watch_sender(self) else link
         if self._stale is None and self.acks:
             try:
                 self._ack_work = link.irecv(self._ack, self._ack_tag())
@@ -237,7 +259,8 @@ class Tx(_Channel):
         try:
             self.route.backup(self.peer, self.tried | {link.rail})
         except LinkError:
-            return  # nowhere to go: the owner's next op raises the LinkError
+            if not self.route.can_relay(link) or RELAY_RAIL in self.tried:
+                return  # nowhere to go: the owner's next op raises the LinkError
 
         def run() -> None:
             try:
@@ -247,7 +270,7 @@ class Tx(_Channel):
 
         threading.Thread(target=run, name="tx-failover", daemon=True).start()
 
-    def _failover(self, failed: Link) -> None:
+    def _failover(self, failed: Link | StoreLink) -> None:
         with self._lock:
             if self.link is not failed or self._delivered:
                 return  # done already (by the owner, or by the thread of a cut)
@@ -257,7 +280,7 @@ class Tx(_Channel):
             old.unwatch_sender(self)
             self._resume(old)
 
-    def _resume(self, old: Link) -> None:
+    def _resume(self, old: Link | StoreLink) -> None:
         while True:
             self.gen += 1
             record = self.route.read(self.route.key(self.me, self.peer, self.rail, self.gen))
@@ -267,7 +290,7 @@ class Tx(_Channel):
                 return
             n, rail = (int(x) for x in record.split(","))
             self.tried.add(rail)
-            self.link = self.route.links.get(self.peer, rail)
+            self.link = self.route.link(self.peer, rail, self.rail, self.gen)
             if not self.link.watch_sender(self):
                 continue  # the receiver fails over again too: read the next record
             try:
@@ -377,7 +400,7 @@ class Rx(_Channel):
         if broken:  # broke between the ack and now: the sender may need it
             self.route.store.set(key, "done")
 
-    def failover(self, failed: Link) -> None:
+    def failover(self, failed: Link | StoreLink) -> None:
         """Resume on a backup rail from the first unconsumed message (never blocks).
 
         ``failed``: the link that broke; nothing is done if this channel already
@@ -405,16 +428,24 @@ class Rx(_Channel):
                 return
             self._resume(old)
 
-    def _resume(self, old: Link) -> None:
+    def _resume(self, old: Link | StoreLink) -> None:
         while True:
             self.gen += 1
-            rail = self.route.backup(self.peer, self.tried)
+            try:
+                rail = self.route.backup(self.peer, self.tried)
+            except LinkError:
+                if not self.route.can_relay(old) or RELAY_RAIL in self.tried:
+                    raise
+                rail = RELAY_RAIL
             self.tried.add(rail)
             n = self.consumed
+            # The relay's link first: it marks this side ready before the sender,
+            # reading the record, can start waiting for that mark.
+            link = self.route.link(self.peer, rail, self.rail, self.gen)
             self.route.store.set(
                 self.route.key(self.peer, self.me, self.rail, self.gen), f"{n},{rail}"
             )
-            self.link = self.route.links.get(self.peer, rail)
+            self.link = link
             if not self.link.watch_receiver(self):
                 continue
             try:

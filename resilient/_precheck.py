@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import torch
 from torch._C._distributed_c10d import Store
 
+from resilient._repair import CTL_TABLE, agreed_installs
 from resilient._signature import Exchange, Signature, check_signatures
 from resilient._stolen import StolenTime
 from resilient._weights import agreed_weights
@@ -58,10 +59,14 @@ class SignatureChannel:
         epoch: int = 0,
         rates: Callable[[], Sequence[float]] | None = None,
         lagging: Callable[[], tuple[int, int, int]] | None = None,
+        staged: Callable[[], list[tuple[int, int, int, int]]] | None = None,
+        on_install: Callable[[], None] | None = None,
     ) -> None:
         self.rank = rank
         self._rates = rates
         self._lagging = lagging
+        self._staged = staged
+        self._on_install = on_install
         links = LinkTable(
             rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
             name="ctl",
@@ -120,6 +125,17 @@ class SignatureChannel:
         self.engine.close()
         self.engine.links.close()
 
+    def _install(self, exchange: Exchange) -> None:
+        """Put control links staged at both ends in service before the next exchange
+        (every rank decides from the same table; see resilient._repair)."""
+        links = self.engine.links
+        done = [
+            links.promote(peer, rail, gen)
+            for peer, rail, gen in agreed_installs(exchange.staged, self.rank, CTL_TABLE)
+        ]
+        if any(done) and self._on_install is not None:
+            self._on_install()
+
     def _wait_done(self, count: int) -> None:
         with self._cond:
             while self._done < count:
@@ -143,12 +159,14 @@ class SignatureChannel:
                     self._stolen.total_us,
                 )
                 lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
+                staged = self._staged() if self._staged is not None else []
                 try:
                     exchange = check_signatures(
-                        self.engine, sig, self.rank, data, rates, clock, lag
+                        self.engine, sig, self.rank, data, rates, clock, lag, staged
                     )
                 finally:
                     self._waited_us += int((time.monotonic() - began) * 1e6)
+                self._install(exchange)
                 if self._rates is not None:
                     self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
                 fut.set_result(exchange)

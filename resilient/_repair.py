@@ -14,9 +14,13 @@ rebuilds that one link, and no other:
 3. **Probe** it: a one-element all_reduce within ``timeout_s`` must give 2.
 4. **Both ends confirm** (``.../g<gen>/ok<rank>``) before either puts it in service,
    so a link is never in service at one end only.
-5. **Install** it in the table (the broken one is closed in the background), log
-   ``link.repaired``, and publish the health record: the rail's ranks then propose
-   it up again and, once every rank does, it gets its share of the data back.
+5. **Stage** it in the table and log ``link.repaired``. With the signature exchange
+   on, both ends list it in their exchange rows and put it in service on the call
+   whose table shows it staged at both ends (control links right after that
+   exchange, data links at the start of that call), so no call ever runs on the new
+   link at one end and on the old one at the other; without the exchange it goes
+   into service at once. Then the health record is published: the rail's ranks
+   propose it up again and, once every rank does, it gets its share back.
 
 A failed attempt (peer gone again, probe failed) is retried at the next generation
 after an exponential backoff (tenacity's ``wait_exponential``: ``backoff_s``
@@ -41,11 +45,33 @@ from recovery import events
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
 
-__all__ = ["LinkRepair"]
+__all__ = ["CTL_TABLE", "DATA_TABLE", "LinkRepair", "agreed_installs", "staged_rows"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.002
+# Table codes in the exchange rows' staged entries.
+DATA_TABLE: Final = 0
+CTL_TABLE: Final = 1
+
+
+def staged_rows(tables: dict[int, LinkTable]) -> list[tuple[int, int, int, int]]:
+    """This rank's staged links as exchange entries ``(code, peer, rail, generation)``."""
+    return [(code, *entry) for code, table in tables.items() for entry in table.staged()]
+
+
+def agreed_installs(
+    staged: list[list[tuple[int, int, int, int]]], rank: int, code: int
+) -> list[tuple[int, int, int]]:
+    """``(peer, rail, generation)`` of table ``code``'s links staged at both ends in
+    one exchange table: every rank computes the same, so both ends switch together."""
+    if rank >= len(staged):
+        return []
+    out = []
+    for c, peer, rail, gen in staged[rank]:
+        if c == code and 0 <= peer < len(staged) and (c, rank, rail, gen) in staged[peer]:
+            out.append((peer, rail, gen))
+    return out
 
 
 class LinkRepair:
@@ -148,7 +174,7 @@ class LinkRepair:
             if new is not None:
                 new.close(background=True)
             return
-        if not table.install(new):
+        if not table.stage(new, gen):
             return
         ms = (time.monotonic() - start) * 1e3
         self._failures.pop(ident, None)
@@ -159,7 +185,10 @@ class LinkRepair:
             links=[(self.rank, link.peer, link.rail)],
             duration_ms=ms,
             reason=f"{link!r} was broken; the NICs at both ends are up",
-            action=f"rebuilt it alone at generation {gen}, probed, back in service",
+            action=(
+                f"rebuilt it alone at generation {gen}, probed; in service from the "
+                "next call every rank agrees on"
+            ),
             links_rebuilt=1,
             table=table.name,
             generation=gen,

@@ -59,8 +59,12 @@ _CLOCK = _HEADER + MAX_RAILS
 # Then who held the rank's latest measured reduction up: peer (-1: none), the
 # permille of the op spent waiting for it, reductions measured (resilient._slowrank).
 _LAG = _CLOCK + 3
+# Then up to MAX_STAGED rebuilt links waiting to go into service, each as (table
+# code, peer, rail, generation), peer -1 where unused (see resilient._repair).
+_STAGED = _LAG + 3
+MAX_STAGED = 4
 INLINE_BYTES = 2048
-_BODY = _LAG + 3
+_BODY = _STAGED + 4 * MAX_STAGED
 _WIDTH = _BODY + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
@@ -164,7 +168,8 @@ class Exchange:
     ``clocks``: every rank's ``(active_us, waited_us, stolen_us)`` totals when it began this
     exchange (see :class:`~resilient._precheck.SignatureChannel`); ``lagging``:
     every rank's ``(peer, permille, count)``: who held its latest measured reduction
-    up, and how many it measured.
+    up, and how many it measured; ``staged``: every rank's staged rebuilt links as
+    ``(table code, peer, rail, generation)``.
     """
 
     seq: int
@@ -172,6 +177,7 @@ class Exchange:
     rates: list[list[int]]
     clocks: list[tuple[int, int, int]] = field(default_factory=list)
     lagging: list[tuple[int, int, int]] = field(default_factory=list)
+    staged: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
 
 
 def check_signatures(
@@ -182,6 +188,7 @@ def check_signatures(
     rates: Sequence[float] = (),
     clock: tuple[int, int, int] = (0, 0, 0),
     lagging: tuple[int, int, int] = (-1, 0, 0),
+    staged: Sequence[tuple[int, int, int, int]] = (),
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
     ``payload``. Raises on all ranks if signatures differ, before any data moved.
@@ -196,7 +203,11 @@ def check_signatures(
     for rail, rate in enumerate(rates[:MAX_RAILS]):
         table[rank, _HEADER + rail] = int(rate)
     table[rank, _CLOCK:_LAG] = torch.tensor(clock, dtype=torch.int64)
-    table[rank, _LAG:_BODY] = torch.tensor(lagging, dtype=torch.int64)
+    table[rank, _LAG:_STAGED] = torch.tensor(lagging, dtype=torch.int64)
+    slots = table[rank, _STAGED:_BODY].view(MAX_STAGED, 4)
+    slots[:, 1] = -1
+    for i, entry in enumerate(staged[:MAX_STAGED]):
+        slots[i] = torch.tensor(entry, dtype=torch.int64)
     body = _BODY
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
@@ -211,7 +222,11 @@ def check_signatures(
             inline=table[:, body:].contiguous().view(torch.uint8),
             rates=table[:, _HEADER:_CLOCK].tolist(),
             clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:_LAG].tolist()],
-            lagging=[(int(p), int(m), int(c)) for p, m, c in table[:, _LAG:_BODY].tolist()],
+            lagging=[(int(p), int(m), int(c)) for p, m, c in table[:, _LAG:_STAGED].tolist()],
+            staged=[
+                [(c, p, r, g) for c, p, r, g in row if p >= 0]
+                for row in table[:, _STAGED:_BODY].view(world, MAX_STAGED, 4).tolist()
+            ],
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):

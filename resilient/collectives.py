@@ -167,6 +167,7 @@ class RingEngine:
         self.board: Any = None
         self.failover_timeout_s = links.config.op_timeout_floor_s
         self.failovers: list[tuple[int, int, int, int]] = []  # see Route.log
+        self.relay = False  # a pair with no rail left may go through the store
         self._calls = 0
         # A rank whose NICs are all slow (agreed on by every rank, see
         # resilient._slowrank): all_reduce then leaves it out of the reduction work.
@@ -187,6 +188,7 @@ class RingEngine:
             board=self.board,
             log=self.failovers,
             allowed=frozenset(r for r, w in enumerate(self.weights) if w > 0),
+            relay=self.relay,
         )
 
     @property

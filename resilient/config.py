@@ -151,6 +151,10 @@ class DataPlaneConfig:
     ``straggler_schedule``: when the ranks agree that every link of one rank is slow,
     all_reduce gives that rank no share of the reduction (see
     :mod:`resilient._slowrank`; needs ``check_mismatch`` and a mesh topology).
+    ``relay_via_store``: when a pair has no working rail left (every rail's link
+    between them cut for a partition or a dead NIC), move its messages through the
+    store so the collective still completes (slow; see :mod:`resilient._relay`;
+    with two rails or more, where failovers are acknowledged).
     ``repair_links``: rebuild a broken link in the background once the NICs at both
     ends are up, each attempt (rendezvous, probe) bounded by ``repair_timeout_s``
     (see :mod:`resilient._repair`).
@@ -168,6 +172,7 @@ class DataPlaneConfig:
     mesh_below_bytes: int = 8 << 20
     single_rail_below_bytes: int = 256 << 10
     straggler_schedule: bool = True
+    relay_via_store: bool = True
     repair_links: bool = True
     repair_timeout_s: float = 5.0
 
@@ -200,6 +205,7 @@ class DataPlaneConfig:
         ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
         ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1),
         ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
+        ``RESILIENT_RELAY_VIA_STORE`` (0/1),
         ``RESILIENT_REPAIR_LINKS`` (0/1) and ``RESILIENT_REPAIR_TIMEOUT_S``.
 
         Raises:
@@ -225,6 +231,7 @@ class DataPlaneConfig:
             learn_rail_weights=learn,
             topology=env.get(p + "TOPOLOGY", "auto").strip().lower() or "auto",
             straggler_schedule=_env_flag(env, p + "STRAGGLER_SCHEDULE", True),
+            relay_via_store=_env_flag(env, p + "RELAY_VIA_STORE", True),
             repair_links=_env_flag(env, p + "REPAIR_LINKS", True),
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
         )

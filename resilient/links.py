@@ -127,6 +127,7 @@ class Link:
                 "interrupt its ops", rank, self, len(self._conns),
             )  # fmt: skip
         self.broken = False
+        self.cut_reason: str | None = None  # set when this rank cut it (abort)
         self.watch_stalls = True
         # Another rail to fail over to: only then is a wait worth interrupting early
         # (with one rail the op fails at its deadline either way).
@@ -215,6 +216,7 @@ class Link:
         Used when the link is known dead from elsewhere (its NIC went down, the peer
         said so); waiting for its deadline would stall the collective for seconds.
         """
+        self.cut_reason = reason  # first: failing over reads it (resilient._relay)
         self._failed(f"{self}: {reason}", action="cut its connection")
         if _sockets.cut(self._conns):
             logger.debug("rank %d: cut %r", self.rank, self)
@@ -367,6 +369,10 @@ class LinkTable:
         self.epoch = epoch
         self._links: dict[tuple[int, int], Link] = {}
         self._generation: dict[tuple[int, int], int] = {}
+        # Rebuilt links waiting for the call every rank agrees to switch on (see
+        # stage); off, a rebuilt link goes into service at once.
+        self._staged: dict[tuple[int, int], tuple[Link, int]] = {}
+        self.stage_installs = False
         self._lock = threading.Lock()
         self.on_broken: Callable[[Link], None] | None = None
         self.closed = False
@@ -457,9 +463,46 @@ class LinkTable:
             old.close(background=True)
         return True
 
+    def stage(self, link: Link, generation: int) -> bool:
+        """Keep rebuilt ``link`` until :meth:`promote` (or install it now when
+        ``stage_installs`` is off). Both ends must switch on the same call: one end
+        sending on the new link while the other still fails over from the old one
+        would wait for each other until a deadline. False if the table is closed."""
+        if not self.stage_installs:
+            return self.install(link)
+        with self._lock:
+            old = None if self.closed else self._staged.get((link.peer, link.rail))
+            if not self.closed:
+                self._staged[(link.peer, link.rail)] = (link, generation)
+        if self.closed:
+            link.close()
+            return False
+        if old is not None:
+            old[0].close(background=True)
+        return True
+
+    def staged(self) -> list[tuple[int, int, int]]:
+        """``(peer, rail, generation)`` of every staged link."""
+        with self._lock:
+            return [(p, r, g) for (p, r), (_, g) in self._staged.items()]
+
+    def promote(self, peer: int, rail: int, generation: int) -> bool:
+        """Put the staged link to ``peer`` on ``rail`` in service, if it is at
+        ``generation``; call at a point every rank agreed on."""
+        with self._lock:
+            entry = self._staged.get((peer, rail))
+            if entry is None or entry[1] != generation:
+                return False
+            del self._staged[(peer, rail)]
+        return self.install(entry[0])
+
     def broken(self) -> list[Link]:
-        """Links that broke and were not rebuilt yet."""
-        return [link for link in list(self._links.values()) if link.broken]
+        """Links that broke and were not rebuilt yet (staged ones count as rebuilt)."""
+        with self._lock:
+            staged = set(self._staged)
+        return [
+            link for key, link in list(self._links.items()) if link.broken and key not in staged
+        ]
 
     def abort(self, reason: str, *, rail: int, peer: int | None = None) -> int:
         """Cut this rank's links on ``rail`` (to ``peer`` only, when given); returns
@@ -477,5 +520,7 @@ class LinkTable:
         self.closed = True
         with self._lock:
             links, self._links = list(self._links.values()), {}
+            links += [link for link, _ in self._staged.values()]
+            self._staged = {}
         for link in links:
             link.close()

@@ -32,7 +32,8 @@ from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
-from resilient._signature import INLINE_BYTES, Signature
+from resilient._repair import CTL_TABLE, DATA_TABLE, agreed_installs, staged_rows
+from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SlowRankVote
 from resilient._stragglers import StragglerWatch
 from resilient._weights import DOWN, WeightLearner
@@ -113,6 +114,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             else None
         )
         self.engine.measure_lag = self._slow_vote is not None
+        # Failovers are acknowledged only with two rails or more; the relay needs that.
+        relay = self.config.relay_via_store and len(self.rails) > 1
+        self.engine.relay = relay
         # Who sees which NIC or link dead: cuts our end of links peers report dead,
         # so the collectives fail over at once instead of at their deadline.
         self.board = HealthBoard(
@@ -143,9 +147,16 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 epoch=epoch,
                 rates=self._proposed_rates if self._learner is not None else None,
                 lagging=self._lagging if self._slow_vote is not None else None,
+                staged=self._staged_rows,
+                on_install=self.board.publish,
             )
+            # Rebuilt links go into service on a call both ends agree on (the
+            # exchange shows them staged at both ends; see resilient._repair).
+            self.links.stage_installs = True
+            self._channel.engine.links.stage_installs = True
             self.board.attach(self._channel.engine.links)
             self._channel.engine.board = self.board
+            self._channel.engine.relay = relay
         self.board.start()
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -202,6 +213,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                     # data of this call moves.
                     self.engine.weights = self._learner.weights_for(exchange)
                 self._stragglers.observe(exchange)
+                self._install(exchange)
                 if self._slow_vote is not None:
                     self.engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 return fn(exchange.inline)
@@ -218,6 +230,21 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         ranks once their signatures matched: it depends only on numel and dtype)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         return self._channel is not None and nbytes <= INLINE_BYTES
+
+    def _staged_rows(self) -> list[tuple[int, int, int, int]]:
+        tables = {DATA_TABLE: self.links}
+        if self._channel is not None:
+            tables[CTL_TABLE] = self._channel.engine.links
+        return staged_rows(tables)
+
+    def _install(self, exchange: Exchange) -> None:
+        """Put data links staged at both ends in service before this call's data."""
+        done = [
+            self.links.promote(peer, rail, gen)
+            for peer, rail, gen in agreed_installs(exchange.staged, self.rank(), DATA_TABLE)
+        ]
+        if any(done):
+            self.board.publish()
 
     def _lagging(self) -> tuple[int, int, int]:
         return self.engine.lagging

@@ -99,3 +99,18 @@ def test_failed_repairs_back_off_exponentially_per_link() -> None:
     before = time.monotonic()
     repair._failed(("link", 2, 0), "Link(0<->2, rail 0)", 1, RuntimeError("x"))  # type: ignore[arg-type]
     assert round(repair._next_try[("link", 2, 0)] - before, 1) == 0.1
+
+
+def test_a_staged_link_goes_into_service_only_where_both_ends_list_it() -> None:
+    from resilient._repair import CTL_TABLE, DATA_TABLE, agreed_installs
+
+    rows = [
+        [(DATA_TABLE, 1, 0, 2), (CTL_TABLE, 2, 1, 1)],  # rank 0
+        [(DATA_TABLE, 0, 0, 2)],  # rank 1: the same data link, same generation
+        [(CTL_TABLE, 0, 1, 0)],  # rank 2: an older generation of the ctl link
+    ]
+    assert agreed_installs(rows, 0, DATA_TABLE) == [(1, 0, 2)]
+    assert agreed_installs(rows, 1, DATA_TABLE) == [(0, 0, 2)]
+    assert agreed_installs(rows, 0, CTL_TABLE) == []  # generations differ: not yet
+    assert agreed_installs(rows, 2, CTL_TABLE) == []
+    assert agreed_installs(rows, 5, DATA_TABLE) == []

@@ -1,0 +1,97 @@
+"""A pair with no rail left (both rails silently dropped between two ranks) still
+completes its collectives, through the store, with the right bits; once the rails
+come back, the links are repaired (real processes and gloo links; iptables on
+loopback, as root)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from resilient._relay import RELAY_RAIL
+from tests._dist import run_world
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (iptables)"),
+    pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables is not installed"),
+]
+
+# Both rails of both ranks (tests._dist's addresses): no rail connects them. Both
+# ends' addresses, because on loopback the connecting end of a link is unbound.
+CUT = ("127.0.1.1", "127.0.1.2", "127.0.2.1", "127.0.2.2")
+FLOOR_S = 30.0
+
+
+def _rules(tag: str) -> list[list[str]]:
+    # INPUT drops, as a partition loses packets in transit; on loopback the
+    # connecting end is unbound, so match the address on either side.
+    return [
+        ["INPUT", flag, addr, "-m", "comment", "--comment", tag, "-j", "DROP"]
+        for addr in CUT
+        for flag in ("-d", "-s")
+    ]
+
+
+def _iptables(action: str, rules: list[list[str]], *, check: bool = False) -> None:
+    for rule in rules:
+        # -w: wait for the xtables lock rather than fail when another user holds it.
+        done = subprocess.run(["iptables", "-w", "10", action, *rule], check=False,
+                              capture_output=True, text=True, timeout=20)  # fmt: skip
+        if check and done.returncode != 0:
+            raise RuntimeError(f"iptables {action} {rule}: {done.stderr.strip()}")
+
+
+def _cut_off(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, Any]:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank))
+    want = x.clone()
+    pg.allreduce([want]).wait()  # fault-free; builds the links
+    if rank == 0:
+        _iptables("-I", _rules(tag), check=True)
+    start = time.monotonic()
+    got = [x.clone() for _ in range(2)]
+    for t in got:  # the first meets the partition; the second starts without rails
+        pg.allreduce([t]).wait()
+    took = time.monotonic() - start
+    if rank == 0:
+        _iptables("-D", _rules(tag))
+    after = x.clone()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not pg.board.repair.repaired:
+        pg.allreduce([torch.zeros(1)]).wait()  # give the repair thread time
+        time.sleep(0.2)
+    pg.allreduce([after]).wait()
+    relayed = [f for f in pg.engine.failovers + pg._channel.engine.failovers
+               if f[2] == RELAY_RAIL]  # fmt: skip
+    return {
+        "equal": [torch.equal(t, want) for t in got] + [torch.equal(after, want)],
+        "took_s": took,
+        "relayed": len(relayed),
+        "repaired": len(pg.board.repair.repaired),
+    }
+
+
+def test_a_pair_with_no_rail_left_goes_through_the_store_then_is_repaired() -> None:
+    tag = f"rsl-relay-{os.getpid()}"
+    try:
+        out = run_world(
+            _cut_off,
+            2,
+            rails=2,
+            timeout_s=200,
+            args=(1 << 18, tag),
+            config={"single_rail_below_bytes": 0, "op_timeout_floor_s": FLOOR_S},
+        )
+    finally:
+        _iptables("-D", _rules(tag))  # whatever a failed run left behind
+    for rank, res in enumerate(out):
+        assert res["equal"] == [True, True, True], (rank, res)
+        assert res["took_s"] < FLOOR_S, (rank, res)  # not at an op's deadline
+    assert all(res["relayed"] for res in out), out
+    assert any(res["repaired"] for res in out), out
