@@ -149,9 +149,14 @@ class _Channel:
         return _ACK_TAG + ((self.route.seq % 256) << 8) + (self.rail << 4) + self.gen
 
     def _event(self, n: int, old: Link | StoreLink, kind: str = "link.rerouted") -> None:
+        relayed = self.route.links.relayed
+        if self.link.rail == RELAY_RAIL and (self.peer, old.rail) in relayed:
+            return  # said once: every call takes the relay until the link is repaired
+        if self.link.rail == RELAY_RAIL:
+            relayed.add((self.peer, old.rail))
         self.route.log.append((self.peer, old.rail, self.link.rail, n))
         where = (
-            "through the store (no rail left)"
+            "through the store (no rail left; until the link is repaired)"
             if self.link.rail == RELAY_RAIL
             else f"on rail {self.link.rail}"
         )

@@ -373,6 +373,9 @@ class LinkTable:
         # stage); off, a rebuilt link goes into service at once.
         self._staged: dict[tuple[int, int], tuple[Link, int]] = {}
         self.stage_installs = False
+        # (peer, rail) pairs whose traffic goes through the store (resilient._relay):
+        # reported once, until the link is back in service.
+        self.relayed: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self.on_broken: Callable[[Link], None] | None = None
         self.closed = False
@@ -456,6 +459,7 @@ class LinkTable:
             old = None if self.closed else self._links.get((link.peer, link.rail))
             if not self.closed:
                 self._links[(link.peer, link.rail)] = link
+                self.relayed.discard((link.peer, link.rail))
         if self.closed:
             link.close()
             return False
