@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from resilient._relay import RELAY_RAIL
 from tests._dist import run_world
+from tests._iptables import drop_rules, iptables
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -29,38 +29,19 @@ CUT = ("127.0.1.1", "127.0.1.2", "127.0.2.1", "127.0.2.2")
 FLOOR_S = 30.0
 
 
-def _rules(tag: str) -> list[list[str]]:
-    # INPUT drops, as a partition loses packets in transit; on loopback the
-    # connecting end is unbound, so match the address on either side.
-    return [
-        ["INPUT", flag, addr, "-m", "comment", "--comment", tag, "-j", "DROP"]
-        for addr in CUT
-        for flag in ("-d", "-s")
-    ]
-
-
-def _iptables(action: str, rules: list[list[str]], *, check: bool = False) -> None:
-    for rule in rules:
-        # -w: wait for the xtables lock rather than fail when another user holds it.
-        done = subprocess.run(["iptables", "-w", "10", action, *rule], check=False,
-                              capture_output=True, text=True, timeout=20)  # fmt: skip
-        if check and done.returncode != 0:
-            raise RuntimeError(f"iptables {action} {rule}: {done.stderr.strip()}")
-
-
 def _cut_off(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, Any]:
     x = torch.randn(n, generator=torch.Generator().manual_seed(5 + rank))
     want = x.clone()
     pg.allreduce([want]).wait()  # fault-free; builds the links
     if rank == 0:
-        _iptables("-I", _rules(tag), check=True)
+        iptables("-I", drop_rules(CUT, tag), check=True)
     start = time.monotonic()
     got = [x.clone() for _ in range(2)]
     for t in got:  # the first meets the partition; the second starts without rails
         pg.allreduce([t]).wait()
     took = time.monotonic() - start
     if rank == 0:
-        _iptables("-D", _rules(tag))
+        iptables("-D", drop_rules(CUT, tag))
     after = x.clone()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not pg.board.repair.repaired:
@@ -89,7 +70,7 @@ def test_a_pair_with_no_rail_left_goes_through_the_store_then_is_repaired() -> N
             config={"single_rail_below_bytes": 0, "op_timeout_floor_s": FLOOR_S},
         )
     finally:
-        _iptables("-D", _rules(tag))  # whatever a failed run left behind
+        iptables("-D", drop_rules(CUT, tag))  # whatever a failed run left behind
     for rank, res in enumerate(out):
         assert res["equal"] == [True, True, True], (rank, res)
         assert res["took_s"] < FLOOR_S, (rank, res)  # not at an op's deadline

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from resilient import _stall
 from tests._dist import run_world
+from tests._iptables import drop_rules, iptables
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -27,28 +27,12 @@ RAIL0 = ("127.0.1.1", "127.0.1.2")  # rail 0 of ranks 0 and 1 (tests._dist's add
 FLOOR_S = 20.0
 
 
-def _rules(tag: str) -> list[list[str]]:
-    # Dropped on arrival (INPUT), as a partition loses packets in transit: the sender
-    # then sees them unacknowledged and retransmits. On loopback the connecting end
-    # is unbound (source 127.0.0.1), so match the rail address on either side.
-    return [
-        ["INPUT", flag, addr, "-m", "comment", "--comment", tag, "-j", "DROP"]
-        for addr in RAIL0
-        for flag in ("-d", "-s")
-    ]
-
-
-def _iptables(action: str, rules: list[list[str]]) -> None:
-    for rule in rules:
-        subprocess.run(["iptables", action, *rule], check=False, capture_output=True, timeout=10)
-
-
 def _partitioned(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, Any]:
     x = torch.randn(n, generator=torch.Generator().manual_seed(3 + rank))
     want = x.clone()
     pg.allreduce([want]).wait()  # fault-free; builds the links
     if rank == 0:
-        _iptables("-I", _rules(tag))
+        iptables("-I", drop_rules(RAIL0, tag), check=True)
     start = time.monotonic()
     # The signature exchange of this call already meets the partition (rank 0 is
     # past its rules when it sends); the data call after it too, unless the rail
@@ -58,7 +42,7 @@ def _partitioned(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, 
     pg.allreduce([got]).wait()
     took = time.monotonic() - start
     if rank == 0:
-        _iptables("-D", _rules(tag))
+        iptables("-D", drop_rules(RAIL0, tag))
     return {
         "equal": torch.equal(got, want),
         "took_s": took,
@@ -78,7 +62,7 @@ def test_a_silently_partitioned_rail_is_cut_and_the_collective_fails_over() -> N
             config={"single_rail_below_bytes": 0, "op_timeout_floor_s": FLOOR_S},
         )
     finally:
-        _iptables("-D", _rules(tag))  # whatever a failed run left behind
+        iptables("-D", drop_rules(RAIL0, tag))  # whatever a failed run left behind
     for rank, res in enumerate(out):
         assert res["equal"], rank
         assert res["took_s"] < FLOOR_S / 2, rank  # not at the deadline
