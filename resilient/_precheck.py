@@ -30,7 +30,7 @@ from concurrent.futures import Future
 import torch
 from torch._C._distributed_c10d import Store
 
-from resilient._repair import CTL_TABLE, agreed_installs
+from resilient._repair import CTL_TABLE, install_agreed
 from resilient._signature import Exchange, Signature, check_signatures
 from resilient._stolen import StolenTime
 from resilient._weights import agreed_weights
@@ -128,12 +128,8 @@ class SignatureChannel:
     def _install(self, exchange: Exchange) -> None:
         """Put control links staged at both ends in service before the next exchange
         (every rank decides from the same table; see resilient._repair)."""
-        links = self.engine.links
-        done = [
-            links.promote(peer, rail, gen)
-            for peer, rail, gen in agreed_installs(exchange.staged, self.rank, CTL_TABLE)
-        ]
-        if any(done) and self._on_install is not None:
+        installed = install_agreed(self.engine.links, exchange.staged, self.rank, CTL_TABLE)
+        if installed and self._on_install is not None:
             self._on_install()
 
     def _wait_done(self, count: int) -> None:

@@ -45,7 +45,14 @@ from recovery import events
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
 
-__all__ = ["CTL_TABLE", "DATA_TABLE", "LinkRepair", "agreed_installs", "staged_rows"]
+__all__ = [
+    "CTL_TABLE",
+    "DATA_TABLE",
+    "LinkRepair",
+    "agreed_installs",
+    "install_agreed",
+    "staged_rows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,15 @@ def agreed_installs(
         if c == code and 0 <= peer < len(staged) and (c, rank, rail, gen) in staged[peer]:
             out.append((peer, rail, gen))
     return out
+
+
+def install_agreed(
+    table: LinkTable, staged: list[list[tuple[int, int, int, int]]], rank: int, code: int
+) -> bool:
+    """Put ``table``'s links staged at both ends (per ``staged``) in service; True if
+    any went in (the caller then republishes the health record)."""
+    done = [table.promote(p, r, g) for p, r, g in agreed_installs(staged, rank, code)]
+    return any(done)
 
 
 class LinkRepair:

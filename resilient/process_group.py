@@ -32,7 +32,7 @@ from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
-from resilient._repair import CTL_TABLE, DATA_TABLE, agreed_installs, staged_rows
+from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SlowRankVote
 from resilient._stragglers import StragglerWatch
@@ -239,11 +239,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _install(self, exchange: Exchange) -> None:
         """Put data links staged at both ends in service before this call's data."""
-        done = [
-            self.links.promote(peer, rail, gen)
-            for peer, rail, gen in agreed_installs(exchange.staged, self.rank(), DATA_TABLE)
-        ]
-        if any(done):
+        if install_agreed(self.links, exchange.staged, self.rank(), DATA_TABLE):
             self.board.publish()
 
     def _lagging(self) -> tuple[int, int, int]:
