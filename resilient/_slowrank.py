@@ -27,12 +27,16 @@ on every rank (the straggler-aware schedule folds in the mesh's rank order).
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 from recovery import events
 
-__all__ = ["SlowRankVote", "quorum"]
+if TYPE_CHECKING:
+    from resilient.links import LinkTable
+
+__all__ = ["SendRates", "SlowRankVote", "quorum"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,46 @@ LEAVE_VOTES: Final = 3
 COOLDOWN_CALLS: Final = 100
 
 Lagging = tuple[int, int, int]  # slowest peer (-1: none), its permille, measurements
+
+# Below this much sending since the last measurement (the kernel counts in
+# jiffies), a peer's rate is not measured.
+MIN_BUSY_US: Final = 5000
+_ALPHA: Final = 0.5  # smoothing: one op's rates swing with TCP's dynamics
+
+
+class SendRates:
+    """This rank's evidence: its links' send rates, as ``lagging``."""
+
+    def __init__(self) -> None:
+        self.lagging: Lagging = (-1, 1000, 0)
+        self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        self._rates: dict[int, float] = {}
+
+    def measure(self, links: LinkTable, peers: Sequence[int]) -> None:
+        """Read each peer's send rate since the last call and keep the slowest:
+        ``(peer, permille of the other peers' median, measurements so far)``."""
+        rates: dict[int, float] = {}
+        table = links.links()
+        for peer in peers:
+            acked = busy = 0
+            for rail in range(len(links.rails)):
+                link = table.get((peer, rail))
+                now = link.sent() if link is not None else None
+                if link is None or now is None:
+                    continue
+                before = self._sent.get((peer, rail))
+                self._sent[(peer, rail)] = (link, *now)
+                if before is not None and before[0] is link:
+                    acked, busy = acked + now[0] - before[1], busy + now[1] - before[2]
+            if busy >= MIN_BUSY_US:
+                old, new = self._rates.get(peer), acked / busy
+                rates[peer] = self._rates[peer] = new if old is None else old + _ALPHA * (new - old)
+        if len(rates) < 2:
+            return
+        slowest = min(rates, key=lambda p: rates[p])
+        others = statistics.median(r for p, r in rates.items() if p != slowest)
+        share = min(1000, int(1000 * rates[slowest] / others)) if others > 0 else 1000
+        self.lagging = (slowest, share, self.lagging[2] + 1)
 
 
 def quorum(world: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +35,7 @@ from resilient._ring import (
     skip_bounds,
     sub_spans,
 )
+from resilient._slowrank import SendRates
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -90,11 +90,8 @@ _REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
 MAX_SUBS = 8
 FINE_SUB_BYTES = 64 << 10
 # Reductions smaller than this are latency-bound: their send rates say nothing
-# about a slow NIC. Below LAG_MIN_BUSY_US of sending (the kernel counts in
-# jiffies), a peer's rate is not measured.
+# about a slow NIC.
 LAG_MIN_BYTES = 256 << 10
-LAG_MIN_BUSY_US = 5000
-_LAG_ALPHA = 0.5
 
 
 def finish_avg(t: torch.Tensor, op: Reduce, world: int) -> None:
@@ -172,12 +169,9 @@ class RingEngine:
         # A rank whose NICs are all slow (agreed on by every rank, see
         # resilient._slowrank): all_reduce then leaves it out of the reduction work.
         self.slow_rank: int | None = None
-        # The slowest peer to send to, measured after mesh reductions: (peer, its
-        # rate in permille of the other peers' median, measurements so far).
-        self.lagging: tuple[int, int, int] = (-1, 1000, 0)
-        self.measure_lag = False  # set by whoever reads ``lagging``
-        self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}
-        self._peer_rates: dict[int, float] = {}
+        # Measures the links' send rates after mesh reductions (set by whoever
+        # reads it: resilient._slowrank).
+        self.lag_meter: SendRates | None = None
 
     def _route(self) -> Route:
         self._calls += 1
@@ -332,38 +326,8 @@ class RingEngine:
                 m.reduce_scatter(_REDUCERS[op], then_gather=gather, early=fine)
 
         self._run_rails(run, _rail_bytes(pieces, elem))
-        if self.measure_lag and op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
-            self._note_lagging(peers)
-
-    def _note_lagging(self, peers: list[int]) -> None:
-        """Measure each peer's link send rate since the last measured reduction and
-        keep the slowest: ``(peer, permille of the others' median, count)``."""
-        rates: dict[int, float] = {}
-        table = self.links.links()
-        for peer in peers:
-            acked = busy = 0
-            for rail in range(self.num_rails):
-                link = table.get((peer, rail))
-                now = link.sent() if link is not None else None
-                if link is None or now is None:
-                    continue
-                before = self._sent.get((peer, rail))
-                self._sent[(peer, rail)] = (link, *now)
-                if before is not None and before[0] is link:
-                    acked, busy = acked + now[0] - before[1], busy + now[1] - before[2]
-            if busy >= LAG_MIN_BUSY_US:
-                # Smoothed: one op's rates swing with TCP's dynamics.
-                old = self._peer_rates.get(peer)
-                new = acked / busy
-                rates[peer] = self._peer_rates[peer] = (
-                    new if old is None else old + _LAG_ALPHA * (new - old)
-                )
-        if len(rates) < 2:
-            return
-        slowest = min(rates, key=lambda p: rates[p])
-        others = statistics.median(r for p, r in rates.items() if p != slowest)
-        share = min(1000, int(1000 * rates[slowest] / others)) if others > 0 else 1000
-        self.lagging = (slowest, share, self.lagging[2] + 1)
+        if self.lag_meter is not None and op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
+            self.lag_meter.measure(self.links, peers)
 
     def _subs_for(self, pieces: Sequence[Span], elem: int, *, fine: bool = False) -> int:
         """Sub-chunks per piece: ``sub_chunk_bytes`` each, but at most MAX_SUBS.

@@ -34,7 +34,7 @@ from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
-from resilient._slowrank import SlowRankVote
+from resilient._slowrank import SendRates, SlowRankVote
 from resilient._stragglers import StragglerWatch
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
@@ -113,7 +113,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             and world_size >= 3
             else None
         )
-        self.engine.measure_lag = self._slow_vote is not None
+        self._send_rates = SendRates() if self._slow_vote is not None else None
+        self.engine.lag_meter = self._send_rates
         # Failovers are acknowledged only with two rails or more; the relay needs that.
         relay = self.config.relay_via_store and len(self.rails) > 1
         self.engine.relay = relay
@@ -243,7 +244,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             self.board.publish()
 
     def _lagging(self) -> tuple[int, int, int]:
-        return self.engine.lagging
+        return self._send_rates.lagging if self._send_rates is not None else (-1, 1000, 0)
 
     def _proposed_rates(self) -> tuple[float, ...]:
         # A rail with its NIC down or a broken link here proposes DOWN: every rank
