@@ -59,7 +59,7 @@ class SendRates:
 
     def __init__(self) -> None:
         self.lagging: Lagging = (-1, 1000, 0)
-        self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        self._sent: dict[tuple[int, int], tuple[Any, int, int]] = {}  # link, acked, busy
         self._rates: dict[int, float] = {}
 
     def measure(self, links: LinkTable, peers: Sequence[int]) -> None:
@@ -75,7 +75,7 @@ class SendRates:
                 if link is None or now is None:
                     continue
                 before = self._sent.get((peer, rail))
-                self._sent[(peer, rail)] = (link, *now)
+                self._sent[(peer, rail)] = (link, now[0], now[1])
                 if before is not None and before[0] is link:
                     acked, busy = acked + now[0] - before[1], busy + now[1] - before[2]
             if busy >= MIN_BUSY_US:

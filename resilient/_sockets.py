@@ -189,12 +189,14 @@ class Progress:
     since_ack_ms: int  # since the last ACK from the peer
 
 
-def sent(conn: Conn) -> tuple[int, int] | None:
-    """``(bytes_acked, busy_us)`` of ``conn``'s sending side, or None (gone, old kernel).
+def sent(conn: Conn) -> tuple[int, int, int, int] | None:
+    """``(bytes_acked, busy_us, retransmitted, segments_out)`` of ``conn``'s sending
+    side, or None (gone, old kernel).
 
     ``busy_us`` is the kernel's time with data to send (``tcpi_busy_time``, Linux
-    4.10+, jiffy resolution), so the two deltas over an interval give the rate the
-    path allowed, whatever the application did in between.
+    4.10+, jiffy resolution), so the deltas of the first two over an interval give
+    the rate the path allowed, whatever the application did in between; the last
+    two give the share of segments that had to be sent again (loss).
     """
     with _verified(conn) as s:
         if s is None:
@@ -205,10 +207,13 @@ def sent(conn: Conn) -> tuple[int, int] | None:
             return None
     if len(raw) < 176:
         return None
-    # struct tcp_info: u64 tcpi_bytes_acked at offset 120, u64 tcpi_busy_time at 168.
+    # struct tcp_info: u32 tcpi_total_retrans at 100, u64 tcpi_bytes_acked at 120,
+    # u32 tcpi_segs_out at 136, u64 tcpi_busy_time at 168.
+    (retrans,) = struct.unpack_from("=I", raw, 100)
     (acked,) = struct.unpack_from("=Q", raw, 120)
+    (segs,) = struct.unpack_from("=I", raw, 136)
     (busy,) = struct.unpack_from("=Q", raw, 168)
-    return acked, busy
+    return acked, busy, retrans, segs
 
 
 def progress(conn: Conn) -> Progress | None:

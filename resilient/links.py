@@ -221,13 +221,15 @@ class Link:
         if _sockets.cut(self._conns):
             logger.debug("rank %d: cut %r", self.rank, self)
 
-    def sent(self) -> tuple[int, int] | None:
-        """``(bytes_acked, busy_us)`` of this link's sending side (see
-        :func:`resilient._sockets.sent`), or None when the kernel cannot say."""
+    def sent(self) -> tuple[int, int, int, int] | None:
+        """``(bytes_acked, busy_us, retransmitted, segments_out)`` of this link's
+        sending side (see :func:`resilient._sockets.sent`), or None when the kernel
+        cannot say."""
         stats = [_sockets.sent(conn) for conn in self._conns]
         if not stats or any(s is None for s in stats):
             return None
-        return sum(s[0] for s in stats if s), sum(s[1] for s in stats if s)
+        a, b, c, d = zip(*(s for s in stats if s is not None), strict=True)
+        return sum(a), sum(b), sum(c), sum(d)
 
     def network_stall(self, min_ms: int = STALL_CUT_MS) -> str | None:
         """Why this link's connection looks dead to the kernel, or None.

@@ -30,6 +30,7 @@ from torch.futures import Future
 from resilient._args import check_tensors, reduce_op
 from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
+from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
@@ -102,6 +103,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             and len(self.rails) > 1
         )
         self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
+        # A lossy rail is proposed slower than it measures (see resilient._loss).
+        self._loss = RailLoss(self._retransmissions)
         self._stragglers = StragglerWatch(rank, epoch)
         # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
         # from mesh reductions.
@@ -250,9 +253,21 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # A rail with its NIC down or a broken link here proposes DOWN: every rank
         # then gives it no share at all until it is repaired (see resilient._weights).
         return tuple(
-            rate if self.nics.up[rail] and self.board.rail_ok(rail) else DOWN
+            rate * self._loss.factor(rail)
+            if self.nics.up[rail] and self.board.rail_ok(rail)
+            else DOWN
             for rail, rate in enumerate(self.engine.rail_rates)
         )
+
+    def _retransmissions(self) -> dict[int, tuple[int, int]]:
+        """Per rail: (segments retransmitted, segments sent) over its data links."""
+        out: dict[int, tuple[int, int]] = {}
+        for (_, rail), link in self.links.links().items():
+            counters = link.sent()
+            if counters is not None:
+                retrans, segs = out.get(rail, (0, 0))
+                out[rail] = (retrans + counters[2], segs + counters[3])
+        return out
 
     @staticmethod
     def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
