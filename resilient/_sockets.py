@@ -189,6 +189,17 @@ class Progress:
     since_ack_ms: int  # since the last ACK from the peer
 
 
+def _tcp_info(conn: Conn, size: int) -> bytes | None:
+    """The first ``size`` bytes of ``conn``'s ``TCP_INFO``, or None if it is gone."""
+    with _verified(conn) as s:
+        if s is None:
+            return None
+        try:
+            return s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), size)
+        except OSError:
+            return None
+
+
 def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     """``(bytes_acked, busy_us, retransmitted, segments_out)`` of ``conn``'s sending
     side, or None (gone, old kernel).
@@ -198,14 +209,8 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     the rate the path allowed, whatever the application did in between; the last
     two give the share of segments that had to be sent again (loss).
     """
-    with _verified(conn) as s:
-        if s is None:
-            return None
-        try:
-            raw = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 176)
-        except OSError:
-            return None
-    if len(raw) < 176:
+    raw = _tcp_info(conn, 176)
+    if raw is None or len(raw) < 176:
         return None
     # struct tcp_info: u32 tcpi_total_retrans at 100, u64 tcpi_bytes_acked at 120,
     # u32 tcpi_segs_out at 136, u64 tcpi_busy_time at 168.
@@ -218,14 +223,8 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
 
 def progress(conn: Conn) -> Progress | None:
     """``conn``'s TCP progress, or None if it is gone (or not Linux)."""
-    with _verified(conn) as s:
-        if s is None:
-            return None
-        try:
-            raw = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 104)
-        except OSError:
-            return None
-    if len(raw) < 60:
+    raw = _tcp_info(conn, 104)
+    if raw is None or len(raw) < 60:
         return None
     # struct tcp_info: u8 state, ca_state, retransmits, ...; u32 rto, ato, snd_mss,
     # rcv_mss, unacked (offset 24), ...; u32 last_ack_recv at offset 56.
