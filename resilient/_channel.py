@@ -100,10 +100,12 @@ class Route:
         alive (a peer that closed the connection may be dead)."""
         return self.relay and getattr(failed, "cut_reason", None) is not None
 
-    def link(self, peer: int, rail: int, orig_rail: int, gen: int) -> Link | StoreLink:
+    def link(
+        self, peer: int, rail: int, orig_rail: int, gen: int, *, sender: bool
+    ) -> Link | StoreLink:
         """The link a channel resumes on: ``rail``'s, or the store's."""
         if rail == RELAY_RAIL:
-            return StoreLink(self, peer, orig_rail, gen)
+            return StoreLink(self, peer, orig_rail, gen, sender=sender)
         return self.links.get(peer, rail)
 
     def read(self, key: str) -> str:
@@ -288,14 +290,17 @@ class Tx(_Channel):
     def _resume(self, old: Link | StoreLink) -> None:
         while True:
             self.gen += 1
-            record = self.route.read(self.route.key(self.me, self.peer, self.rail, self.gen))
+            key = self.route.key(self.me, self.peer, self.rail, self.gen)
+            record = self.route.read(key)
+            # Read by this sender only; while a pair relays, every call writes one.
+            self.route.store.delete_key(key)
             if record == "done":
                 self._delivered = True
                 self._works = [None] * len(self._works)
                 return
             n, rail = (int(x) for x in record.split(","))
             self.tried.add(rail)
-            self.link = self.route.link(self.peer, rail, self.rail, self.gen)
+            self.link = self.route.link(self.peer, rail, self.rail, self.gen, sender=True)
             if not self.link.watch_sender(self):
                 continue  # the receiver fails over again too: read the next record
             try:
@@ -446,7 +451,7 @@ class Rx(_Channel):
             n = self.consumed
             # The relay's link first: it marks this side ready before the sender,
             # reading the record, can start waiting for that mark.
-            link = self.route.link(self.peer, rail, self.rail, self.gen)
+            link = self.route.link(self.peer, rail, self.rail, self.gen, sender=False)
             self.route.store.set(
                 self.route.key(self.peer, self.me, self.rail, self.gen), f"{n},{rail}"
             )

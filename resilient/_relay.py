@@ -44,7 +44,7 @@ class StoreLink:
 
     rail = RELAY_RAIL
 
-    def __init__(self, route: Route, peer: int, orig_rail: int, gen: int) -> None:
+    def __init__(self, route: Route, peer: int, orig_rail: int, gen: int, *, sender: bool) -> None:
         t = route.links
         self.rank, self.peer = t.rank, peer
         lo, hi = sorted((t.rank, peer))
@@ -57,7 +57,11 @@ class StoreLink:
         self.finished: list[tuple[Any, str]] = []  # read by Rx.finish, as on a Link
         self._counts: dict[tuple[int, int], int] = {}
         self._peer_ready = False
-        self.store.set(f"{self.prefix}/ready/{self.rank}", "1")
+        # A pair's two directions share the prefix, so each mark names its side:
+        # our sender's mark is read (and deleted) by the peer's receiver only.
+        self._mine = f"{self.prefix}/ready/{self.rank}{'tx' if sender else 'rx'}"
+        self._theirs = f"{self.prefix}/ready/{self.peer}{'rx' if sender else 'tx'}"
+        self.store.set(self._mine, "1")
 
     def __repr__(self) -> str:
         return f"StoreLink({self.rank}<->{self.peer}, through the store)"
@@ -112,7 +116,11 @@ class StoreLink:
             if self.broken:
                 raise LinkError(f"{self!r} was cut")
             if not self._peer_ready:
-                self._peer_ready = self.store.check([f"{self.prefix}/ready/{self.peer}"])
+                self._peer_ready = self.store.check([self._theirs])
+                if self._peer_ready:
+                    # Read by this link only; every relayed call writes new marks,
+                    # so they must not pile up in the store.
+                    self.store.delete_key(self._theirs)
                 if not self._peer_ready and now - start > READY_S:
                     self.broken = True
                     raise LinkError(f"{self!r}: rank {self.peer} did not take the relay")
