@@ -3,10 +3,17 @@
     resilient run --nproc 4 --rails 2 examples/train_ddp.py --steps 50
     torchrun --nproc-per-node 4 examples/train_ddp.py --backend gloo    # the same job on gloo
 
-Each rank draws its own synthetic batches (seeded by rank id), DDP averages the
-gradients, and every rank ends with the same parameters. Rank 0 prints the loss per
-step (averaged over ranks); every rank prints a SHA-256 of its final parameters, so
-runs can be compared bit for bit.
+Each rank draws its own synthetic batch per step (seeded by seed, rank id and step,
+so a replayed step draws the same data), DDP averages the gradients, and every rank
+ends with the same parameters. Rank 0 prints the loss per step (averaged over
+ranks); every rank prints a SHA-256 of its final parameters, so runs can be
+compared bit for bit.
+
+Steps run under ``recovery.Session``: a step's optimizer update is committed only
+when all its collectives succeeded. When a rank is lost and ``resilient run``
+restarts it, the survivors and the replacement agree on a new epoch, the
+replacement gets the model and optimizer state from a live rank, and the
+interrupted step is replayed; no other rank restarts.
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ def build_model(width: int, seed: int) -> nn.Module:
     )
 
 
-def batch(gen: torch.Generator, width: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    seed: int, rank: int, step: int, width: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed((seed * 100_003 + rank) * 1_000_003 + step)
     x = torch.randn(size, width, generator=gen)
     # A fixed teacher signal: the target depends on the inputs, not on the rank.
     y = torch.sin(x[:, :16] * 3.0) + 0.1 * x[:, 16:32]
@@ -76,23 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.width, args.seed)
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(args.seed * 100_003 + rank)
     losses: list[float] = []
     step_ms: list[float] = []
-    for step in range(args.steps):
-        start = time.perf_counter()
-        x, y = batch(gen, args.width, args.batch)
+
+    def train_step(step: int) -> torch.Tensor:
+        x, y = batch(args.seed, rank, step, args.width, args.batch)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
-        step_ms.append((time.perf_counter() - start) * 1e3)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
-        losses.append(float(mean_loss) / world)
-        reporter.step(step, loss=losses[-1], step_ms=round(step_ms[-1], 3))
-        if rank == 0 and not args.quiet:
-            print(f"step {step:4d} loss {losses[-1]:.6f} ({step_ms[-1]:.1f} ms)", flush=True)
+        return loss.detach()
+
+    from recovery.session import Session, TrainState
+
+    # opt.step() runs when a step's block ends without an error (the commit).
+    session = Session(dist.group.WORLD, TrainState(model, opt), warmup=lambda: train_step(0))
+    for step in session.steps(args.steps):
+        with session.step(step):
+            start = time.perf_counter()
+            mean_loss = train_step(step).clone()
+            dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
+            step_ms.append((time.perf_counter() - start) * 1e3)
+            losses.append(float(mean_loss) / world)
+            reporter.step(step, loss=losses[-1], step_ms=round(step_ms[-1], 3))
+            if rank == 0 and not args.quiet:
+                print(f"step {step:4d} loss {losses[-1]:.6f} ({step_ms[-1]:.1f} ms)", flush=True)
     digest = params_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
     reporter.finish(params_sha256=digest, steps=args.steps)

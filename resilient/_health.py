@@ -130,6 +130,19 @@ class HealthBoard:
         """``peer``'s latest record lists its link to this rank on ``rail`` as broken."""
         return (self.rank, rail) in self._peers.get(peer, PeerState()).broken
 
+    def peer_cut(self, peer: int) -> bool:
+        """Whether ``peer``'s record, read from the store now, reports a link to this
+        rank broken or one of its NICs down (so it may have cut links on purpose)."""
+        key = f"{self._prefix}/r{peer}"
+        try:
+            if not self._store.check([key]):
+                return False
+            data = json.loads(bytes(self._store.get(key)).decode())
+        except Exception:  # store unreachable: the links' own evidence stands
+            logger.warning("rank %d: reading rank %d's health record failed", self.rank, peer)
+            return False
+        return bool(data["nic_down"]) or any(int(p) == self.rank for p, _ in data["broken"])
+
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""
         broken = sorted({(lk.peer, lk.rail) for t in self._tables for lk in t.broken()})

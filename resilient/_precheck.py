@@ -61,13 +61,15 @@ class SignatureChannel:
         lagging: Callable[[], tuple[int, int, int]] | None = None,
         staged: Callable[[], list[tuple[int, int, int, int]]] | None = None,
         on_install: Callable[[], None] | None = None,
+        links: LinkTable | None = None,
     ) -> None:
         self.rank = rank
         self._rates = rates
         self._lagging = lagging
         self._staged = staged
         self._on_install = on_install
-        links = LinkTable(
+        # ``links``: the control links kept from the last epoch, after a rank was lost.
+        links = links or LinkTable(
             rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
             name="ctl",
         )  # fmt: skip
@@ -117,6 +119,22 @@ class SignatureChannel:
         with self._cond:
             self._done += 1
             self._cond.notify_all()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the control thread after the exchanges already queued, keeping the
+        links; False if it is still busy after ``timeout_s`` (waiting on a peer)."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            return False
+        self._stolen.close()
+        self.engine.close()
+        return True
+
+    def abandon(self) -> None:
+        """Close this channel and its links in the background (a stuck exchange
+        may keep its thread for up to a deadline)."""
+        threading.Thread(target=self.close, name=f"ctl-close-{self.rank}", daemon=True).start()
 
     def close(self) -> None:
         self._queue.put(None)

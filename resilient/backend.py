@@ -68,6 +68,9 @@ def create_backend(
         rails=rails,
         store=_link_store(env, store),
         config=config,
+        incarnation=env.incarnation,
+        # A restarted rank joins a running job: recovery.Session admits it.
+        joining=env.incarnation > 0,
     )
     logger.info(
         "rank %d/%d: resilient process group over %d rail(s) %s (job %s, epoch 0, step 0)",

@@ -196,6 +196,12 @@ class RingEngine:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def new_epoch(self) -> None:
+        """Count calls from zero again, as a replacement's new engine does: failover
+        records and acknowledgement tags carry the call number."""
+        self._calls = 0
+        self.slow_rank = None
+
     # -- public collectives ------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""

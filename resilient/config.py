@@ -21,6 +21,7 @@ __all__ = [
     "EtcdConfig",
     "MembershipConfig",
     "RankEnv",
+    "RecoveryConfig",
     "env_token",
     "parse_endpoints",
     "validate_job_name",
@@ -234,6 +235,40 @@ class DataPlaneConfig:
             relay_via_store=_env_flag(env, p + "RELAY_VIA_STORE", True),
             repair_links=_env_flag(env, p + "REPAIR_LINKS", True),
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoveryConfig:
+    """Rank-level recovery settings of a :class:`recovery.Session`.
+
+    ``replace_timeout_s``: how long survivors wait for every rank (the replacement
+    included) to report for the next epoch before giving up with RecoveryError.
+    ``quiesce_timeout_s``: how long the group may take to finish the calls still
+    queued when a peer was lost (each fails at once; a wait on a live peer can
+    last up to its op deadline).
+    """
+
+    replace_timeout_s: float = 60.0
+    quiesce_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        for name in ("replace_timeout_s", "quiesce_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RecoveryConfig:
+        """Read ``RESILIENT_REPLACE_TIMEOUT_S`` and ``RESILIENT_QUIESCE_TIMEOUT_S``.
+
+        Raises:
+            ConfigError: a variable is malformed; the message names it.
+        """
+        env = os.environ if env is None else env
+        p = ENV_PREFIX
+        return cls(
+            replace_timeout_s=_env_float(env, p + "REPLACE_TIMEOUT_S", 60.0),
+            quiesce_timeout_s=_env_float(env, p + "QUIESCE_TIMEOUT_S", 15.0),
         )
 
 

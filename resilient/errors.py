@@ -124,7 +124,15 @@ class CollectiveMismatch(CommunicationError):
 
 
 class PeerLost(CommunicationError):
-    """A rank of the group is gone (crashed, killed, hung past its lease)."""
+    """A rank of the group is gone (crashed, killed, hung past its lease).
+
+    ``peer`` is the lost rank (-1 when unknown), ``epoch`` the epoch it was lost in.
+    """
+
+    def __init__(self, message: str, *, peer: int = -1, epoch: int = 0) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.epoch = epoch
 
 
 class RecoveryError(ResilientError):

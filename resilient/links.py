@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 # A connection with unacknowledged data and no ACK for this long is cut (see
 # Link.network_stall and resilient._stall): well past a few retransmission timeouts.
 STALL_CUT_MS: Final = 1000
+# What gloo says when the process at the other end closed its socket or is gone.
+_PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
 
 _DEVICES: dict[str, Any] = {}
 _DEVICES_LOCK = threading.Lock()
@@ -143,6 +145,16 @@ class Link:
         self._senders: list[Any] = []
         self._broken_lock = threading.Lock()
         self._waiters = _waiter.Waiters(repr(self))
+        # Ops posted and ops still unfinished here. After an aborted collective both
+        # ends compare them (resilient.recovery keeps a link only if nothing it
+        # carried is left half-done: a stale posted receive would swallow the next
+        # message with its tag).
+        self.tx_ops = 0
+        self.rx_ops = 0
+        self.open_ops = 0
+        # Set when the peer closed or reset the connection (its process is gone, or
+        # it cut the link on purpose: the health board tells which).
+        self.peer_closed = False
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
@@ -178,6 +190,8 @@ class Link:
 
     def _failed(self, message: str, action: str = "raised LinkError") -> LinkError:
         """Mark the link broken and log ``link.down`` once; returns the error to raise."""
+        if self.cut_reason is None and any(m in message for m in _PEER_CLOSED):
+            self.peer_closed = True
         with self._broken_lock:
             first, self.broken = not self.broken, True
             receivers, self._receivers = self._receivers, []
@@ -260,17 +274,23 @@ class Link:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
         self._injected_failure("send")
         try:
-            return self.pg.send([tensor], self._peer_index, tag)
+            work = self.pg.send([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: send failed: {exc}") from exc
+        self.tx_ops += 1
+        self.open_ops += 1
+        return work
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a receive into a contiguous tensor."""
         self._injected_failure("recv")
         try:
-            return self.pg.recv([tensor], self._peer_index, tag)
+            work = self.pg.recv([tensor], self._peer_index, tag)
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: recv failed: {exc}") from exc
+        self.rx_ops += 1
+        self.open_ops += 1
+        return work
 
     def wait(
         self, work: Any, nbytes: int, *, watch: bool = True, interruptible: bool = False
@@ -308,6 +328,7 @@ class Link:
             ) from exc
         finally:
             stalls.end(token)
+        self.open_ops -= 1
         h = _faults.hook()
         if h is not None:
             self._injected_failure("op")
@@ -521,6 +542,31 @@ class LinkTable:
         for link in hit:
             link.abort(reason)
         return len(hit)
+
+    def counters(self) -> list[tuple[int, int, int, int, int]]:
+        """``(peer, rail, tx_ops, rx_ops, open_ops)`` of every link not broken."""
+        return [
+            (p, r, lk.tx_ops, lk.rx_ops, lk.open_ops)
+            for (p, r), lk in sorted(self._links.items())
+            if not lk.broken
+        ]
+
+    def renew(self, epoch: int, keep: Iterable[tuple[int, int]]) -> int:
+        """Enter ``epoch``: keep the links in ``keep`` (same objects), close every
+        other one in the background; new links rendezvous under the new epoch, at
+        generation 0. Returns how many links were dropped."""
+        wanted = set(keep)
+        with self._lock:
+            self.epoch = epoch
+            drop = [lk for key, lk in self._links.items() if key not in wanted]
+            drop += [lk for lk, _ in self._staged.values()]
+            self._links = {k: lk for k, lk in self._links.items() if k in wanted}
+            self._generation = {k: g for k, g in self._generation.items() if k in self._links}
+            self._staged = {}
+            self.relayed = set()
+        for link in drop:
+            link.close(background=True)
+        return len(drop)
 
     def close(self) -> None:
         self.closed = True

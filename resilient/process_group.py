@@ -27,21 +27,25 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
+from recovery import events
 from resilient._args import check_tensors, reduce_op
 from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
+from resilient._lost import dead_peer
 from resilient._nic import NicMonitor
 from resilient._precheck import Payload, SignatureChannel
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
+from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch
+from resilient._transfer import recv_bytes, send_bytes
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
-from resilient.errors import ResilientError
+from resilient.errors import CommunicationError, PeerLost, RecoveryError, ResilientError
 from resilient.links import LinkTable
 
 __all__ = ["ResilientProcessGroup", "ResilientWork"]
@@ -84,54 +88,37 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         store: Store,
         config: DataPlaneConfig | None = None,
         epoch: int = 0,
+        incarnation: int = 0,
+        joining: bool = False,
     ) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         self.config = config or DataPlaneConfig()
         self.rails = tuple(rails)
+        self.incarnation = incarnation
         self.links = LinkTable(
             rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch
         )
-        self.engine = self._new_engine(self.links, world_size)
         self._store, self._epoch = store, epoch
         self._cuda: RingEngine | None = None
         self._channel: SignatureChannel | None = None
-        # Learned rail weights ride on the signature exchange (every rank sees every
-        # rank's rates there); explicit RESILIENT_RAIL_WEIGHTS turn learning off.
-        learn = (
-            self.config.learn_rail_weights
-            and self.config.rail_weights is None
-            and len(self.rails) > 1
+        # Set when a peer is gone (resilient._lost): every later call fails at once
+        # with it, until recovery.Session moves the group to the next epoch.
+        self._lost: PeerLost | None = None
+        # A replacement runs its calls alone until it is admitted (resilient._solo).
+        self._joining = joining
+        self.engine: RingEngine | SoloEngine = (
+            SoloEngine(rank, world_size) if joining else self._new_engine(self.links, world_size)
         )
-        self._learner = WeightLearner(self.engine.weights, rank, epoch) if learn else None
-        # A lossy rail is proposed slower than it measures (see resilient._loss).
+        self._static_weights = self.engine.weights if isinstance(self.engine, RingEngine) else ()
+        self.board = HealthBoard(rank=rank, world=world_size, store=store, epoch=epoch)
+        self._learner: WeightLearner | None = None
+        self._slow_vote: SlowRankVote | None = None
+        self._send_rates: SendRates | None = None
         self._loss = RailLoss(self._retransmissions)
         self._stragglers = StragglerWatch(rank, epoch)
-        # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
-        # from mesh reductions.
-        self._slow_vote = (
-            SlowRankVote(rank, world_size, epoch)
-            if self.config.straggler_schedule
-            and self.config.check_mismatch
-            and self.engine.mesh
-            and world_size >= 3
-            else None
-        )
-        self._send_rates = SendRates() if self._slow_vote is not None else None
-        self.engine.lag_meter = self._send_rates
-        # Failovers are acknowledged only with two rails or more; the relay needs that.
-        relay = self.config.relay_via_store and len(self.rails) > 1
-        self.engine.relay = relay
-        # Who sees which NIC or link dead: cuts our end of links peers report dead,
-        # so the collectives fail over at once instead of at their deadline.
-        self.board = HealthBoard(
-            rank=rank, world=world_size, store=store, epoch=epoch,
-            repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
-        )  # fmt: skip
-        self.board.attach(self.links)
-        self.engine.board = self.board
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
         self.nics = NicMonitor(rank, self.rails)
-        self.nics.on_change(self.board.nic_changed)
+        self.nics.on_change(lambda rail, up: self.board.nic_changed(rail, up))
         self.nics.start()
         # GPU health (Xid errors, throttling, NVLink) when NVML and a GPU are here.
         self.gpu = (
@@ -141,18 +128,70 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         if self.gpu is not None:
             self.gpu.start()
+        if not joining:
+            self._setup_epoch(epoch, None)
+        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"resilient-comm-{rank}", daemon=True
+        )
+        self._closed = False
+        self._thread.start()
+        _LIVE.add(self)
+
+    def _setup_epoch(self, epoch: int, ctl_links: LinkTable | None) -> None:
+        """Build what lives for one epoch over ``self.links`` (and ``ctl_links``, the
+        control links kept from the last epoch, if any)."""
+        rank, world_size = self.rank(), self.size()
+        engine = self.engine
+        assert isinstance(engine, RingEngine)
+        self._epoch = epoch
+        # Learned rail weights ride on the signature exchange (every rank sees every
+        # rank's rates there); explicit RESILIENT_RAIL_WEIGHTS turn learning off.
+        learn = (
+            self.config.learn_rail_weights
+            and self.config.rail_weights is None
+            and len(self.rails) > 1
+        )
+        self._learner = WeightLearner(engine.weights, rank, epoch) if learn else None
+        # A lossy rail is proposed slower than it measures (see resilient._loss).
+        self._loss = RailLoss(self._retransmissions)
+        self._stragglers = StragglerWatch(rank, epoch)
+        # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
+        # from mesh reductions.
+        self._slow_vote = (
+            SlowRankVote(rank, world_size, epoch)
+            if self.config.straggler_schedule
+            and self.config.check_mismatch
+            and engine.mesh
+            and world_size >= 3
+            else None
+        )
+        self._send_rates = SendRates() if self._slow_vote is not None else None
+        engine.lag_meter = self._send_rates
+        # Failovers are acknowledged only with two rails or more; the relay needs that.
+        relay = self.config.relay_via_store and len(self.rails) > 1
+        engine.relay = relay
+        # Who sees which NIC or link dead: cuts our end of links peers report dead,
+        # so the collectives fail over at once instead of at their deadline.
+        self.board = HealthBoard(
+            rank=rank, world=world_size, store=self._store, epoch=epoch,
+            repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
+        )  # fmt: skip
+        self.board.attach(self.links)
+        engine.board = self.board
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
                 rank=rank,
                 world=world_size,
                 rail_addresses=self.rails,
-                store=store,
+                store=self._store,
                 config=self.config,
                 epoch=epoch,
                 rates=self._proposed_rates if self._learner is not None else None,
                 lagging=self._lagging if self._slow_vote is not None else None,
                 staged=self._staged_rows,
                 on_install=self.board.publish,
+                links=ctl_links,
             )
             # Rebuilt links go into service on a call both ends agree on (the
             # exchange shows them staged at both ends; see resilient._repair).
@@ -162,13 +201,6 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             self._channel.engine.board = self.board
             self._channel.engine.relay = relay
         self.board.start()
-        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
-        self._thread = threading.Thread(
-            target=self._loop, name=f"resilient-comm-{rank}", daemon=True
-        )
-        self._closed = False
-        self._thread.start()
-        _LIVE.add(self)
 
     # -- plumbing ----------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -209,18 +241,26 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
         def run() -> Any:
             try:
+                if self._lost is not None:
+                    raise PeerLost(str(self._lost), peer=self._lost.peer, epoch=self._epoch)
                 exchange = verdict.result() if verdict is not None else None
                 if exchange is None:
                     return fn(None)
+                engine = self.engine
+                assert isinstance(engine, RingEngine)
                 if self._learner is not None:
                     # A safe boundary: every rank sets the same weights before any
                     # data of this call moves.
-                    self.engine.weights = self._learner.weights_for(exchange)
+                    engine.weights = self._learner.weights_for(exchange)
                 self._stragglers.observe(exchange)
                 self._install(exchange)
                 if self._slow_vote is not None:
-                    self.engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
+                    engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 return fn(exchange.inline)
+            except CommunicationError as exc:
+                if isinstance(exc, PeerLost) or (lost := self._check_lost()) is None:
+                    raise
+                raise lost from exc
             finally:
                 if channel is not None:
                     channel.mark_done()
@@ -252,11 +292,13 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _proposed_rates(self) -> tuple[float, ...]:
         # A rail with its NIC down or a broken link here proposes DOWN: every rank
         # then gives it no share at all until it is repaired (see resilient._weights).
+        engine = self.engine
+        assert isinstance(engine, RingEngine)
         return tuple(
             rate * self._loss.factor(rail)
             if self.nics.up[rail] and self.board.rail_ok(rail)
             else DOWN
-            for rail, rate in enumerate(self.engine.rail_rates)
+            for rail, rate in enumerate(engine.rail_rates)
         )
 
     def _retransmissions(self) -> dict[int, tuple[int, int]]:
@@ -287,15 +329,124 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._thread.join(timeout=60)
         if self._channel is not None:
             self._channel.close()
-        for engine in (self.engine, self._cuda):
-            if engine is not None:
-                engine.close()
-                engine.links.close()
+        self.engine.close()
+        self.links.close()
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda.links.close()
+
+    # -- rank-level recovery (driven by recovery.Session) -----------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def store(self) -> Store:
+        """The store links rendezvous through (etcd or the init store)."""
+        return self._store
+
+    @property
+    def joining(self) -> bool:
+        """True for a replacement that was not admitted yet (its calls run alone)."""
+        return self._joining
+
+    @property
+    def lost(self) -> PeerLost | None:
+        """The peer loss this group saw in this epoch, or None."""
+        return self._lost
+
+    def _check_lost(self) -> PeerLost | None:
+        """After a failed call: is a peer gone (see resilient._lost)? Sets :attr:`lost`."""
+        tables = [self.links] + ([self._channel.engine.links] if self._channel else [])
+        peer = dead_peer(tables, len(self.rails), self.board)
+        if peer is None:
+            return None
+        why = f"its connections closed on all {len(self.rails)} rail(s)"
+        self._lost = PeerLost(
+            f"rank {self.rank()} (epoch {self._epoch}): rank {peer} is gone: {why}",
+            peer=peer,
+            epoch=self._epoch,
+        )
+        events.emit(
+            "rank.lost", epoch=self._epoch, links=[(self.rank(), peer, -1)], reason=why,
+            action="fail this step's calls at once; recover through the store",
+        )  # fmt: skip
+        logger.warning("rank %d (epoch %d): rank %d lost: %s", self.rank(), self._epoch, peer, why)
+        return self._lost
+
+    def quiesce(self, timeout_s: float) -> dict[str, list[tuple[int, int, int, int, int]] | None]:
+        """Let queued calls fail, stop the epoch's threads, and return the op counters
+        of the links still standing (``data``; ``ctl`` is None when the control
+        thread did not stop in time, so none of its links can be trusted).
+
+        Raises:
+            RecoveryError: the communication thread is still busy after ``timeout_s``.
+        """
+        idle = threading.Event()
+        marker: Future[Any] = Future()
+        self._queue.put((idle.set, marker))
+        if not idle.wait(timeout_s):
+            raise RecoveryError(
+                f"rank {self.rank()} (epoch {self._epoch}): calls of the failed step still "
+                f"running after {timeout_s:.1f} s"
+            )
+        self.board.stop()
+        ctl = None
+        if self._channel is not None and self._channel.stop(timeout_s):
+            ctl = self._channel.engine.links.counters()
+        return {"data": self.links.counters(), "ctl": ctl}
+
+    def enter_epoch(
+        self,
+        epoch: int,
+        *,
+        keep_data: list[tuple[int, int]],
+        keep_ctl: list[tuple[int, int]] | None,
+    ) -> int:
+        """Continue at ``epoch`` keeping only the listed (peer, rail) links (same
+        objects); every other link is closed and built again on first use. Call
+        after :meth:`quiesce` (a joiner: at admission). Returns links dropped."""
+        old = self._channel
+        ctl_links = old.engine.links if old is not None and keep_ctl is not None else None
+        if old is not None and ctl_links is None:
+            old.abandon()
+        dropped = self.links.renew(epoch, keep_data)
+        if ctl_links is not None:
+            dropped += ctl_links.renew(epoch, keep_ctl or [])
+        if isinstance(self.engine, SoloEngine):
+            self.engine = self._new_engine(self.links, self.size())
+            self._static_weights = self.engine.weights
+        self.engine.weights = self._static_weights
+        self.engine.new_epoch()
+        if self._cuda is not None:
+            self._cuda.close()
+            self._cuda.links.close()
+            self._cuda = None
+        self._joining = False
+        self._lost = None
+        self._setup_epoch(epoch, ctl_links)
+        return dropped
+
+    def send_state(self, peer: int, payload: bytes, rail: int = 0) -> None:
+        """Send ``payload`` to ``peer`` over the data link on ``rail`` (built if needed).
+
+        Raises:
+            RecoveryError: the link failed or the peer did not take the bytes in time.
+        """
+        send_bytes(self.links.get(peer, rail), payload)
+
+    def recv_state(self, peer: int, rail: int = 0) -> bytes:
+        """Receive what ``peer`` sends with :meth:`send_state` (checksum verified).
+
+        Raises:
+            RecoveryError: the link failed, or the bytes do not match their SHA-256.
+        """
+        return recv_bytes(self.links.get(peer, rail))
 
     # -- engines ------------------------------------------------------------------------
-    def _engine_for(self, t: torch.Tensor) -> RingEngine:
+    def _engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine:
         """The CPU engine (gloo links), or the CUDA one (NCCL pair links), built lazily."""
-        if t.device.type != "cuda":
+        if t.device.type != "cuda" or isinstance(self.engine, SoloEngine):
             return self.engine
         if self._cuda is None:
             links = LinkTable(

@@ -1,0 +1,165 @@
+"""How the ranks of a job agree on the next epoch after a rank was lost.
+
+Every rank that takes part in the next epoch writes one record under
+``recovery/e<epoch>/r<rank>`` in the job's store: its incarnation, the last step it
+committed (-1 for a replacement), and the op counters of its links still standing.
+Once the records of all ``world`` ranks are there, every rank computes the same
+:class:`Plan` from the same records, then moves the epoch counter with a
+compare-and-swap (``recovery/epoch``: ``epoch`` -> ``epoch + 1``). Nothing else is
+exchanged: the plan is a pure function of the records.
+
+The plan keeps a link only if both ends still hold it and its counters match
+(everything one end posted the other end posted too, and nothing is left half
+done): a stale posted receive would swallow the next message with its tag. The
+donor is a rank with the highest committed step (the lowest such rank); every
+rank behind it, the replacement included, receives its state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from torch._C._distributed_c10d import Store
+
+from resilient.errors import RecoveryError, StaleEpoch
+
+__all__ = ["EPOCH_KEY", "Plan", "Record", "agree", "current_epoch", "make_plan"]
+
+EPOCH_KEY: Final = "recovery/epoch"
+_POLL_S: Final = 0.01
+
+Counter = tuple[int, int, int, int, int]  # (peer, rail, tx_ops, rx_ops, open_ops)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Record:
+    """What one rank reports for the next epoch."""
+
+    rank: int
+    incarnation: int
+    step: int
+    data: list[Counter] = field(default_factory=list)
+    ctl: list[Counter] | None = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"rank": self.rank, "incarnation": self.incarnation, "step": self.step,
+             "data": self.data, "ctl": self.ctl}
+        )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Record:
+        d = json.loads(raw)
+        ctl = d.get("ctl")
+        return cls(
+            rank=int(d["rank"]),
+            incarnation=int(d["incarnation"]),
+            step=int(d["step"]),
+            data=[_counter(c) for c in d.get("data", [])],
+            ctl=None if ctl is None else [_counter(c) for c in ctl],
+        )
+
+
+def _counter(raw: Sequence[Any]) -> Counter:
+    p, r, tx, rx, op = (int(x) for x in raw)
+    return (p, r, tx, rx, op)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The next epoch, the same on every rank."""
+
+    epoch: int
+    step: int  # the donor's committed step: training resumes at step + 1
+    donor: int
+    receivers: tuple[int, ...]
+    joined: tuple[int, ...]  # ranks with a new incarnation (replacements)
+    keep_data: Mapping[int, list[tuple[int, int]]]
+    keep_ctl: Mapping[int, list[tuple[int, int]] | None]
+
+
+def _kept(records: Mapping[int, Record], table: str) -> dict[int, list[tuple[int, int]] | None]:
+    def counters(rec: Record) -> dict[tuple[int, int], Counter] | None:
+        rows = rec.data if table == "data" else rec.ctl
+        return None if rows is None else {(c[0], c[1]): c for c in rows}
+
+    views = {r: counters(rec) for r, rec in records.items()}
+    out: dict[int, list[tuple[int, int]] | None] = {}
+    for me, mine in views.items():
+        if mine is None:
+            out[me] = None
+            continue
+        keep = []
+        for (peer, rail), (_, _, tx, rx, open_ops) in sorted(mine.items()):
+            theirs = (views.get(peer) or {}).get((me, rail))
+            # Idle at both ends, and every op one end posted was posted by the other.
+            if theirs is not None and (open_ops, theirs[4], tx, rx) == (0, 0, theirs[3], theirs[2]):
+                keep.append((peer, rail))
+        out[me] = keep
+    return out
+
+
+def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
+    """The plan for leaving ``epoch``, from every rank's record.
+
+    Raises:
+        RecoveryError: no rank holds a committed state to restore from.
+    """
+    survivors = [r for r in records.values() if r.step >= 0]
+    if not survivors:
+        raise RecoveryError(f"epoch {epoch}: no rank has a committed step to restore from")
+    step = max(r.step for r in survivors)
+    donor = min(r.rank for r in survivors if r.step == step)
+    data, ctl = _kept(records, "data"), _kept(records, "ctl")
+    return Plan(
+        epoch=epoch + 1,
+        step=step,
+        donor=donor,
+        receivers=tuple(sorted(r.rank for r in records.values() if r.step < step)),
+        joined=tuple(sorted(r.rank for r in records.values() if r.step < 0)),
+        keep_data={r: keep or [] for r, keep in data.items()},
+        keep_ctl=ctl,
+    )
+
+
+def current_epoch(store: Store) -> int:
+    """The job's epoch as the store holds it (0 before the first recovery)."""
+    if not store.check([EPOCH_KEY]):
+        return 0
+    return int(bytes(store.get(EPOCH_KEY)).decode())
+
+
+def agree(store: Store, *, epoch: int, world: int, record: Record, timeout_s: float) -> Plan:
+    """Publish ``record`` for leaving ``epoch``, wait for all ``world`` records, and
+    return the plan after moving the epoch counter to ``epoch + 1``.
+
+    Raises:
+        RecoveryError: some ranks did not report within ``timeout_s`` (named).
+        StaleEpoch: the epoch counter is neither ``epoch`` nor ``epoch + 1``.
+    """
+    prefix = f"recovery/e{epoch}/r"
+    store.set(f"{prefix}{record.rank}", record.to_json())
+    keys = [f"{prefix}{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    missing = keys
+    while missing:
+        missing = [k for k in missing if not store.check([k])]
+        if missing and time.monotonic() > deadline:
+            ranks = [int(k.rsplit("r", 1)[1]) for k in missing]
+            raise RecoveryError(
+                f"rank {record.rank} (epoch {epoch}): ranks {ranks} did not report for "
+                f"epoch {epoch + 1} within {timeout_s:.0f} s (no replacement came)"
+            )
+        if missing:
+            time.sleep(_POLL_S)
+    records = {r: Record.from_json(bytes(store.get(k))) for r, k in enumerate(keys)}
+    plan = make_plan(epoch, records)
+    expected = "" if epoch == 0 else str(epoch)
+    now = bytes(store.compare_set(EPOCH_KEY, expected, str(epoch + 1))).decode()
+    if now != str(epoch + 1):
+        raise StaleEpoch(EPOCH_KEY, expected=epoch, current=int(now or 0))
+    return plan

@@ -1,0 +1,260 @@
+"""The step API: commit a training step only when all its collectives succeeded,
+and recover from a lost rank by restoring state from a live peer and replaying.
+
+::
+
+    pg = resilient.init()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    session = Session(pg, TrainState(model, opt), warmup=lambda: train_step(0))
+    for step in session.steps(1000):
+        with session.step(step):
+            loss = train_step(step)        # forward, backward, any collectives
+        # leaving the block without an error ran opt.step(): step committed
+
+A collective that meets a lost peer fails on every survivor; the ``with`` block
+then does not commit (no optimizer step), runs the recovery and swallows the
+error; :meth:`Session.steps` goes on from the step after the last one the job
+committed, so the interrupted step is replayed. Recovery (see
+:mod:`recovery.agree`): finish the failed step's calls, agree on the next epoch
+with every rank (the replacement included) through the store, keep every link
+that is intact at both ends, and send the state of the rank furthest ahead to
+every rank behind it over a data-plane link (chunked, SHA-256 checked).
+
+A replacement process (``RESILIENT_INCARNATION`` > 0) joins in :meth:`steps`: it
+runs ``warmup`` twice on its own (DDP builds its buckets then, with collectives the
+running ranks no longer issue), reports for the next epoch, receives the state and
+trains from the replayed step.
+
+Per-rank data must be a function of (rank, step) (or be restored through
+``extra``): the donor's state replaces the replacement's, RNG included.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from recovery import events
+from recovery.agree import Plan, Record, agree, current_epoch
+from resilient.config import RecoveryConfig
+from resilient.errors import PeerLost, RecoveryError
+
+__all__ = ["Session", "StateHook", "TrainState"]
+
+logger = logging.getLogger(__name__)
+
+_WARMUP_PASSES = 2
+
+
+@runtime_checkable
+class StateHook(Protocol):
+    """What a recovery saves on a donor and loads on a rank that is behind."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class TrainState:
+    """A :class:`StateHook` for a model and its optimizer, plus torch's RNG state
+    and ``extra`` (a dict of plain values: a data position, a sampler epoch).
+
+    :meth:`commit` runs ``optimizer.step()``: the session calls it when a step's
+    block finished without an error.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.extra = extra if extra is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "extra": dict(self.extra),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.extra.clear()
+        self.extra.update(state["extra"])
+
+    def commit(self) -> None:
+        self.optimizer.step()
+
+
+class Session:
+    """Steps with commit and replay over a resilient process group (see the module doc).
+
+    ``pg`` may be any process group: without the resilient one (e.g. gloo) steps
+    just commit, and errors propagate. ``commit`` defaults to ``state.commit`` when
+    the state has one.
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        state: StateHook,
+        *,
+        commit: Callable[[], None] | None = None,
+        warmup: Callable[[], Any] | None = None,
+        config: RecoveryConfig | None = None,
+    ) -> None:
+        from resilient.process_group import ResilientProcessGroup
+
+        self.pg = pg if isinstance(pg, ResilientProcessGroup) else None
+        self.state = state
+        self._commit = commit or getattr(state, "commit", None)
+        self._warmup = warmup
+        self.config = config or RecoveryConfig.from_env()
+        self.committed = -1  # the last step committed on this rank
+        self._next = 0
+        self.recoveries = 0
+        self.replayed = 0
+        self._rank = int(pg.rank()) if pg is not None else 0
+
+    def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
+        """Step numbers from ``start`` to ``total - 1``; after a recovery it goes on
+        from the step after the last committed one (so a step may come twice)."""
+        self._next = max(self._next, start)
+        if self.pg is not None and self.pg.joining:
+            self._join()
+        while self._next < total:
+            yield self._next
+
+    @contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        """Run step ``n``: commit on success; on a lost peer, recover instead.
+
+        Raises:
+            RecoveryError: the recovery itself failed (no replacement in time, a
+                transfer failed); any error that is not a lost peer, unchanged.
+        """
+        try:
+            yield
+        except Exception as exc:
+            lost = self.pg.lost if self.pg is not None else None
+            if lost is None and not isinstance(exc, PeerLost):
+                raise
+            self._recover(n, lost or exc)
+            return
+        if self._commit is not None:
+            self._commit()
+        self.committed = n
+        self._next = n + 1
+
+    # -- recovery --------------------------------------------------------------------
+    def _recover(self, n: int, cause: BaseException) -> None:
+        assert self.pg is not None
+        pg, began = self.pg, time.monotonic()
+        epoch = pg.epoch
+        logger.warning("rank %d (epoch %d, step %d): %s; recovering", self._rank, epoch, n, cause)
+        events.emit(
+            "recovery.started", epoch=epoch, step=n, reason=str(cause),
+            action="finish the step's calls, agree on the next epoch, restore, replay",
+        )  # fmt: skip
+        counters = pg.quiesce(self.config.quiesce_timeout_s)
+        record = Record(
+            rank=self._rank,
+            incarnation=pg.incarnation,
+            step=self.committed,
+            data=counters["data"] or [],
+            ctl=counters["ctl"],
+        )
+        plan = self._enter(record, epoch)
+        self._restore(plan)
+        self.recoveries += 1
+        if n > plan.step:
+            self.replayed += n - plan.step
+            events.emit(
+                "step.replayed", epoch=plan.epoch, step=plan.step + 1,
+                reason=f"step {n} was interrupted", action=f"replay from step {plan.step + 1}",
+            )  # fmt: skip
+        ms = (time.monotonic() - began) * 1e3
+        events.emit(
+            "recovery.finished", epoch=plan.epoch, step=plan.step + 1, duration_ms=ms,
+            action=f"resume at step {plan.step + 1}",
+        )  # fmt: skip
+
+    def _join(self) -> None:
+        """A replacement: warm DDP up alone, report, receive the state."""
+        assert self.pg is not None
+        pg, began = self.pg, time.monotonic()
+        for _ in range(_WARMUP_PASSES if self._warmup is not None else 0):
+            self._warmup()  # type: ignore[misc]
+        epoch = current_epoch(pg.store)
+        record = Record(rank=self._rank, incarnation=pg.incarnation, step=-1, data=[], ctl=[])
+        plan = self._enter(record, epoch)
+        self._restore(plan)
+        events.emit(
+            "rank.joined", epoch=plan.epoch, step=plan.step + 1,
+            duration_ms=(time.monotonic() - began) * 1e3,
+            action=f"incarnation {pg.incarnation} admitted; trains from step {plan.step + 1}",
+        )  # fmt: skip
+
+    def _enter(self, record: Record, epoch: int) -> Plan:
+        assert self.pg is not None
+        plan = agree(
+            self.pg.store,
+            epoch=epoch,
+            world=self.pg.size(),
+            record=record,
+            timeout_s=self.config.replace_timeout_s,
+        )
+        dropped = self.pg.enter_epoch(
+            plan.epoch, keep_data=plan.keep_data[self._rank], keep_ctl=plan.keep_ctl[self._rank]
+        )
+        events.emit(
+            "epoch.changed", epoch=plan.epoch,
+            reason=f"ranks {list(plan.joined)} replaced" if plan.joined else "peer lost",
+            action=f"kept {len(plan.keep_data[self._rank])} data link(s), dropped {dropped}",
+        )  # fmt: skip
+        logger.info(
+            "rank %d (epoch %d, step %d): donor %d, receivers %s, %d link(s) dropped",
+            self._rank, plan.epoch, plan.step + 1, plan.donor, list(plan.receivers), dropped,
+        )  # fmt: skip
+        return plan
+
+    def _restore(self, plan: Plan) -> None:
+        """The donor sends its state to every rank behind it; those load it."""
+        assert self.pg is not None
+        if self._rank == plan.donor:
+            buf = io.BytesIO()
+            torch.save({"step": plan.step, "state": self.state.state_dict()}, buf)
+            payload = buf.getvalue()
+            for peer in plan.receivers:
+                self.pg.send_state(peer, payload)
+        elif self._rank in plan.receivers:
+            began = time.monotonic()
+            payload = self.pg.recv_state(plan.donor)
+            got = torch.load(io.BytesIO(payload), weights_only=True)
+            if int(got["step"]) != plan.step:
+                raise RecoveryError(
+                    f"rank {self._rank}: donor {plan.donor} sent step {got['step']}, "
+                    f"planned {plan.step}"
+                )
+            self.state.load_state_dict(got["state"])
+            events.emit(
+                "state.restored", epoch=plan.epoch, step=plan.step,
+                duration_ms=(time.monotonic() - began) * 1e3,
+                reason=f"{len(payload)} B from rank {plan.donor}",
+                action=f"loaded step {plan.step}",
+            )  # fmt: skip
+        self.committed = plan.step
+        self._next = plan.step + 1
