@@ -19,6 +19,7 @@ interrupted step is replayed; no other rank restarts.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
     step_ms: list[float] = []
 
-    def train_step(step: int) -> torch.Tensor:
+    def train_step(
+        step: int, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt
+    ) -> torch.Tensor:
         x, y = batch(args.seed, rank, step, args.width, args.batch)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
@@ -99,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     from recovery.session import Session, TrainState
 
     # opt.step() runs when a step's block ends without an error (the commit).
-    session = Session(dist.group.WORLD, TrainState(model, opt), warmup=lambda: train_step(0))
+    session = Session(
+        dist.group.WORLD, TrainState(model, opt), warmup=functools.partial(train_step, 0)
+    )
     for step in session.steps(args.steps):
         with session.step(step):
             start = time.perf_counter()
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     # Drop DDP (its reducer holds the group) and wait for every rank before tearing
     # the group down: a gloo group destroyed while a peer still talks to it, or
     # alive at interpreter exit, can abort the process ("terminate called ...").
-    del ddp, opt
+    del session, train_step, ddp, opt
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

@@ -11,6 +11,7 @@ the lost rank are rebuilt: survivor links stay the same objects.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -63,7 +64,9 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
 
     model[0].weight.register_hook(die_in_backward)
 
-    def train_step(step: int) -> torch.Tensor:
+    def train_step(
+        step: int, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt
+    ) -> torch.Tensor:
         gen = torch.Generator().manual_seed(rank * 1_000 + step)
         x = torch.randn(16, 128, generator=gen)
         loss = ddp(x).square().mean()
@@ -71,7 +74,7 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
         loss.backward()
         return loss.detach()
 
-    session = Session(pg, TrainState(model, opt), warmup=lambda: train_step(0))
+    session = Session(pg, TrainState(model, opt), warmup=functools.partial(train_step, 0))
     survivor_links: dict[tuple[int, int], int] = {}
     for step in session.steps(STEPS):
         with session.step(step):
@@ -80,16 +83,14 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
             dist.all_reduce(loss)
         if step == kill_at - 1:
             survivor_links = {
-                key: id(link)
-                for key, link in pg.links.links().items()
-                if key[0] != VICTIM
+                key: id(link) for key, link in pg.links.links().items() if key[0] != VICTIM
             }
     kept = {key: id(pg.links.links().get(key)) == ident for key, ident in survivor_links.items()}
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
     results.put((rank, incarnation, h.hexdigest(), session.replayed, kept, pg.epoch))
-    del ddp, opt
+    del session, train_step, ddp, opt
     dist.barrier()
     dist.destroy_process_group()
 
@@ -98,7 +99,9 @@ def _run(kill_at: int) -> dict[tuple[int, int], Any]:
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     port = free_port()
-    procs = {r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results)) for r in range(WORLD)}
+    procs = {
+        r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results)) for r in range(WORLD)
+    }
     for p in procs.values():
         p.start()
     out: dict[tuple[int, int], Any] = {}
