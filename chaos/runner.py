@@ -248,6 +248,7 @@ def _run_job(
         etcd=etcd.url,
         job=new_job_name(),
         max_restarts=job.max_restarts,
+        warm_spares=job.warm_spares,
         log_dir=str(out / "logs"),
         run_dir=str(out / "run"),
         rank_rails=tuple(h.rails for h in hosts),

@@ -11,6 +11,7 @@
     topology = "netns"        # or "loopback"
     seed = 0
     max_restarts = 3          # the launcher's restart budget
+    warm_spares = false       # a standby per rank that already imported torch
     etcd_members = 1          # 3 for an etcd-kill of one member of three
     timeout_s = 600.0         # the run is stopped (and fails) after this
 
@@ -108,6 +109,7 @@ _JOB_TYPES: dict[str, type] = {
     "topology": str,
     "seed": int,
     "max_restarts": int,
+    "warm_spares": bool,
     "etcd_members": int,
     "timeout_s": float,
 }
@@ -123,6 +125,7 @@ class JobSpec:
     topology: str = "loopback"
     seed: int = 0
     max_restarts: int = 3
+    warm_spares: bool = False
     etcd_members: int = 1
     timeout_s: float = 600.0
 

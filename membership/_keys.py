@@ -42,6 +42,15 @@ class JobKeys:
         return f"{self.members}{rank:06d}"
 
     @property
+    def departures(self) -> str:
+        return self.prefix + "left/"
+
+    def departed(self, rank: int) -> str:
+        """Written (without a lease) by a member that leaves on purpose, so a
+        supervisor can tell a departure from a lease that expired."""
+        return f"{self.departures}{rank:06d}"
+
+    @property
     def rank_health(self) -> str:
         return self.prefix + "health/rank/"
 

@@ -191,6 +191,10 @@ class Membership:
         lease, self._lease = self._lease, None
         if lease is not None and not self.lease_lost.is_set():
             try:
+                if self._info is not None:
+                    self.client.put(
+                        self.keys.departed(self._info.rank), str(self._info.incarnation)
+                    )
                 self.client.revoke_lease(lease, budget_s=3.0)
             except MembershipError as exc:
                 logger.warning("job %s: revoking lease %x failed: %s", self.job, lease, exc)

@@ -56,13 +56,14 @@ def spawn(
     stdout: IO[Any] | int | None = None,
     stderr: IO[Any] | int | None = None,
     new_session: bool = True,
+    stdin: IO[Any] | int | None = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in its own session, killed if this process dies."""
     return subprocess.Popen(
         list(argv),
         env=dict(env) if env is not None else None,
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        stdin=stdin,
         stdout=stdout,
         stderr=stderr,
         start_new_session=new_session,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -72,6 +73,8 @@ def create_backend(
         # A restarted rank joins a running job: recovery.Session admits it.
         joining=env.incarnation > 0,
     )
+    if env.etcd is not None and env.token:
+        pg.membership = _join(env, rails)
     logger.info(
         "rank %d/%d: resilient process group over %d rail(s) %s (job %s, epoch 0, step 0)",
         rank,
@@ -81,6 +84,25 @@ def create_backend(
         env.job,
     )
     return pg
+
+
+def _join(env: RankEnv, rails: Sequence[str]) -> Any:
+    """Hold this rank's member key under a lease: a supervisor that sees it expire
+    while the process still runs knows the rank hung (SIGSTOP, a frozen host).
+
+    Raises:
+        MembershipError: etcd refused or the token does not match the job's.
+    """
+    from membership.members import Membership
+
+    assert env.etcd is not None and env.token is not None
+    member = Membership(env.etcd, env.membership())
+    try:
+        member.join(env.rank, env.incarnation, rails, env.token)
+    except BaseException:
+        member.close()
+        raise
+    return member
 
 
 def register() -> None:

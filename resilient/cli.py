@@ -114,6 +114,13 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "the job (default: 0)",
     )
     run.add_argument(
+        "--warm-spares",
+        action="store_true",
+        help="keep one standby process per rank that has already imported torch; a "
+        "failed rank's standby takes over at once instead of a cold start (uses a "
+        "process per rank; only while restarts are left)",
+    )
+    run.add_argument(
         "--log-dir",
         metavar="DIR",
         help="also write each rank's output to DIR/rank<N>.log (appended across restarts)",
@@ -167,6 +174,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         rails=args.rails,
         etcd=args.etcd,
         max_restarts=args.max_restarts,
+        warm_spares=args.warm_spares,
         log_dir=args.log_dir,
         run_dir=args.run_dir,
         lease_ttl_s=args.lease_ttl,

@@ -49,6 +49,7 @@ from resilient.errors import ConfigError, LauncherError, MembershipError
 if TYPE_CHECKING:
     from membership.server import EmbeddedEtcd
     from recovery.events import EventLog
+    from resilient._leases import LeaseWatch
 
 __all__ = [
     "MAX_LOCAL_RANKS",
@@ -68,6 +69,8 @@ MAX_LOCAL_RANKS: Final = 254
 MAX_RAILS: Final = 254
 
 _POLL_S: Final = 0.05
+# How often member leases are checked for a hung rank (plus the lease TTL).
+_LEASE_POLL_S: Final = 0.25
 # How long to wait for a dead rank's last output before announcing its exit.
 _DRAIN_S: Final = 1.0
 
@@ -190,6 +193,9 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     echo: bool = True
     fault_control: bool = False
+    # One standby process per rank that already imported torch (resilient._standby):
+    # a failed rank's standby takes over at once instead of a cold start.
+    warm_spares: bool = False
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -239,6 +245,8 @@ class _Slot:
     incarnation: int = 0
     proc: subprocess.Popen[bytes] | None = None
     done: bool = False
+    hung: bool = False  # killed by us after its lease expired
+    spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
 
 
 class _Run:
@@ -256,6 +264,8 @@ class _Run:
         self._etcd_url = config.etcd or ""
         self._master_port = 0
         self._restarts = 0
+        self._leases: LeaseWatch | None = None
+        self._lease_poll_at = 0.0
         self._events: EventLog | None = None
         if config.run_dir is not None:
             from recovery.events import EventLog
@@ -272,6 +282,10 @@ class _Run:
         self._start_etcd()
         self._master_port = free_port()
         cfg = self._cfg
+        if self._etcd_url:
+            from resilient._leases import LeaseWatch
+
+            self._leases = LeaseWatch(self._etcd_url, cfg.job)
         self._out.notice(
             f"job {cfg.job}: {cfg.nproc} rank(s) x {cfg.rails} rail(s), etcd {self._etcd_url}"
             f"{' (embedded)' if self._etcd else ''}, up to {cfg.max_restarts} restart(s)"
@@ -280,6 +294,8 @@ class _Run:
             if (code := self._signalled()) is not None:
                 return code
             self._start(slot)
+        for slot in self._slots:
+            self._start_spare(slot)
         return self._supervise()
 
     def shutdown(self) -> None:
@@ -288,6 +304,8 @@ class _Run:
             self._stop_ranks()
         finally:
             self._out.close()
+            if self._leases is not None:
+                self._leases.close()
             if self._events is not None:
                 self._events.close()
             if self._etcd is not None:
@@ -298,6 +316,7 @@ class _Run:
         while True:
             if (code := self._signalled()) is not None:
                 return code
+            self._poll_leases()
             for slot in self._slots:
                 if (code := self._check(slot)) is not None:
                     return code
@@ -305,6 +324,25 @@ class _Run:
                 self._out.notice(f"all {len(self._slots)} rank(s) finished")
                 return 0
             time.sleep(_POLL_S)
+
+    def _poll_leases(self) -> None:
+        """Kill a rank whose lease expired while it runs (hung): the kill path and
+        the restart budget then handle it like a crash (see resilient._leases)."""
+        now = time.monotonic()
+        if self._leases is None or now < self._lease_poll_at:
+            return
+        self._lease_poll_at = now + _LEASE_POLL_S
+        for rank, inc in self._leases.expired():
+            slot = self._slots[rank] if 0 <= rank < len(self._slots) else None
+            if slot is None or slot.done or slot.proc is None or slot.incarnation != inc:
+                continue
+            if reap(slot.proc) is not None:
+                continue
+            slot.hung = True
+            self._out.notice(
+                f"rank {rank} (incarnation {inc}) hung: its lease expired while it runs; killing it"
+            )
+            signal_group(slot.proc, signal.SIGKILL)
 
     def _check(self, slot: _Slot) -> int | None:
         """Act on ``slot``'s exit, if it exited; a non-None result ends the job with it."""
@@ -318,7 +356,12 @@ class _Run:
             slot.done = True
             logger.info("rank %d (incarnation %d) finished", slot.rank, slot.incarnation)
             return None
-        what = f"rank {slot.rank} exited with {describe_exit(code)}"
+        what = (
+            f"rank {slot.rank} hung (its lease expired) and was killed"
+            if slot.hung
+            else f"rank {slot.rank} exited with {describe_exit(code)}"
+        )
+        slot.hung = False
         budget = self._cfg.max_restarts
         self._event(
             "rank.lost",
@@ -330,11 +373,15 @@ class _Run:
         if self._restarts < budget:
             self._restarts += 1
             slot.incarnation += 1
+            warm = self._promote_spare(slot)
+            how = " (warm spare)" if warm else ""
             self._out.notice(
-                f"{what}; restarting as incarnation {slot.incarnation} "
+                f"{what}; restarting as incarnation {slot.incarnation}{how} "
                 f"({self._restarts}/{budget} restarts used)"
             )
-            self._start(slot)
+            if not warm:
+                self._start(slot)
+            self._start_spare(slot)
             self._event(
                 "recovery.started",
                 rank=slot.rank,
@@ -408,7 +455,38 @@ class _Run:
             "rank %d started (pid %d, incarnation %d)", slot.rank, slot.proc.pid, slot.incarnation
         )
 
-    def _env(self, slot: _Slot) -> dict[str, str]:
+    def _start_spare(self, slot: _Slot) -> None:
+        """Start a standby for ``slot``'s next incarnation, if spares are on and the
+        restart budget could still use one."""
+        cfg = self._cfg
+        if not cfg.warm_spares or self._restarts >= cfg.max_restarts or slot.spare is not None:
+            return
+        argv = [sys.executable, "-u", "-m", "resilient._standby", cfg.script, *cfg.script_args]
+        if cfg.rank_wrap:
+            argv = [*cfg.rank_wrap[slot.rank], *argv]
+        env = self._env(slot, incarnation=slot.incarnation + 1)
+        try:
+            slot.spare = spawn(
+                argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        except OSError as exc:
+            logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
+
+    def _promote_spare(self, slot: _Slot) -> bool:
+        """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
+        spare, slot.spare = slot.spare, None
+        if spare is None or reap(spare) is not None or spare.stdin is None:
+            return False
+        try:
+            spare.stdin.write(b"go\n")
+            spare.stdin.close()
+        except OSError:
+            return False
+        slot.proc = spare
+        self._out.attach(slot.rank, slot.incarnation, spare)
+        return True
+
+    def _env(self, slot: _Slot, incarnation: int | None = None) -> dict[str, str]:
         cfg = self._cfg
         values: dict[RankVar, str] = {
             RankVar.RANK: str(slot.rank),
@@ -421,7 +499,7 @@ class _Run:
             RankVar.JOB: cfg.job,
             RankVar.TOKEN: cfg.token,
             RankVar.RAILS: ",".join(cfg.rails_of(slot.rank)),
-            RankVar.INCARNATION: str(slot.incarnation),
+            RankVar.INCARNATION: str(slot.incarnation if incarnation is None else incarnation),
             RankVar.LEASE_TTL_S: repr(float(cfg.lease_ttl_s)),
             RankVar.PYTHONUNBUFFERED: "1",
             RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
@@ -437,7 +515,8 @@ class _Run:
         return env
 
     def _stop_ranks(self) -> None:
-        live = [s.proc for s in self._slots if s.proc is not None and reap(s.proc) is None]
+        procs = [p for s in self._slots for p in (s.proc, s.spare) if p is not None]
+        live = [p for p in procs if reap(p) is None]
         if not live:
             return
         # All ranks get SIGTERM at once and share one grace period.

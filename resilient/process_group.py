@@ -128,6 +128,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         if self.gpu is not None:
             self.gpu.start()
+        # This rank's member lease in etcd, when the backend joined one (closed at
+        # shutdown: a departure, not an expiry).
+        self.membership: Any = None
         if not joining:
             self._setup_epoch(epoch, None)
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
@@ -334,6 +337,8 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._cuda is not None:
             self._cuda.close()
             self._cuda.links.close()
+        if self.membership is not None:
+            self.membership.close()
 
     # -- rank-level recovery (driven by recovery.Session) -----------------------------
     @property

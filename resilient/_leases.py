@@ -1,0 +1,71 @@
+"""Which ranks' member leases expired while the launcher still runs them.
+
+Every rank of a job with etcd holds its member key under a lease that its
+keep-alive thread refreshes (:mod:`membership.members`). A process that is
+stopped (SIGSTOP, a frozen host, a swap storm) stops refreshing, and etcd deletes
+the key once the lease's TTL passes. A rank that leaves on purpose writes a
+departure record first. So a member key that vanished without a departure record,
+while the launcher still sees the process alive, is a hung rank: the launcher
+kills it, and the kill path (its peers' links close, a replacement starts) takes
+over. A hang is thus seen within the lease TTL plus one poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from membership._etcd import EtcdClient
+from membership._keys import JobKeys
+from membership.members import MemberInfo
+from resilient.config import ENV_PREFIX, EtcdConfig, parse_endpoints
+from resilient.errors import MembershipError
+
+__all__ = ["LeaseWatch"]
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseWatch:
+    """Polled by the launcher; :meth:`expired` lists (rank, incarnation) whose
+    member key vanished without a departure since the previous call."""
+
+    def __init__(self, etcd_url: str, job: str) -> None:
+        env = os.environ
+        config = EtcdConfig(
+            endpoints=parse_endpoints(etcd_url),
+            ca_cert=env.get(ENV_PREFIX + "ETCD_CA") or None,
+            cert=env.get(ENV_PREFIX + "ETCD_CERT") or None,
+            key=env.get(ENV_PREFIX + "ETCD_KEY") or None,
+            user=env.get(ENV_PREFIX + "ETCD_USER") or None,
+            password=env.get(ENV_PREFIX + "ETCD_PASSWORD") or None,
+            request_timeout_s=1.0,
+            retry_budget_s=1.0,
+        )
+        self._client = EtcdClient(config)
+        self._keys = JobKeys(job)
+        self._held: dict[int, int] = {}
+
+    def expired(self) -> list[tuple[int, int]]:
+        """Members gone since the last call without leaving (never raises: an etcd
+        outage only delays the answer)."""
+        try:
+            rows, _ = self._client.get_prefix(self._keys.members)
+            now = {}
+            for kv in rows:
+                info = MemberInfo.from_json(kv.value)
+                now[info.rank] = info.incarnation
+            gone = [(r, inc) for r, inc in self._held.items() if r not in now]
+            out = []
+            for rank, inc in gone:
+                left = self._client.get(self._keys.departed(rank))
+                if left is None or left.value.decode() != str(inc):
+                    out.append((rank, inc))
+        except (MembershipError, ValueError, KeyError) as exc:
+            logger.debug("lease poll failed: %s", exc)
+            return []
+        self._held = now
+        return out
+
+    def close(self) -> None:
+        self._client.close()
