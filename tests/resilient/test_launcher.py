@@ -506,3 +506,57 @@ def test_loopback_rails_and_exit_helpers() -> None:
     assert (shell_exit_code(0), shell_exit_code(3), shell_exit_code(-9)) == (0, 3, 137)
     assert describe_exit(-15) == "code -15 (SIGTERM)"
     assert describe_exit(2) == "code 2"
+
+
+@pytest.mark.timeout(90)
+def test_a_warm_spare_takes_over_a_failed_rank(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A standby imported torch before it was handed the rank; a cold start has not.
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 1 and INC == 0:
+    sys.exit(3)
+record("done", warm="torch" in sys.modules)
+""",
+    )
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, warm_spares=True)
+
+    assert Launcher(cfg).run() == 0
+
+    assert read(out, "done", 1, 1)["warm"] is True
+    assert read(out, "done", 0, 0)["warm"] is False
+    assert "restarting as incarnation 1 (warm spare)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_whose_lease_expires_while_it_runs_is_killed_and_restarted(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SIGSTOP freezes the keep-alive thread too: the member lease expires.
+    script, out = make_script(
+        tmp_path,
+        """
+if INC == 0:
+    from membership.members import Membership
+    from resilient.config import RankEnv
+
+    env = RankEnv.from_env()
+    member = Membership(env.etcd, env.membership())
+    member.join(RANK, INC, [], env.token)
+    record("joined")
+    os.kill(os.getpid(), signal.SIGSTOP)
+record("done")
+""",
+    )
+    cfg = config(script, out, nproc=1, etcd=etcd_url, max_restarts=1, lease_ttl_s=2.0)
+    start = time.monotonic()
+
+    assert Launcher(cfg).run() == 0
+
+    assert time.monotonic() - start < 30
+    assert records(out, "done") == ["done-0-1.json"]
+    err = capsys.readouterr().err
+    assert "rank 0 (incarnation 0) hung: its lease expired while it runs; killing it" in err
+    assert "rank 0 hung (its lease expired) and was killed; restarting as incarnation 1" in err
