@@ -140,6 +140,26 @@ def steps_replayed(progress: Mapping[int, RankTrack]) -> int:
     return total
 
 
+def replayed_by_survivors(events: Sequence[Mapping[str, Any]]) -> int:
+    """Steps the running ranks redid after recoveries: per new epoch, the most any
+    rank reported in ``step.replayed`` (``replayed``), summed over epochs."""
+    worst: dict[int, int] = {}
+    for e in events:
+        if e.get("kind") == "step.replayed":
+            epoch = int(e.get("epoch", 0))
+            worst[epoch] = max(worst.get(epoch, 0), int(e.get("replayed", 1)))
+    return sum(worst.values())
+
+
+def _window_end(fault: FaultRecord, faults: Sequence[FaultRecord]) -> float | None:
+    """Where a fault's detections and actions stop counting: when it was undone;
+    for one without a duration (kill, hang), when the next fault fired, if any."""
+    if fault.duration_s is not None or fault.fired_s is None:
+        return fault.stopped_s
+    later = [g.fired_s for g in faults if g.fired_s is not None and g.fired_s > fault.fired_s]
+    return min(later, default=None)
+
+
 def _events_for(fault: FaultRecord, facts: RunFacts, until: float | None) -> dict[str, Any]:
     """First detection, actions and recovery durations logged after ``fault`` fired."""
     if fault.fired_s is None:
@@ -282,12 +302,12 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
     faults = []
     for f in facts.faults:
         entry = asdict(f)
-        entry.update(_events_for(f, facts, f.stopped_s))
+        entry.update(_events_for(f, facts, _window_end(f, facts.faults)))
         faults.append(entry)
     completed = {r: t.step + 1 for r, t in sorted(facts.progress.items())}
     summary: dict[str, Any] = {
         "completes": _completes(facts, scenario.job.steps, scenario.job.nproc),
-        "steps_replayed": steps_replayed(facts.progress),
+        "steps_replayed": max(steps_replayed(facts.progress), replayed_by_survivors(facts.events)),
         "params_sha256": _final_hashes(facts.progress),
         "step_ms": step_times(facts),
         "events": len(facts.events),

@@ -185,6 +185,7 @@ class Session:
             events.emit(
                 "step.replayed", epoch=plan.epoch, step=plan.step + 1,
                 reason=f"step {n} was interrupted", action=f"replay from step {plan.step + 1}",
+                replayed=n - plan.step,
             )  # fmt: skip
         ms = (time.monotonic() - began) * 1e3
         events.emit(

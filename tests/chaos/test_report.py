@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 
 from chaos._progress import RankTrack
-from chaos.report import FaultRecord, RunFacts, build_report, render, steps_replayed
+from chaos.report import (
+    FaultRecord,
+    RunFacts,
+    build_report,
+    render,
+    replayed_by_survivors,
+    steps_replayed,
+)
 from chaos.scenario import parse
 
 T0 = 1_000.0
@@ -147,3 +154,32 @@ def test_a_stall_during_the_fault_is_measured_not_skipped() -> None:
     sm = build_report(_scenario("max_slowdown = 2.0"), facts)["step_ms"]
     assert sm["during_ms"] is not None and sm["during_ms"] > 1000.0
     assert sm["slowdown"] > 50
+
+
+@pytest.mark.timeout(10)
+def test_a_kill_counts_the_recovery_that_ends_after_it_fired() -> None:
+    # A kill is over the moment it fires: its window runs to the next fault (none).
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    facts = _facts(tracks, events=[
+        {"ts": T0 + 1.02, "kind": "rank.lost", "rank": 0},
+        {"ts": T0 + 4.5, "kind": "recovery.finished", "duration_ms": 3400.0},
+    ])  # fmt: skip
+    kill = FaultRecord(
+        index=0, kind="kill", params={"rank": 1}, at_step=20, at_s=None, duration_s=None,
+        fired_s=1.0, fired_step=20, stopped_s=1.0,
+    )  # fmt: skip
+    facts.faults[:] = [kill]
+    report = build_report(_scenario("max_recovery_s = 5.0"), facts)
+    (fault,) = report["faults"]
+    assert fault["detected"] == "rank.lost"
+    assert fault["recovery_s"] == [pytest.approx(3.4)]
+
+
+@pytest.mark.timeout(10)
+def test_steps_the_survivors_replayed_count_once_per_recovery() -> None:
+    events = [
+        {"kind": "step.replayed", "epoch": 1, "replayed": 1},
+        {"kind": "step.replayed", "epoch": 1, "replayed": 2},
+        {"kind": "step.replayed", "epoch": 2, "replayed": 1},
+    ]
+    assert replayed_by_survivors(events) == 3
