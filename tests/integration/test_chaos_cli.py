@@ -293,3 +293,37 @@ straggler_confirmed_within_steps = 20
               for line in f.read_text().splitlines()]  # fmt: skip
     confirmed = {e["rank"] for e in events if e["kind"] == "straggler.confirmed"}
     assert confirmed == {2}, confirmed
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_killed_rank_comes_back_from_a_warm_spare_with_the_fault_free_bits(
+    tmp_path: Path,
+) -> None:
+    body = """
+[[fault]]
+kind = "kill"
+rank = 1
+at_step = 20
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+params_equal_fault_free = true
+max_recovery_s = 5.0
+"""
+    extra = "max_restarts = 1\nwarm_spares = true"
+    scenario = _scenario(tmp_path, body, topology="netns", steps=60, job_extra=extra)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], stderr[-3000:]
+    assert "restarting as incarnation 1 (warm spare)" in stderr
+    events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
+              for line in f.read_text().splitlines()]  # fmt: skip
+    restored = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "state.restored"]
+    assert restored == [(1, 1)], restored
+    survivors = {e["rank"] for e in events if e["kind"] == "rank.lost"}
+    assert survivors == {0, 2}, survivors
+    assert not _namespaces(_testbed_of(stderr))
