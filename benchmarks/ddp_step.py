@@ -92,14 +92,18 @@ class Trainer:
         self.model = example.build_model(plan.width, plan.seed)
         self.ddp = nn.parallel.DistributedDataParallel(self.model, process_group=pg)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=plan.lr)
-        self.gen = torch.Generator().manual_seed(plan.seed * 100_003 + rank)
+        self.rank = rank
+        self.steps = 0
 
     def step(self) -> float:
         """One training step; returns its wall time in ms."""
         from torch import nn
 
         start = time.perf_counter()
-        x, y = self.example.batch(self.gen, self.plan.width, self.plan.batch)
+        x, y = self.example.batch(
+            self.plan.seed, self.rank, self.steps, self.plan.width, self.plan.batch
+        )
+        self.steps += 1
         loss = nn.functional.mse_loss(self.ddp(x), y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]

@@ -23,8 +23,10 @@ import functools
 import gc
 import hashlib
 import json
+import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--json-out", default=None, help="write losses/hash/step times here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="print only the final summary")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="resume from DIR/ckpt.pt if present; with --checkpoint-every, rank 0 saves there",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     return p.parse_args(argv)
 
 
@@ -67,6 +75,25 @@ def params_sha256(model: nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def load_checkpoint(directory: str | None, state: Any) -> int:
+    """Load DIR/ckpt.pt into ``state`` if it exists; the step to start from."""
+    path = os.path.join(directory, "ckpt.pt") if directory else None
+    if path is None or not os.path.exists(path):
+        return 0
+    saved = torch.load(path, weights_only=True)
+    state.load_state_dict(saved["state"])
+    return int(saved["step"]) + 1
+
+
+def save_checkpoint(directory: str | None, state: Any, step: int) -> None:
+    """Write DIR/ckpt.pt atomically (a restart never reads half a file)."""
+    assert directory is not None, "--checkpoint-every needs --checkpoint-dir"
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".ckpt-{os.getpid()}.pt")
+    torch.save({"step": step, "state": state.state_dict()}, tmp)
+    os.replace(tmp, os.path.join(directory, "ckpt.pt"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     from recovery.session import Session, TrainState
 
     # opt.step() runs when a step's block ends without an error (the commit).
-    session = Session(
-        dist.group.WORLD, TrainState(model, opt), warmup=functools.partial(train_step, 0)
-    )
-    for step in session.steps(args.steps):
+    state = TrainState(model, opt)
+    session = Session(dist.group.WORLD, state, warmup=functools.partial(train_step, 0))
+    # A restarted job (torchrun --max-restarts) resumes from its last checkpoint.
+    first = load_checkpoint(args.checkpoint_dir, state)
+    for step in session.steps(args.steps, start=first):
         with session.step(step):
             start = time.perf_counter()
             mean_loss = train_step(step).clone()
@@ -115,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             reporter.step(step, loss=losses[-1], step_ms=round(step_ms[-1], 3))
             if rank == 0 and not args.quiet:
                 print(f"step {step:4d} loss {losses[-1]:.6f} ({step_ms[-1]:.1f} ms)", flush=True)
+        every = args.checkpoint_every
+        if rank == 0 and every and session.committed == step and (step + 1) % every == 0:
+            save_checkpoint(args.checkpoint_dir, state, step)
     digest = params_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
     reporter.finish(params_sha256=digest, steps=args.steps)
@@ -133,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     # Drop DDP (its reducer holds the group) and wait for every rank before tearing
     # the group down: a gloo group destroyed while a peer still talks to it, or
     # alive at interpreter exit, can abort the process ("terminate called ...").
-    del session, train_step, ddp, opt
+    del session, state, train_step, ddp, opt
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
