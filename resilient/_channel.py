@@ -84,8 +84,10 @@ class Route:
         """The first rail, in index order, not tried yet and not known dead.
 
         Raises:
-            LinkError: no rail is left.
+            LinkError: no rail is left, or the call is given up (a peer was lost).
         """
+        if self.links.abandoned is not None:
+            raise LinkError(f"rank {self.links.rank}: no failover: {self.links.abandoned}")
         for rail in range(len(self.links.rails)):
             if rail in tried or (self.allowed is not None and rail not in self.allowed):
                 continue
@@ -98,7 +100,8 @@ class Route:
     def can_relay(self, failed: Link | StoreLink) -> bool:
         """Through the store only if we cut ``failed`` ourselves: then the peer is
         alive (a peer that closed the connection may be dead)."""
-        return self.relay and getattr(failed, "cut_reason", None) is not None
+        cut = getattr(failed, "cut_reason", None) is not None
+        return self.relay and cut and self.links.abandoned is None
 
     def link(
         self, peer: int, rail: int, orig_rail: int, gen: int, *, sender: bool
@@ -116,7 +119,7 @@ class Route:
         """
         end = time.monotonic() + self.timeout_s
         while True:
-            if self.links.closed:
+            if self.links.closed or self.links.abandoned is not None:
                 raise LinkError(f"rank {self.links.rank}: links closed while waiting for {key}")
             if self.store.check([key]):
                 return bytes(self.store.get(key)).decode()

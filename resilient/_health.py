@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch._C._distributed_c10d import Store
@@ -40,6 +40,7 @@ class PeerState:
 
     nic_down: set[int] = field(default_factory=set)
     broken: set[tuple[int, int]] = field(default_factory=set)  # (peer, rail)
+    lost: set[int] = field(default_factory=set)  # ranks it saw gone this epoch
 
 
 class HealthBoard:
@@ -67,6 +68,10 @@ class HealthBoard:
         self._interval = interval_s
         self._tables: list[LinkTable] = []
         self._nic_down: set[int] = set()
+        # Ranks this rank saw gone, published so that ranks not talking to them
+        # learn within one poll (resilient._lost); ``on_lost`` gets peers' reports.
+        self._lost: set[int] = set()
+        self.on_lost: Callable[[int, int], None] | None = None
         self._peers: dict[int, PeerState] = {}
         self._version = 0
         self._lock = threading.Lock()
@@ -143,10 +148,17 @@ class HealthBoard:
             return False
         return bool(data["nic_down"]) or any(int(p) == self.rank for p, _ in data["broken"])
 
+    def mark_lost(self, peer: int) -> None:
+        """Publish that ``peer`` is gone (never raises)."""
+        self._lost.add(peer)
+        self.publish()
+
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""
         broken = sorted({(lk.peer, lk.rail) for t in self._tables for lk in t.broken()})
-        record = json.dumps({"nic_down": sorted(self._nic_down), "broken": broken})
+        record = json.dumps(
+            {"nic_down": sorted(self._nic_down), "broken": broken, "lost": sorted(self._lost)}
+        )
         try:
             self._store.set(f"{self._prefix}/r{self.rank}", record)
             self._store.add(f"{self._prefix}/v", 1)
@@ -172,9 +184,16 @@ class HealthBoard:
         for key, raw in zip(present, values, strict=True):
             peer = int(key.rsplit("/r", 1)[1])
             data = json.loads(bytes(raw).decode())
-            state = PeerState(set(data["nic_down"]), {(int(p), int(r)) for p, r in data["broken"]})
+            state = PeerState(
+                set(data["nic_down"]),
+                {(int(p), int(r)) for p, r in data["broken"]},
+                {int(p) for p in data.get("lost", [])},
+            )
             old = self._peers.get(peer, PeerState())
             self._peers[peer] = state
+            for gone in sorted(state.lost - old.lost):
+                if self.on_lost is not None and gone != self.rank:
+                    self.on_lost(gone, peer)
             # Only what is new: a report still standing from before our link was
             # rebuilt must not cut the rebuilt one.
             self._act(peer, state.nic_down - old.nic_down, state.broken - old.broken)

@@ -88,6 +88,7 @@ class SignatureChannel:
         self._queue = queue.Queue()
         self._started = time.monotonic()
         self._waited_us = 0  # written by the control thread only
+        self._failed_with: BaseException | None = None
         self._stolen = StolenTime(f"resilient-stolen-{rank}")
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-ctl-{rank}", daemon=True
@@ -119,6 +120,11 @@ class SignatureChannel:
         with self._cond:
             self._done += 1
             self._cond.notify_all()
+
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every exchange not started yet with ``exc`` (a peer is gone: the
+        others stopped taking part in this epoch's calls)."""
+        self._failed_with = exc
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the control thread after the exchanges already queued, keeping the
@@ -161,6 +167,9 @@ class SignatureChannel:
             if item is None:
                 return
             seq, sig, payload, quiet, fut = item
+            if self._failed_with is not None:
+                fut.set_exception(self._failed_with)
+                continue
             try:
                 if quiet:
                     self._wait_done(seq - 1)

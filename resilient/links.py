@@ -402,6 +402,9 @@ class LinkTable:
         self._lock = threading.Lock()
         self.on_broken: Callable[[Link], None] | None = None
         self.closed = False
+        # Why this epoch's calls are being given up (a peer was lost), or None: then
+        # no failover is attempted, since the peers stopped taking part too.
+        self.abandoned: str | None = None
 
     def prefix(self, peer: int, rail: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
@@ -551,6 +554,14 @@ class LinkTable:
             if not lk.broken
         ]
 
+    def cut_busy(self, reason: str) -> int:
+        """Cut every link with an op still pending (its peer may never complete it);
+        returns how many. Idle links stay as they are."""
+        busy = [lk for lk in list(self._links.values()) if lk.open_ops and not lk.broken]
+        for link in busy:
+            link.abort(reason)
+        return len(busy)
+
     def renew(self, epoch: int, keep: Iterable[tuple[int, int]]) -> int:
         """Enter ``epoch``: keep the links in ``keep`` (same objects), close every
         other one in the background; new links rendezvous under the new epoch, at
@@ -558,6 +569,7 @@ class LinkTable:
         wanted = set(keep)
         with self._lock:
             self.epoch = epoch
+            self.abandoned = None
             drop = [lk for key, lk in self._links.items() if key not in wanted]
             drop += [lk for lk, _ in self._staged.values()]
             self._links = {k: lk for k, lk in self._links.items() if k in wanted}

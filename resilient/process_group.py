@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
+# How long ops of an abandoned epoch may still finish before their links are cut.
+_ABANDON_GRACE_S = 0.5
 
 
 @atexit.register
@@ -104,6 +106,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # Set when a peer is gone (resilient._lost): every later call fails at once
         # with it, until recovery.Session moves the group to the next epoch.
         self._lost: PeerLost | None = None
+        self._lost_lock = threading.Lock()
         # A replacement runs its calls alone until it is admitted (resilient._solo).
         self._joining = joining
         self.engine: RingEngine | SoloEngine = (
@@ -181,6 +184,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
         )  # fmt: skip
         self.board.attach(self.links)
+        self.board.on_lost = self._peer_reported_lost
         engine.board = self.board
         if self.config.check_mismatch and world_size > 1:
             self._channel = SignatureChannel(
@@ -362,22 +366,62 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _check_lost(self) -> PeerLost | None:
         """After a failed call: is a peer gone (see resilient._lost)? Sets :attr:`lost`."""
-        tables = [self.links] + ([self._channel.engine.links] if self._channel else [])
-        peer = dead_peer(tables, len(self.rails), self.board)
+        if self._lost is not None:
+            return self._lost
+        peer = dead_peer(self._tables(), len(self.rails), self.board)
         if peer is None:
             return None
-        why = f"its connections closed on all {len(self.rails)} rail(s)"
-        self._lost = PeerLost(
-            f"rank {self.rank()} (epoch {self._epoch}): rank {peer} is gone: {why}",
-            peer=peer,
-            epoch=self._epoch,
-        )
+        return self._declare_lost(peer, f"its connections closed on all {len(self.rails)} rail(s)")
+
+    def _peer_reported_lost(self, peer: int, reporter: int) -> None:
+        """Health board callback: ``reporter`` saw ``peer`` gone."""
+        self._declare_lost(peer, f"rank {reporter} saw it gone")
+
+    def _declare_lost(self, peer: int, why: str) -> PeerLost:
+        """Give up this epoch's calls because ``peer`` is gone; tell the others.
+
+        Every later call fails at once; exchanges not started are failed and
+        nothing fails over. An op still pending after ``_ABANDON_GRACE_S`` has its
+        link cut: its peer gave the call up too, so it would only end at its
+        deadline. Ops between survivors that were both in the same call finish
+        within that time, and their links stay for the next epoch.
+        """
+        with self._lost_lock:
+            if self._lost is not None:
+                return self._lost
+            lost = PeerLost(
+                f"rank {self.rank()} (epoch {self._epoch}): rank {peer} is gone: {why}",
+                peer=peer,
+                epoch=self._epoch,
+            )
+            self._lost = lost
         events.emit(
             "rank.lost", epoch=self._epoch, links=[(self.rank(), peer, -1)], reason=why,
             action="fail this step's calls at once; recover through the store",
         )  # fmt: skip
         logger.warning("rank %d (epoch %d): rank %d lost: %s", self.rank(), self._epoch, peer, why)
-        return self._lost
+        reason = f"rank {peer} was lost: this epoch's calls are given up"
+        if self._channel is not None:
+            self._channel.fail_pending(PeerLost(str(lost), peer=peer, epoch=self._epoch))
+        self.board.mark_lost(peer)
+        for table in self._tables():
+            table.abandoned = reason
+        timer = threading.Timer(_ABANDON_GRACE_S, self._cut_busy, args=(lost, reason))
+        timer.daemon = True
+        timer.start()
+        return lost
+
+    def _tables(self) -> list[LinkTable]:
+        return [self.links] + ([self._channel.engine.links] if self._channel else [])
+
+    def _cut_busy(self, lost: PeerLost, reason: str) -> None:
+        if self._lost is lost:  # not recovered yet
+            cut = sum(table.cut_busy(reason) for table in self._tables())
+            if cut:
+                logger.info(
+                    "rank %d (epoch %d): cut %d link(s) still busy %.1f s after rank %d was lost",
+                    self.rank(), self._epoch, cut, _ABANDON_GRACE_S, lost.peer,
+                )  # fmt: skip
 
     def quiesce(self, timeout_s: float) -> dict[str, list[tuple[int, int, int, int, int]] | None]:
         """Let queued calls fail, stop the epoch's threads, and return the op counters

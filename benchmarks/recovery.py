@@ -1,0 +1,234 @@
+"""Recovery from a SIGKILLed rank: resilient (cold and warm spare) against torchrun.
+
+    python benchmarks/recovery.py --ranks 4 --state-mb 100 --steps 30 --kill-at 14
+
+Runs examples/train_ddp.py three times on this machine, each time SIGKILLing rank
+``--victim`` right after rank 0 printed step ``--kill-at``:
+
+* ``resilient run --max-restarts 1`` (cold replacement: a new process imports torch);
+* the same with ``--warm-spares`` (a standby that already imported torch);
+* ``torchrun --max-restarts 1`` with gloo, checkpointing every ``--ckpt-every``
+  steps and resuming from the checkpoint (every worker restarts).
+
+The model's width is chosen so that its parameters hold ``--state-mb`` MB (the
+state a replacement must receive). Measured per run, from the kill:
+
+* ``back_s``: until rank 0 finished a step again (every rank, the replacement
+  included, took part in it: DDP steps are collective);
+* ``unblocked_s`` (resilient): until the last survivor caught the lost peer
+  (``recovery.started`` in the event log);
+* ``replayed``: steps done twice (resilient: ``step.replayed``; torchrun: the
+  steps after its last checkpoint);
+* ``restarted``: processes started again.
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from _common import print_table
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_ddp.py"
+_STEP = re.compile(r"step\s+(\d+) loss")
+
+
+@dataclass
+class Run:
+    """One launch: rank 0's step lines with their arrival times, and the kill."""
+
+    name: str
+    lines: list[tuple[float, int]] = field(default_factory=list)
+    killed_at: float | None = None
+    killed_step: int | None = None
+    exit_code: int | None = None
+    output: list[str] = field(default_factory=list)
+
+
+def _width(state_mb: float) -> int:
+    # Parameters of build_model(w): 2 w^2 + 16 w + 2 w + 16 float32 values.
+    return max(64, int(math.sqrt(state_mb * 1e6 / 4 / 2)))
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    """The pid of the training process with RANK=rank under ``root``."""
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            env = proc.environ()
+            if env.get("RANK") == str(rank) and "train_ddp.py" in " ".join(proc.cmdline()):
+                return int(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def _watch(run: Run, proc: subprocess.Popen[str], args: argparse.Namespace) -> None:
+    """Read the launcher's output; kill the victim once rank 0 printed --kill-at."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.monotonic()
+        run.output.append(line)
+        m = _STEP.search(line)
+        if m is None:
+            continue
+        step = int(m.group(1))
+        run.lines.append((now, step))
+        if run.killed_at is None and step >= args.kill_at:
+            pid = _rank_pid(proc.pid, args.victim)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                run.killed_at, run.killed_step = time.monotonic(), step
+
+
+def _launch(name: str, argv: list[str], env: dict[str, str], args: argparse.Namespace) -> Run:
+    run = Run(name)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    reader = threading.Thread(target=_watch, args=(run, proc, args), daemon=True)
+    reader.start()
+    try:
+        run.exit_code = proc.wait(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        run.exit_code = proc.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the run outlives it
+    reader.join(10)
+    if run.exit_code != 0:
+        tail = "".join(run.output[-40:])
+        print(f"--- {name}: exit {run.exit_code}; last output:\n{tail}", file=sys.stderr)
+    return run
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((run_dir / "events").glob("*.jsonl")):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _summary(run: Run, ranks: int) -> dict[str, Any]:
+    """What rank 0's output shows: when training came back, and steps done again."""
+    if run.killed_at is None:
+        return {
+            "name": run.name,
+            "exit_code": run.exit_code,
+            "error": "the victim was never killed",
+        }
+    after = [(t, s) for t, s in run.lines if t > run.killed_at]
+    steps = [s for _, s in run.lines]
+    # A restart from a checkpoint prints earlier step numbers again.
+    redo = next(
+        (steps[i - 1] - steps[i] + 1 for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), 0
+    )
+    return {
+        "name": run.name,
+        "exit_code": run.exit_code,
+        "killed_after_step": run.killed_step,
+        "back_s": round(after[0][0] - run.killed_at, 3) if after else None,
+        "first_step_after": after[0][1] if after else None,
+        "steps_done": max(steps, default=-1) + 1,
+        "replayed": redo,
+        "restarted": ranks,
+    }
+
+
+def _with_events(out: dict[str, Any], events: list[dict[str, Any]], kill_wall: float) -> None:
+    """Resilient runs: survivors' detection and the restore, from the event log."""
+    # Survivors log recovery.started with the step they were in; the launcher without.
+    started = [float(e["ts"]) for e in events
+               if e["kind"] == "recovery.started" and e.get("step") is not None]  # fmt: skip
+    out["unblocked_s"] = round(max(started) - kill_wall, 3) if started else None
+    out["replayed"] = max(
+        (int(e.get("replayed", 0)) for e in events if e["kind"] == "step.replayed"), default=0
+    )
+    restored = [e for e in events if e["kind"] == "state.restored"]
+    out["state_bytes"] = int(restored[0]["reason"].split()[0]) if restored else None
+    out["restore_ms"] = restored[0]["duration_ms"] if restored else None
+    out["restarted"] = 1
+
+
+def _resilient(args: argparse.Namespace, width: int, warm: bool, tmp: Path) -> dict[str, Any]:
+    run_dir = tmp / ("warm" if warm else "cold")
+    argv = [
+        sys.executable, "-m", "resilient", "run", "--nproc", str(args.ranks),
+        "--max-restarts", "1", "--run-dir", str(run_dir),
+        *(["--warm-spares"] if warm else []),
+        str(SCRIPT), "--steps", str(args.steps), "--width", str(width),
+    ]  # fmt: skip
+    wall0, mono0 = time.time(), time.monotonic()
+    run = _launch("resilient warm spare" if warm else "resilient cold", argv, {}, args)
+    out = _summary(run, args.ranks)
+    if run.killed_at is not None:
+        _with_events(out, _events(run_dir), wall0 + (run.killed_at - mono0))
+    return out
+
+
+def _torchrun(args: argparse.Namespace, width: int, tmp: Path) -> dict[str, Any]:
+    from resilient._proc import free_port
+
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+        "--max-restarts", "1", "--master-port", str(free_port()),
+        str(SCRIPT), "--backend", "gloo", "--steps", str(args.steps), "--width", str(width),
+        "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(args.ckpt_every),
+    ]  # fmt: skip
+    run = _launch("torchrun + checkpoint", argv, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, args)
+    return _summary(run, args.ranks)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--state-mb", type=float, default=100.0, help="model parameters, MB")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--kill-at", type=int, default=14, help="kill after rank 0 printed this step")
+    p.add_argument("--victim", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=10, help="torchrun's checkpoint interval")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--skip-torchrun", action="store_true")
+    args = p.parse_args()
+    width = _width(args.state_mb)
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as d:
+        tmp = Path(d)
+        results = [_resilient(args, width, False, tmp), _resilient(args, width, True, tmp)]
+        if not args.skip_torchrun:
+            results.append(_torchrun(args, width, tmp))
+    rows = [
+        [r["name"], str(r.get("back_s")), str(r.get("unblocked_s", "-")),
+         str(r.get("replayed")), str(r.get("restarted")), str(r.get("exit_code"))]
+        for r in results
+    ]  # fmt: skip
+    print(f"width {width}: {2 * width * width * 4 / 1e6:.0f} MB of parameters, "
+          f"{args.ranks} ranks, kill rank {args.victim} after step {args.kill_at}")  # fmt: skip
+    print_table(["run", "back_s", "unblocked_s", "replayed", "restarted", "exit"], rows)
+    print(json.dumps({
+        "ranks": args.ranks, "state_mb": round(2 * width * width * 4 / 1e6, 1), "width": width,
+        "steps": args.steps, "kill_at": args.kill_at, "ckpt_every": args.ckpt_every,
+        "runs": results,
+    }))  # fmt: skip
+    return 0 if all(r.get("exit_code") == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
