@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         import resilient
 
         resilient.init()  # registers the backend, then init_process_group("resilient")
+    elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # Under torchrun --max-restarts, keys of the previous attempt stay in the
+        # store and a restarted group reads their stale addresses (torch 2.13,
+        # pytorch issue 135712): give each attempt its own key prefix.
+        store, rank, world = next(dist.rendezvous("env://"))
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        store = dist.PrefixStore(f"attempt-{attempt}/", store)
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=world)
     else:
         dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
