@@ -15,6 +15,8 @@ state a replacement must receive). Measured per run, from the kill:
 
 * ``back_s``: until rank 0 finished a step again (every rank, the replacement
   included, took part in it: DDP steps are collective);
+* ``caught_up_s``: until rank 0 finished the step after the last one it had
+  printed before the kill (a restart from a checkpoint first redoes steps);
 * ``unblocked_s`` (resilient): until the last survivor caught the lost peer
   (``recovery.started`` in the event log);
 * ``replayed``: steps done twice (resilient: ``step.replayed``; torchrun: the
@@ -71,8 +73,9 @@ def _rank_pid(root: int, rank: int) -> int | None:
     """The pid of the training process with RANK=rank under ``root``."""
     for proc in psutil.Process(root).children(recursive=True):
         try:
-            env = proc.environ()
-            if env.get("RANK") == str(rank) and "train_ddp.py" in " ".join(proc.cmdline()):
+            env, cmd = proc.environ(), " ".join(proc.cmdline())
+            # Not a warm spare (its cmdline names the script too, after _standby).
+            if env.get("RANK") == str(rank) and "train_ddp.py" in cmd and "_standby" not in cmd:
                 return int(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -147,6 +150,10 @@ def _summary(run: Run, ranks: int) -> dict[str, Any]:
         "killed_after_step": run.killed_step,
         "back_s": round(after[0][0] - run.killed_at, 3) if after else None,
         "first_step_after": after[0][1] if after else None,
+        # Back where it was: the step after the one before the kill is done.
+        "caught_up_s": next(
+            (round(t - run.killed_at, 3) for t, s in after if s > (run.killed_step or 0)), None
+        ),
         "steps_done": max(steps, default=-1) + 1,
         "replayed": redo,
         "restarted": ranks,
@@ -172,7 +179,7 @@ def _resilient(args: argparse.Namespace, width: int, warm: bool, tmp: Path) -> d
     run_dir = tmp / ("warm" if warm else "cold")
     argv = [
         sys.executable, "-m", "resilient", "run", "--nproc", str(args.ranks),
-        "--max-restarts", "1", "--run-dir", str(run_dir),
+        "--max-restarts", "1", "--run-dir", str(run_dir), "--log-dir", str(run_dir / "logs"),
         *(["--warm-spares"] if warm else []),
         str(SCRIPT), "--steps", str(args.steps), "--width", str(width),
     ]  # fmt: skip
@@ -207,21 +214,27 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=10, help="torchrun's checkpoint interval")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--skip-torchrun", action="store_true")
+    p.add_argument("--skip-warm", action="store_true")
+    p.add_argument("--out", default=None, help="keep run dirs (event logs) here")
     args = p.parse_args()
     width = _width(args.state_mb)
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as d:
-        tmp = Path(d)
-        results = [_resilient(args, width, False, tmp), _resilient(args, width, True, tmp)]
+        tmp = Path(args.out or d)
+        results = [_resilient(args, width, False, tmp)]
+        if not args.skip_warm:
+            results.append(_resilient(args, width, True, tmp))
         if not args.skip_torchrun:
             results.append(_torchrun(args, width, tmp))
     rows = [
-        [r["name"], str(r.get("back_s")), str(r.get("unblocked_s", "-")),
+        [r["name"], str(r.get("back_s")), str(r.get("caught_up_s")), str(r.get("unblocked_s", "-")),
          str(r.get("replayed")), str(r.get("restarted")), str(r.get("exit_code"))]
         for r in results
     ]  # fmt: skip
     print(f"width {width}: {2 * width * width * 4 / 1e6:.0f} MB of parameters, "
           f"{args.ranks} ranks, kill rank {args.victim} after step {args.kill_at}")  # fmt: skip
-    print_table(["run", "back_s", "unblocked_s", "replayed", "restarted", "exit"], rows)
+    print_table(
+        ["run", "back_s", "caught_up_s", "unblocked_s", "replayed", "restarted", "exit"], rows
+    )
     print(json.dumps({
         "ranks": args.ranks, "state_mb": round(2 * width * width * 4 / 1e6, 1), "width": width,
         "steps": args.steps, "kill_at": args.kill_at, "ckpt_every": args.ckpt_every,

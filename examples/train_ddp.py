@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     step_ms: list[float] = []
 
     def train_step(
-        step: int, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt
+        step: int, rows: int = args.batch, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt
     ) -> torch.Tensor:
-        x, y = batch(args.seed, rank, step, args.width, args.batch)
+        x, y = batch(args.seed, rank, step, args.width, rows)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # opt.step() runs when a step's block ends without an error (the commit).
     state = TrainState(model, opt)
-    session = Session(dist.group.WORLD, state, warmup=functools.partial(train_step, 0))
+    # A replacement runs ``warmup`` alone twice before it is admitted (DDP builds
+    # its buckets then); one row is enough for that.
+    session = Session(dist.group.WORLD, state, warmup=functools.partial(train_step, 0, 1))
     # A restarted job (torchrun --max-restarts) resumes from its last checkpoint.
     first = load_checkpoint(args.checkpoint_dir, state)
     for step in session.steps(args.steps, start=first):

@@ -127,6 +127,7 @@ class Session:
         self._next = 0
         self.recoveries = 0
         self.replayed = 0
+        self._payload: bytes | None = None
         self._rank = int(pg.rank()) if pg is not None else 0
 
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
@@ -170,6 +171,9 @@ class Session:
             action="finish the step's calls, agree on the next epoch, restore, replay",
         )  # fmt: skip
         counters = pg.quiesce(self.config.quiesce_timeout_s)
+        # Serialized now, while the replacement is still starting: if this rank
+        # is picked as the donor, it sends as soon as the epoch is agreed.
+        self._payload = self._serialize()
         record = Record(
             rank=self._rank,
             incarnation=pg.incarnation,
@@ -236,9 +240,7 @@ class Session:
         """The donor sends its state to every rank behind it; those load it."""
         assert self.pg is not None
         if self._rank == plan.donor:
-            buf = io.BytesIO()
-            torch.save({"step": plan.step, "state": self.state.state_dict()}, buf)
-            payload = buf.getvalue()
+            payload = self._payload or self._serialize()
             for peer in plan.receivers:
                 self.pg.send_state(peer, payload)
         elif self._rank in plan.receivers:
@@ -257,5 +259,12 @@ class Session:
                 reason=f"{len(payload)} B from rank {plan.donor}",
                 action=f"loaded step {plan.step}",
             )  # fmt: skip
+        self._payload = None
         self.committed = plan.step
         self._next = plan.step + 1
+
+    def _serialize(self) -> bytes:
+        """This rank's committed step and state, as the bytes a donor sends."""
+        buf = io.BytesIO()
+        torch.save({"step": self.committed, "state": self.state.state_dict()}, buf)
+        return buf.getvalue()

@@ -221,6 +221,16 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     return acked, busy, retrans, segs
 
 
+# tcpi_state values: the peer sent FIN (CLOSE_WAIT) or RST (CLOSE).
+_PEER_GONE_STATES: Final = frozenset({7, 8})
+
+
+def peer_closed(conn: Conn) -> bool:
+    """Whether the kernel saw the other end close or reset ``conn``."""
+    raw = _tcp_info(conn, 8)
+    return raw is not None and len(raw) >= 1 and raw[0] in _PEER_GONE_STATES
+
+
 def progress(conn: Conn) -> Progress | None:
     """``conn``'s TCP progress, or None if it is gone (or not Linux)."""
     raw = _tcp_info(conn, 104)

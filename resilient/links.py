@@ -261,6 +261,14 @@ class Link:
                 )
         return None
 
+    def check_closed(self) -> bool:
+        """Mark the link broken if the kernel saw its peer close or reset the
+        connection (no op needs to be pending on it); True if it did."""
+        if self.broken or not any(_sockets.peer_closed(conn) for conn in self._conns):
+            return False
+        self._failed(f"{self}: connection closed by peer (seen by the kernel)", "marked broken")
+        return True
+
     def _publish_finished(self) -> None:
         """Tell senders still waiting on this link that our receives here had finished."""
         while self.finished:

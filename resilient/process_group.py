@@ -34,6 +34,7 @@ from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._lost import dead_peer
 from resilient._nic import NicMonitor
+from resilient._peerwatch import PeerWatch
 from resilient._precheck import Payload, SignatureChannel
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
 # How long ops of an abandoned epoch may still finish before their links are cut.
-_ABANDON_GRACE_S = 0.5
+_ABANDON_GRACE_S = 0.3
 
 
 @atexit.register
@@ -131,6 +132,10 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         )
         if self.gpu is not None:
             self.gpu.start()
+        # Calls submitted and finished: the peer watch looks only while some run.
+        self._calls_in, self._calls_out = 0, 0
+        self._peer_watch = PeerWatch(rank, self._tables, self._busy, self._check_lost)
+        self._peer_watch.start()
         # This rank's member lease in etcd, when the backend joined one (closed at
         # shutdown: a departure, not an expiry).
         self.membership: Any = None
@@ -272,8 +277,15 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 if channel is not None:
                     channel.mark_done()
 
+        def counted() -> Any:
+            try:
+                return run()
+            finally:
+                self._calls_out += 1
+
         fut: Future[Any] = Future()
-        self._queue.put((run, fut))
+        self._calls_in += 1
+        self._queue.put((counted, fut))
         return ResilientWork(fut, op)
 
     def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -328,6 +340,7 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
+        self._peer_watch.stop()
         self.nics.stop()
         if self.gpu is not None:
             self.gpu.close()
@@ -410,6 +423,9 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         timer.daemon = True
         timer.start()
         return lost
+
+    def _busy(self) -> bool:
+        return self._calls_in != self._calls_out
 
     def _tables(self) -> list[LinkTable]:
         return [self.links] + ([self._channel.engine.links] if self._channel else [])
