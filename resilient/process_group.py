@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
-from recovery import events
 from resilient._args import check_tensors, reduce_op
+from resilient._epochs import EpochControl
 from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
-from resilient._lost import dead_peer
 from resilient._nic import NicMonitor
 from resilient._peerwatch import PeerWatch
 from resilient._precheck import Payload, SignatureChannel
@@ -41,12 +40,11 @@ from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch
-from resilient._transfer import recv_bytes, send_bytes
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
-from resilient.errors import CommunicationError, PeerLost, RecoveryError, ResilientError
+from resilient.errors import CommunicationError, PeerLost, ResilientError
 from resilient.links import LinkTable
 
 __all__ = ["ResilientProcessGroup", "ResilientWork"]
@@ -56,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
-# How long ops of an abandoned epoch may still finish before their links are cut.
-_ABANDON_GRACE_S = 0.3
 
 
 @atexit.register
@@ -71,7 +67,7 @@ def _shutdown_live_groups() -> None:
             logger.debug("shutdown at exit failed", exc_info=True)
 
 
-class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[misc]
     """A process group whose collectives are ring schedules over per-rail links.
 
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
@@ -148,71 +144,6 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._closed = False
         self._thread.start()
         _LIVE.add(self)
-
-    def _setup_epoch(self, epoch: int, ctl_links: LinkTable | None) -> None:
-        """Build what lives for one epoch over ``self.links`` (and ``ctl_links``, the
-        control links kept from the last epoch, if any)."""
-        rank, world_size = self.rank(), self.size()
-        engine = self.engine
-        assert isinstance(engine, RingEngine)
-        self._epoch = epoch
-        # Learned rail weights ride on the signature exchange (every rank sees every
-        # rank's rates there); explicit RESILIENT_RAIL_WEIGHTS turn learning off.
-        learn = (
-            self.config.learn_rail_weights
-            and self.config.rail_weights is None
-            and len(self.rails) > 1
-        )
-        self._learner = WeightLearner(engine.weights, rank, epoch) if learn else None
-        # A lossy rail is proposed slower than it measures (see resilient._loss).
-        self._loss = RailLoss(self._retransmissions)
-        self._stragglers = StragglerWatch(rank, epoch)
-        # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
-        # from mesh reductions.
-        self._slow_vote = (
-            SlowRankVote(rank, world_size, epoch)
-            if self.config.straggler_schedule
-            and self.config.check_mismatch
-            and engine.mesh
-            and world_size >= 3
-            else None
-        )
-        self._send_rates = SendRates() if self._slow_vote is not None else None
-        engine.lag_meter = self._send_rates
-        # Failovers are acknowledged only with two rails or more; the relay needs that.
-        relay = self.config.relay_via_store and len(self.rails) > 1
-        engine.relay = relay
-        # Who sees which NIC or link dead: cuts our end of links peers report dead,
-        # so the collectives fail over at once instead of at their deadline.
-        self.board = HealthBoard(
-            rank=rank, world=world_size, store=self._store, epoch=epoch,
-            repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
-        )  # fmt: skip
-        self.board.attach(self.links)
-        self.board.on_lost = self._peer_reported_lost
-        engine.board = self.board
-        if self.config.check_mismatch and world_size > 1:
-            self._channel = SignatureChannel(
-                rank=rank,
-                world=world_size,
-                rail_addresses=self.rails,
-                store=self._store,
-                config=self.config,
-                epoch=epoch,
-                rates=self._proposed_rates if self._learner is not None else None,
-                lagging=self._lagging if self._slow_vote is not None else None,
-                staged=self._staged_rows,
-                on_install=self.board.publish,
-                links=ctl_links,
-            )
-            # Rebuilt links go into service on a call both ends agree on (the
-            # exchange shows them staged at both ends; see resilient._repair).
-            self.links.stage_installs = True
-            self._channel.engine.links.stage_installs = True
-            self.board.attach(self._channel.engine.links)
-            self._channel.engine.board = self.board
-            self._channel.engine.relay = relay
-        self.board.start()
 
     # -- plumbing ----------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -357,158 +288,6 @@ class ResilientProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         if self.membership is not None:
             self.membership.close()
 
-    # -- rank-level recovery (driven by recovery.Session) -----------------------------
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def store(self) -> Store:
-        """The store links rendezvous through (etcd or the init store)."""
-        return self._store
-
-    @property
-    def joining(self) -> bool:
-        """True for a replacement that was not admitted yet (its calls run alone)."""
-        return self._joining
-
-    @property
-    def lost(self) -> PeerLost | None:
-        """The peer loss this group saw in this epoch, or None."""
-        return self._lost
-
-    def _check_lost(self) -> PeerLost | None:
-        """After a failed call: is a peer gone (see resilient._lost)? Sets :attr:`lost`."""
-        if self._lost is not None:
-            return self._lost
-        peer = dead_peer(self._tables(), len(self.rails), self.board)
-        if peer is None:
-            return None
-        return self._declare_lost(peer, f"its connections closed on all {len(self.rails)} rail(s)")
-
-    def _peer_reported_lost(self, peer: int, reporter: int) -> None:
-        """Health board callback: ``reporter`` saw ``peer`` gone."""
-        self._declare_lost(peer, f"rank {reporter} saw it gone")
-
-    def _declare_lost(self, peer: int, why: str) -> PeerLost:
-        """Give up this epoch's calls because ``peer`` is gone; tell the others.
-
-        Every later call fails at once; exchanges not started are failed and
-        nothing fails over. An op still pending after ``_ABANDON_GRACE_S`` has its
-        link cut: its peer gave the call up too, so it would only end at its
-        deadline. Ops between survivors that were both in the same call finish
-        within that time, and their links stay for the next epoch.
-        """
-        with self._lost_lock:
-            if self._lost is not None:
-                return self._lost
-            lost = PeerLost(
-                f"rank {self.rank()} (epoch {self._epoch}): rank {peer} is gone: {why}",
-                peer=peer,
-                epoch=self._epoch,
-            )
-            self._lost = lost
-        events.emit(
-            "rank.lost", epoch=self._epoch, links=[(self.rank(), peer, -1)], reason=why,
-            action="fail this step's calls at once; recover through the store",
-        )  # fmt: skip
-        logger.warning("rank %d (epoch %d): rank %d lost: %s", self.rank(), self._epoch, peer, why)
-        reason = f"rank {peer} was lost: this epoch's calls are given up"
-        if self._channel is not None:
-            self._channel.fail_pending(PeerLost(str(lost), peer=peer, epoch=self._epoch))
-        self.board.mark_lost(peer)
-        for table in self._tables():
-            table.abandoned = reason
-        timer = threading.Timer(_ABANDON_GRACE_S, self._cut_busy, args=(lost, reason))
-        timer.daemon = True
-        timer.start()
-        return lost
-
-    def _busy(self) -> bool:
-        return self._calls_in != self._calls_out
-
-    def _tables(self) -> list[LinkTable]:
-        return [self.links] + ([self._channel.engine.links] if self._channel else [])
-
-    def _cut_busy(self, lost: PeerLost, reason: str) -> None:
-        if self._lost is lost:  # not recovered yet
-            cut = sum(table.cut_busy(reason) for table in self._tables())
-            if cut:
-                logger.info(
-                    "rank %d (epoch %d): cut %d link(s) still busy %.1f s after rank %d was lost",
-                    self.rank(), self._epoch, cut, _ABANDON_GRACE_S, lost.peer,
-                )  # fmt: skip
-
-    def quiesce(self, timeout_s: float) -> dict[str, list[tuple[int, int, int, int, int]] | None]:
-        """Let queued calls fail, stop the epoch's threads, and return the op counters
-        of the links still standing (``data``; ``ctl`` is None when the control
-        thread did not stop in time, so none of its links can be trusted).
-
-        Raises:
-            RecoveryError: the communication thread is still busy after ``timeout_s``.
-        """
-        idle = threading.Event()
-        marker: Future[Any] = Future()
-        self._queue.put((idle.set, marker))
-        if not idle.wait(timeout_s):
-            raise RecoveryError(
-                f"rank {self.rank()} (epoch {self._epoch}): calls of the failed step still "
-                f"running after {timeout_s:.1f} s"
-            )
-        self.board.stop()
-        ctl = None
-        if self._channel is not None and self._channel.stop(timeout_s):
-            ctl = self._channel.engine.links.counters()
-        return {"data": self.links.counters(), "ctl": ctl}
-
-    def enter_epoch(
-        self,
-        epoch: int,
-        *,
-        keep_data: list[tuple[int, int]],
-        keep_ctl: list[tuple[int, int]] | None,
-    ) -> int:
-        """Continue at ``epoch`` keeping only the listed (peer, rail) links (same
-        objects); every other link is closed and built again on first use. Call
-        after :meth:`quiesce` (a joiner: at admission). Returns links dropped."""
-        old = self._channel
-        ctl_links = old.engine.links if old is not None and keep_ctl is not None else None
-        if old is not None and ctl_links is None:
-            old.abandon()
-        dropped = self.links.renew(epoch, keep_data)
-        if ctl_links is not None:
-            dropped += ctl_links.renew(epoch, keep_ctl or [])
-        if isinstance(self.engine, SoloEngine):
-            self.engine = self._new_engine(self.links, self.size())
-            self._static_weights = self.engine.weights
-        self.engine.weights = self._static_weights
-        self.engine.new_epoch()
-        if self._cuda is not None:
-            self._cuda.close()
-            self._cuda.links.close()
-            self._cuda = None
-        self._joining = False
-        self._lost = None
-        self._setup_epoch(epoch, ctl_links)
-        return dropped
-
-    def send_state(self, peer: int, payload: bytes, rail: int = 0) -> None:
-        """Send ``payload`` to ``peer`` over the data link on ``rail`` (built if needed).
-
-        Raises:
-            RecoveryError: the link failed or the peer did not take the bytes in time.
-        """
-        send_bytes(self.links.get(peer, rail), payload)
-
-    def recv_state(self, peer: int, rail: int = 0) -> bytes:
-        """Receive what ``peer`` sends with :meth:`send_state` (checksum verified).
-
-        Raises:
-            RecoveryError: the link failed, or the bytes do not match their SHA-256.
-        """
-        return recv_bytes(self.links.get(peer, rail))
-
-    # -- engines ------------------------------------------------------------------------
     def _engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine:
         """The CPU engine (gloo links), or the CUDA one (NCCL pair links), built lazily."""
         if t.device.type != "cuda" or isinstance(self.engine, SoloEngine):
