@@ -43,6 +43,7 @@ import torch
 
 from recovery import events
 from recovery.agree import Plan, Record, agree, current_epoch
+from resilient._solo import SoloEngine
 from resilient.config import RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError
 
@@ -201,8 +202,15 @@ class Session:
         """A replacement: warm DDP up alone, report, receive the state."""
         assert self.pg is not None
         pg, began = self.pg, time.monotonic()
-        for _ in range(_WARMUP_PASSES if self._warmup is not None else 0):
-            self._warmup()  # type: ignore[misc]
+        engine = pg.engine
+        if isinstance(engine, SoloEngine):
+            engine.warming = True
+        try:
+            for _ in range(_WARMUP_PASSES if self._warmup is not None else 0):
+                self._warmup()  # type: ignore[misc]
+        finally:
+            if isinstance(engine, SoloEngine):
+                engine.warming = False
         epoch = current_epoch(pg.store)
         record = Record(rank=self._rank, incarnation=pg.incarnation, step=-1, data=[], ctl=[])
         plan = self._enter(record, epoch)

@@ -7,6 +7,11 @@ check, a broadcast of rank 0's parameters, a broadcast of the rebuilt bucket
 order). The joiner runs those locally: its parameters are replaced by a donor's
 state anyway, and the bucket order DDP derives alone is the order every rank
 derives from the same model. :class:`recovery.Session` admits the rank afterwards.
+
+Outside the session's warm-up (:attr:`SoloEngine.warming`), only
+:data:`FREE_CALLS` calls run alone (DDP's constructor needs three or four, one
+more per 250 MB of parameters): a replacement whose script never joins must fail,
+not train alone and diverge.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ import torch
 
 from resilient._ring import Span, even_bounds
 from resilient.collectives import Reduce
+from resilient.errors import RecoveryError
 
-__all__ = ["SoloEngine"]
+__all__ = ["FREE_CALLS", "SoloEngine"]
+
+FREE_CALLS = 32
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +37,19 @@ class SoloEngine:
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self._warned = False
+        self.warming = False  # set by recovery.Session while it runs the warm-up
+        self._free = FREE_CALLS
 
     def _note(self, op: str) -> None:
+        """Raises RecoveryError once the calls allowed outside a warm-up are spent."""
+        if not self.warming:
+            self._free -= 1
+            if self._free < 0:
+                raise RecoveryError(
+                    f"rank {self.rank} is a replacement (RESILIENT_INCARNATION > 0) that was "
+                    f"never admitted: {op} cannot run alone; train under recovery.Session, "
+                    "which brings a replacement into the running job"
+                )
         if not self._warned:
             self._warned = True
             logger.warning(
