@@ -1,6 +1,6 @@
 """Recovery from a SIGKILLed rank: resilient (cold and warm spare) against torchrun.
 
-    python benchmarks/recovery.py --ranks 4 --state-mb 100 --steps 30 --kill-at 14
+    python benchmarks/rank_recovery.py --ranks 4 --state-mb 100 --steps 30 --kill-at 14
 
 Runs examples/train_ddp.py three times on this machine, each time SIGKILLing rank
 ``--victim`` right after rank 0 printed step ``--kill-at``:
