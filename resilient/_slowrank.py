@@ -155,6 +155,11 @@ class SlowRankVote:
                 "their rate to anyone else: its links are all slow"
             )
             action = f"straggler-aware all_reduce: rank {slow} sends once, receives once"
+            # The finding itself (the schedule change below is the action taken).
+            events.emit(
+                "link.degraded", epoch=self.epoch, links=[(slow, -1, -1)], reason=reason,
+                action="switching all_reduce to the straggler-aware schedule", call=seq,
+            )  # fmt: skip
         else:
             reason = f"the other ranks send to rank {slow} about as fast as to anyone else"
             action = "all_reduce back to the normal schedule"
