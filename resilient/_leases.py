@@ -13,12 +13,11 @@ over. A hang is thus seen within the lease TTL plus one poll.
 from __future__ import annotations
 
 import logging
-import os
 
 from membership._etcd import EtcdClient
 from membership._keys import JobKeys
 from membership.members import MemberInfo
-from resilient.config import ENV_PREFIX, EtcdConfig, parse_endpoints
+from resilient.config import etcd_config
 from resilient.errors import MembershipError
 
 __all__ = ["LeaseWatch"]
@@ -31,17 +30,7 @@ class LeaseWatch:
     member key vanished without a departure since the previous call."""
 
     def __init__(self, etcd_url: str, job: str) -> None:
-        env = os.environ
-        config = EtcdConfig(
-            endpoints=parse_endpoints(etcd_url),
-            ca_cert=env.get(ENV_PREFIX + "ETCD_CA") or None,
-            cert=env.get(ENV_PREFIX + "ETCD_CERT") or None,
-            key=env.get(ENV_PREFIX + "ETCD_KEY") or None,
-            user=env.get(ENV_PREFIX + "ETCD_USER") or None,
-            password=env.get(ENV_PREFIX + "ETCD_PASSWORD") or None,
-            request_timeout_s=1.0,
-            retry_budget_s=1.0,
-        )
+        config = etcd_config(etcd_url, request_timeout_s=1.0, retry_budget_s=1.0)
         self._client = EtcdClient(config)
         self._keys = JobKeys(job)
         self._held: dict[int, int] = {}

@@ -23,6 +23,7 @@ __all__ = [
     "RankEnv",
     "RecoveryConfig",
     "env_token",
+    "etcd_config",
     "parse_endpoints",
     "validate_job_name",
 ]
@@ -40,6 +41,27 @@ def validate_job_name(job: str) -> str:
             "starting with a letter or digit"
         )
     return job
+
+
+def etcd_config(spec: str, env: Mapping[str, str] | None = None, **bounds: float) -> EtcdConfig:
+    """An :class:`EtcdConfig` for the endpoints in ``spec`` with the TLS and auth
+    settings of ``env`` (``RESILIENT_ETCD_CA``, ``_CERT``, ``_KEY``, ``_USER``,
+    ``_PASSWORD``); ``bounds`` set its time bounds.
+
+    Raises:
+        ConfigError: an endpoint is malformed.
+    """
+    env = os.environ if env is None else env
+    p = ENV_PREFIX
+    return EtcdConfig(
+        endpoints=parse_endpoints(spec),
+        ca_cert=env.get(p + "ETCD_CA") or None,
+        cert=env.get(p + "ETCD_CERT") or None,
+        key=env.get(p + "ETCD_KEY") or None,
+        user=env.get(p + "ETCD_USER") or None,
+        password=env.get(p + "ETCD_PASSWORD") or None,
+        **bounds,  # type: ignore[arg-type]
+    )
 
 
 def parse_endpoints(spec: str) -> tuple[str, ...]:
@@ -359,16 +381,7 @@ class RankEnv:
         """
         env = os.environ if env is None else env
         p = ENV_PREFIX
-        etcd: EtcdConfig | None = None
-        if env.get(p + "ETCD"):
-            etcd = EtcdConfig(
-                endpoints=parse_endpoints(env[p + "ETCD"]),
-                ca_cert=env.get(p + "ETCD_CA") or None,
-                cert=env.get(p + "ETCD_CERT") or None,
-                key=env.get(p + "ETCD_KEY") or None,
-                user=env.get(p + "ETCD_USER") or None,
-                password=env.get(p + "ETCD_PASSWORD") or None,
-            )
+        etcd = etcd_config(env[p + "ETCD"], env) if env.get(p + "ETCD") else None
         rails_raw = env.get(p + "RAILS", "")
         return cls(
             rank=rank if rank is not None else _env_int(env, "RANK"),
