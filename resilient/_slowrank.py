@@ -45,6 +45,9 @@ LEAVE_PERMILLE: Final = 800
 ENTER_VOTES: Final = 3
 LEAVE_VOTES: Final = 3
 COOLDOWN_CALLS: Final = 100
+# No entry in the first calls of an epoch: fresh links measure unevenly (slow
+# start, first touches); seen naming a healthy rank slow at the start of a job.
+WARMUP_CALLS: Final = 20
 
 Lagging = tuple[int, int, int]  # slowest peer (-1: none), its permille, measurements
 
@@ -113,7 +116,7 @@ class SlowRankVote:
         self._streak = 0
         self._candidate: int | None = None
         self._seen: tuple[int, ...] = ()
-        self._cooldown_until = 0
+        self._cooldown_until = WARMUP_CALLS
 
     def decide(self, seq: int, lagging: Sequence[Lagging]) -> int | None:
         """The slow rank for call ``seq`` (the same on every rank for the same table)."""

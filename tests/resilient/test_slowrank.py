@@ -8,6 +8,7 @@ from resilient._slowrank import (
     COOLDOWN_CALLS,
     ENTER_VOTES,
     LEAVE_VOTES,
+    WARMUP_CALLS,
     SlowRankVote,
     named,
     quorum,
@@ -38,7 +39,7 @@ def test_named_needs_a_quorum_below_the_threshold() -> None:
 
 
 def test_enters_after_fresh_votes_only_and_leaves_with_hysteresis() -> None:
-    vote, seq, count = SlowRankVote(0, 4), 0, 0
+    vote, seq, count = SlowRankVote(0, 4), WARMUP_CALLS, 0
 
     def step(slow: int | None, share: int, *, fresh: bool = True) -> int | None:
         nonlocal seq, count
@@ -64,6 +65,15 @@ def test_enters_after_fresh_votes_only_and_leaves_with_hysteresis() -> None:
     for _ in range(ENTER_VOTES):
         got = step(1, 100)
     assert got == 1
+
+
+def test_no_rank_is_named_slow_in_the_first_calls_of_an_epoch() -> None:
+    vote = SlowRankVote(0, 4)
+    for seq in range(1, WARMUP_CALLS):
+        assert vote.decide(seq, _table(4, 2, 100, seq)) is None
+    for seq in range(WARMUP_CALLS, WARMUP_CALLS + ENTER_VOTES):
+        got = vote.decide(seq, _table(4, 2, 100, seq))
+    assert got == 2
 
 
 @pytest.mark.parametrize("world", [1, 2])
