@@ -116,6 +116,8 @@ class StragglerWatch:
             reason=f"rank {t.rank} {what} (individual score {t.individual:.2f}, cause: {signal})",
             action="reported",
             call=t.step,
+            relative=round(t.relative, 3),
+            cause=signal,
         )
         logger.warning(
             "rank %d (epoch %d, call %d): rank %d straggler %s (relative %.2f, cause %s)",

@@ -121,6 +121,14 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "process per rank; only while restarts are left)",
     )
     run.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics: ranks and "
+        "incarnations, restarts, recoveries, event counts, links down, straggler "
+        "scores, each rank's step and step time (default: off)",
+    )
+    run.add_argument(
         "--log-dir",
         metavar="DIR",
         help="also write each rank's output to DIR/rank<N>.log (appended across restarts)",
@@ -175,6 +183,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         etcd=args.etcd,
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
+        metrics_port=args.metrics_port,
         log_dir=args.log_dir,
         run_dir=args.run_dir,
         lease_ttl_s=args.lease_ttl,

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from membership.server import EmbeddedEtcd
     from recovery.events import EventLog
     from resilient._leases import LeaseWatch
+    from resilient._metrics import JobMetrics, MetricsServer
 
 __all__ = [
     "MAX_LOCAL_RANKS",
@@ -196,11 +197,15 @@ class LaunchConfig:
     # One standby process per rank that already imported torch (resilient._standby):
     # a failed rank's standby takes over at once instead of a cold start.
     warm_spares: bool = False
+    # Serve Prometheus metrics on this port (all interfaces; 0: any free port).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
         _check_int("rails", self.rails, 1, MAX_RAILS)
         _check_int("max_restarts", self.max_restarts, 0, None)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, 0, 65535)
         # etcd leases are whole seconds and the keep-alive runs every ttl/3.
         _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)
         _check_seconds("grace_s", self.grace_s, minimum=0.0, inclusive=False)
@@ -249,6 +254,12 @@ class _Slot:
     spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
 
 
+def _slot_state(slot: _Slot) -> str:
+    if slot.done:
+        return "done"
+    return "running" if slot.proc is not None and slot.proc.poll() is None else "restarting"
+
+
 class _Run:
     """The state of one ``Launcher.run()``: etcd, the rank slots, the restart budget."""
 
@@ -265,6 +276,8 @@ class _Run:
         self._master_port = 0
         self._restarts = 0
         self._leases: LeaseWatch | None = None
+        self._metrics: MetricsServer | None = None
+        self._job_metrics: JobMetrics | None = None
         self._lease_poll_at = 0.0
         self._events: EventLog | None = None
         if config.run_dir is not None:
@@ -296,6 +309,7 @@ class _Run:
             self._start(slot)
         for slot in self._slots:
             self._start_spare(slot)
+        self._serve_metrics()
         return self._supervise()
 
     def shutdown(self) -> None:
@@ -306,6 +320,10 @@ class _Run:
             self._out.close()
             if self._leases is not None:
                 self._leases.close()
+            if self._metrics is not None:
+                self._metrics.stop()
+            if self._job_metrics is not None:
+                self._job_metrics.close()
             if self._events is not None:
                 self._events.close()
             if self._etcd is not None:
@@ -324,6 +342,31 @@ class _Run:
                 self._out.notice(f"all {len(self._slots)} rank(s) finished")
                 return 0
             time.sleep(_POLL_S)
+
+    def _serve_metrics(self) -> None:
+        """Start the Prometheus endpoint, if asked for (resilient._metrics).
+
+        Raises:
+            LauncherError: the port cannot be bound.
+        """
+        cfg = self._cfg
+        if cfg.metrics_port is None:
+            return
+        from resilient._metrics import JobMetrics, MetricsServer
+
+        def slots() -> list[tuple[int, int, str]]:
+            return [(s.rank, s.incarnation, _slot_state(s)) for s in self._slots]
+
+        self._job_metrics = JobMetrics(
+            job=cfg.job, slots=slots, restarts=lambda: self._restarts,
+            run_dir=cfg.run_dir, etcd_url=self._etcd_url or None,
+        )  # fmt: skip
+        try:
+            self._metrics = MetricsServer("0.0.0.0", cfg.metrics_port, self._job_metrics.collect)
+        except OSError as exc:
+            raise LauncherError(f"cannot serve metrics on port {cfg.metrics_port}: {exc}") from exc
+        self._metrics.start()
+        self._out.notice(f"metrics on http://0.0.0.0:{self._metrics.port}/metrics")
 
     def _poll_leases(self) -> None:
         """Kill a rank whose lease expired while it runs (hung): the kill path and

@@ -560,3 +560,51 @@ record("done")
     err = capsys.readouterr().err
     assert "rank 0 (incarnation 0) hung: its lease expired while it runs; killing it" in err
     assert "rank 0 hung (its lease expired) and was killed; restarting as incarnation 1" in err
+
+
+@pytest.mark.timeout(90)
+def test_metrics_show_ranks_restarts_and_events_while_the_job_runs(
+    tmp_path: Path, etcd_url: str
+) -> None:
+    from resilient._proc import free_port
+
+    script, out = make_script(
+        tmp_path,
+        """
+if RANK == 1 and INC == 0:
+    sys.exit(3)
+wait_for("scraped", timeout=60)
+record("done")
+""",
+    )
+    port = free_port()
+    cfg = config(
+        script, out, nproc=2, etcd=etcd_url, max_restarts=1, metrics_port=port,
+        run_dir=str(tmp_path / "run"), echo=False,
+    )  # fmt: skip
+    launcher = Launcher(cfg)
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(launcher.run()))
+    runner.start()
+    text = ""
+    try:
+
+        def scraped() -> bool:
+            nonlocal text
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except (urllib.error.URLError, ConnectionError):
+                return False
+            want = ('resilient_rank_incarnation{rank="1"} 1', 'state="running"} 2', "rank.lost")
+            return all(w in text for w in want)
+
+        assert wait_until(scraped, 30), text
+    finally:
+        (out / "scraped").write_text("")
+        runner.join(60)
+    assert codes == [0]
+    assert 'resilient_ranks{state="running"} 2' in text
+    assert "resilient_restarts_total 1" in text
+    assert 'resilient_events_total{kind="rank.lost"} 1' in text
+    assert "# TYPE resilient_restarts_total counter" in text
