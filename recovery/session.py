@@ -133,12 +133,25 @@ class Session:
 
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Step numbers from ``start`` to ``total - 1``; after a recovery it goes on
-        from the step after the last committed one (so a step may come twice)."""
-        self._next = max(self._next, start)
+        from the step after the last committed one (so a step may come twice).
+
+        Raises:
+            RecoveryError: a step was not run under :meth:`step` (it would repeat
+                forever), or joining the job failed (a replacement).
+        """
+        if start > self._next:
+            # Resumed from a checkpoint of step ``start - 1``: that is committed.
+            self._next, self.committed = start, max(self.committed, start - 1)
         if self.pg is not None and self.pg.joining:
             self._join()
         while self._next < total:
+            before = (self._next, self.recoveries)
             yield self._next
+            if (self._next, self.recoveries) == before:
+                raise RecoveryError(
+                    f"step {self._next} was not run under `with session.step({self._next}):`; "
+                    "Session.steps() moves on only when a step commits or recovers"
+                )
 
     @contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -152,7 +165,7 @@ class Session:
             yield
         except Exception as exc:
             lost = self.pg.lost if self.pg is not None else None
-            if lost is None and not isinstance(exc, PeerLost):
+            if self.pg is None or (lost is None and not isinstance(exc, PeerLost)):
                 raise
             self._recover(n, lost or exc)
             return
