@@ -47,6 +47,8 @@ from typing import Any
 import psutil
 from _common import print_table
 
+from recovery.events import read_events
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
 _STEP = re.compile(r"step\s+(\d+) loss")
@@ -123,13 +125,6 @@ def _launch(name: str, argv: list[str], env: dict[str, str], args: argparse.Name
     return run
 
 
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted((run_dir / "events").glob("*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    return out
-
-
 def _summary(run: Run, ranks: int) -> dict[str, Any]:
     """What rank 0's output shows: when training came back, and steps done again."""
     if run.killed_at is None:
@@ -187,7 +182,7 @@ def _resilient(args: argparse.Namespace, width: int, warm: bool, tmp: Path) -> d
     run = _launch("resilient warm spare" if warm else "resilient cold", argv, {}, args)
     out = _summary(run, args.ranks)
     if run.killed_at is not None:
-        _with_events(out, _events(run_dir), wall0 + (run.killed_at - mono0))
+        _with_events(out, read_events(run_dir), wall0 + (run.killed_at - mono0))
     return out
 
 

@@ -207,16 +207,11 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             finally:
                 if channel is not None:
                     channel.mark_done()
-
-        def counted() -> Any:
-            try:
-                return run()
-            finally:
                 self._calls_out += 1
 
         fut: Future[Any] = Future()
         self._calls_in += 1
-        self._queue.put((counted, fut))
+        self._queue.put((run, fut))
         return ResilientWork(fut, op)
 
     def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
