@@ -31,7 +31,7 @@ import logging
 from typing import TYPE_CHECKING, Final
 
 from recovery import events
-from recovery.straggler import StragglerDetector, Transition
+from recovery.straggler import StragglerConfig, StragglerDetector, Transition
 
 if TYPE_CHECKING:
     from resilient._signature import Exchange
@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 STALL_SAMPLE_S: Final = 0.05
 COMPUTE_SAMPLE_S: Final = 0.4
 MIN_CALLS: Final = 2
+# Stolen time is a strong signal (a healthy rank's is timer slack), so the stall
+# detector asks for a wider gap and fewer, shorter-smoothed samples: a rank stopped
+# 30 % of the time must be confirmed within 20 steps even on a loaded machine, where
+# every sample is slower and the default (6 of 10 samples) took 13-14 steps.
+STALL_CONFIG: Final = StragglerConfig(recent=3, margin=0.2, confirm_steps=4, confirm_window=6)
 
 Clock = tuple[int, int, int]  # active, waited, stolen (us)
 
@@ -76,7 +81,7 @@ class StragglerWatch:
 
     def __init__(self, rank: int, epoch: int = 0) -> None:
         self.rank, self.epoch = rank, epoch
-        self.stalled = StragglerDetector()
+        self.stalled = StragglerDetector(STALL_CONFIG)
         self.compute = StragglerDetector()
         self._stall_sampler = _Sampler(STALL_SAMPLE_S)
         self._compute_sampler = _Sampler(COMPUTE_SAMPLE_S)

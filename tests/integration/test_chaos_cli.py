@@ -288,7 +288,7 @@ straggler_confirmed_within_steps = 20
     out = tmp_path / "out"
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 200)
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], stderr[-3000:]
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
     confirmed = {e["rank"] for e in events if e["kind"] == "straggler.confirmed"}
@@ -318,7 +318,7 @@ max_recovery_s = 5.0
     out = tmp_path / "out"
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], stderr[-3000:]
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
     assert "restarting as incarnation 1 (warm spare)" in stderr
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
