@@ -69,7 +69,8 @@ class PeerWatch:
         for table in self._tables():
             for link in list(table.links().values()):
                 link.check_closed()
-                if link.broken and link.peer_closed and id(link) not in self._seen:
+                closed = (link.broken and link.peer_closed) or link.socket_gone
+                if closed and id(link) not in self._seen:
                     self._seen.add(id(link))
                     found = True
         return found

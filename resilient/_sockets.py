@@ -40,7 +40,19 @@ from typing import Any, Final
 
 import psutil
 
-__all__ = ["BUILD_LOCK", "Conn", "Progress", "capture", "cut", "pair_up", "progress", "sent"]
+__all__ = [
+    "BUILD_LOCK",
+    "PEER_GONE_STATES",
+    "Conn",
+    "Progress",
+    "capture",
+    "cut",
+    "pair_up",
+    "peer_closed",
+    "progress",
+    "sent",
+    "tcp_state",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -222,13 +234,19 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
 
 
 # tcpi_state values: the peer sent FIN (CLOSE_WAIT) or RST (CLOSE).
-_PEER_GONE_STATES: Final = frozenset({7, 8})
+PEER_GONE_STATES: Final = frozenset({7, 8})
 
 
 def peer_closed(conn: Conn) -> bool:
     """Whether the kernel saw the other end close or reset ``conn``."""
+    return tcp_state(conn) in PEER_GONE_STATES
+
+
+def tcp_state(conn: Conn) -> int | None:
+    """``conn``'s TCP state (``tcpi_state``), or None once its descriptor is gone
+    (gloo closes a pair's socket itself when it reads the peer's FIN or RST)."""
     raw = _tcp_info(conn, 8)
-    return raw is not None and len(raw) >= 1 and raw[0] in _PEER_GONE_STATES
+    return raw[0] if raw is not None and len(raw) >= 1 else None
 
 
 def progress(conn: Conn) -> Progress | None:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Final
 
@@ -155,9 +155,17 @@ class Link:
         # Set when the peer closed or reset the connection (its process is gone, or
         # it cut the link on purpose: the health board tells which).
         self.peer_closed = False
+        self.socket_gone = False  # see check_closed
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
+
+    def renumber(self, rank: int, peer: int) -> None:
+        """Give both ends new numbers (a group that shrank or grew); their order
+        must not change, since it decides which end of the pair this is."""
+        if (rank < peer) != (self.rank < self.peer):
+            raise ConfigError(f"{self!r}: renumbering to {rank}<->{peer} swaps the pair's ends")
+        self.rank, self.peer = rank, peer
 
     def _injected_failure(self, what: str) -> None:
         h = _faults.hook()
@@ -263,8 +271,17 @@ class Link:
 
     def check_closed(self) -> bool:
         """Mark the link broken if the kernel saw its peer close or reset the
-        connection (no op needs to be pending on it); True if it did."""
-        if self.broken or not any(_sockets.peer_closed(conn) for conn in self._conns):
+        connection (no op needs to be pending on it); True if it did.
+
+        Also notes in :attr:`socket_gone` that the connection's descriptor is gone:
+        gloo closes a pair's socket itself once it read the peer's FIN or RST, and
+        then the kernel has no state left to show (resilient._lost weighs it).
+        """
+        if self.broken:
+            return False
+        states = [_sockets.tcp_state(conn) for conn in self._conns]
+        self.socket_gone = bool(states) and all(s is None for s in states)
+        if not any(s in _sockets.PEER_GONE_STATES for s in states):
             return False
         self._failed(f"{self}: connection closed by peer (seen by the kernel)", "marked broken")
         return True
@@ -570,18 +587,38 @@ class LinkTable:
             link.abort(reason)
         return len(busy)
 
-    def renew(self, epoch: int, keep: Iterable[tuple[int, int]]) -> int:
+    def renew(
+        self,
+        epoch: int,
+        keep: Iterable[tuple[int, int]],
+        *,
+        rank: int | None = None,
+        renumber: Mapping[int, int] | None = None,
+    ) -> int:
         """Enter ``epoch``: keep the links in ``keep`` (same objects), close every
         other one in the background; new links rendezvous under the new epoch, at
-        generation 0. Returns how many links were dropped."""
+        generation 0. Returns how many links were dropped.
+
+        ``rank`` and ``renumber`` (old peer number -> new) move the table to the
+        numbering of a group that lost or gained members: the kept links' peers are
+        renumbered. The numbering must keep the ranks' order (a pair's two ends
+        are told apart by which rank is lower).
+        """
         wanted = set(keep)
         with self._lock:
             self.epoch = epoch
             self.abandoned = None
             drop = [lk for key, lk in self._links.items() if key not in wanted]
             drop += [lk for lk, _ in self._staged.values()]
-            self._links = {k: lk for k, lk in self._links.items() if k in wanted}
-            self._generation = {k: g for k, g in self._generation.items() if k in self._links}
+            kept = {k: lk for k, lk in self._links.items() if k in wanted}
+            gens = {k: g for k, g in self._generation.items() if k in kept}
+            if rank is not None and renumber is not None:
+                kept = {(renumber[p], r): lk for (p, r), lk in kept.items()}
+                gens = {(renumber[p], r): g for (p, r), g in gens.items()}
+                for (peer, _), link in kept.items():
+                    link.renumber(rank, peer)
+                self.rank = rank
+            self._links, self._generation = kept, gens
             self._staged = {}
             self.relayed = set()
         for link in drop:

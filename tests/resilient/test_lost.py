@@ -1,0 +1,62 @@
+"""Telling a dead peer from a broken link (pure logic over link states)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from resilient._lost import dead_peer
+
+
+@dataclass
+class _Link:
+    broken: bool = False
+    peer_closed: bool = False
+    socket_gone: bool = False
+
+
+class _Table:
+    def __init__(self, links: dict[tuple[int, int], _Link]) -> None:
+        self._links = links
+
+    def links(self) -> dict[tuple[int, int], _Link]:
+        return dict(self._links)
+
+
+class _Board:
+    def __init__(self, cut: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.cut = cut
+
+    def peer_cut(self, peer: int) -> bool:
+        return peer in self.cut
+
+
+CLOSED = _Link(broken=True, peer_closed=True)
+GONE = _Link(socket_gone=True)
+OK = _Link()
+STALLED = _Link(broken=True)  # failed at a deadline: the peer may be alive
+
+
+def _dead(links: dict[tuple[int, int], _Link], board: Any = None) -> int | None:
+    return dead_peer([_Table(links)], 2, board or _Board())  # type: ignore[list-item]
+
+
+@pytest.mark.timeout(10)
+def test_a_peer_closed_on_every_rail_is_dead() -> None:
+    assert _dead({(2, 0): CLOSED, (2, 1): CLOSED, (1, 0): OK}) == 2
+
+
+@pytest.mark.timeout(10)
+def test_a_rail_whose_socket_gloo_already_closed_counts_with_one_closed_rail() -> None:
+    assert _dead({(2, 0): CLOSED, (2, 1): GONE}) == 2
+    # Gone sockets alone never make a peer dead: some error of the peer's must show.
+    assert _dead({(2, 0): GONE, (2, 1): GONE}) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_stalled_rail_or_a_peer_that_cut_its_links_is_not_dead() -> None:
+    assert _dead({(2, 0): CLOSED, (2, 1): STALLED}) is None
+    assert _dead({(2, 0): CLOSED, (2, 1): OK}) is None
+    assert _dead({(2, 0): CLOSED, (2, 1): CLOSED}, _Board({2})) is None
