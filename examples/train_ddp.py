@@ -13,7 +13,9 @@ Steps run under ``recovery.Session``: a step's optimizer update is committed onl
 when all its collectives succeeded. When a rank is lost and ``resilient run``
 restarts it, the survivors and the replacement agree on a new epoch, the
 replacement gets the model and optimizer state from a live rank, and the
-interrupted step is replayed; no other rank restarts.
+interrupted step is replayed; no other rank restarts. With
+``RESILIENT_SHRINK_AFTER_S`` (``resilient run --min-ranks``) and no replacement,
+the survivors go on without the lost rank and take over its data shard.
 """
 
 from __future__ import annotations
@@ -126,9 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     step_ms: list[float] = []
 
     def train_step(
-        step: int, rows: int = args.batch, ddp: nn.Module = ddp, opt: torch.optim.Optimizer = opt
+        step: int,
+        rows: int = args.batch,
+        shards: tuple[int, ...] = (rank,),
+        ddp: nn.Module = ddp,
+        opt: torch.optim.Optimizer = opt,
     ) -> torch.Tensor:
-        x, y = batch(args.seed, rank, step, args.width, rows)
+        # ``shards``: whose data this rank trains on (after a shrink, a lost rank's
+        # shard is dealt to a survivor; see Session.shards).
+        parts = [batch(args.seed, r, step, args.width, rows) for r in shards]
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -140,16 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     state = TrainState(model, opt)
     # A replacement runs ``warmup`` alone twice before it is admitted (DDP builds
     # its buckets then); one row is enough for that.
-    session = Session(dist.group.WORLD, state, warmup=functools.partial(train_step, 0, 1))
+    # ddp=: gradients are averaged over the ranks taking part (fewer after a shrink).
+    session = Session(dist.group.WORLD, state, warmup=functools.partial(train_step, 0, 1), ddp=ddp)
     # A restarted job (torchrun --max-restarts) resumes from its last checkpoint.
     first = load_checkpoint(args.checkpoint_dir, state)
     for step in session.steps(args.steps, start=first):
         with session.step(step):
             start = time.perf_counter()
-            mean_loss = train_step(step).clone()
+            mean_loss = train_step(step, shards=tuple(session.shards())).clone()
             dist.all_reduce(mean_loss)  # SUM: gloo has no AVG
             step_ms.append((time.perf_counter() - start) * 1e3)
-            losses.append(float(mean_loss) / world)
+            losses.append(float(mean_loss) / len(session.members))
             reporter.step(step, loss=losses[-1], step_ms=round(step_ms[-1], 3))
             if rank == 0 and not args.quiet:
                 print(f"step {step:4d} loss {losses[-1]:.6f} ({step_ms[-1]:.1f} ms)", flush=True)

@@ -8,6 +8,14 @@ Once the records of all ``world`` ranks are there, every rank computes the same
 compare-and-swap (``recovery/epoch``: ``epoch`` -> ``epoch + 1``). Nothing else is
 exchanged: the plan is a pure function of the records.
 
+**Shrink.** With ``shrink_after_s``, ranks stop waiting for missing records (no
+replacement came) once that long has passed and at least ``min_ranks`` records are
+in: the next epoch goes on with the ranks that reported. Which ranks those are is
+decided once, by whichever rank gets there first, with a compare-and-set on
+``recovery/e<epoch>/members`` (a replacement reporting just then could otherwise
+be counted by some ranks and not by others); everyone uses that decision. A
+record that arrives later (a slow replacement) is left out of this epoch.
+
 The plan keeps a link only if both ends still hold it and its counters match
 (everything one end posted the other end posted too, and nothing is left half
 done): a stale posted receive would swallow the next message with its tag. The
@@ -74,6 +82,7 @@ class Plan:
     """The next epoch, the same on every rank."""
 
     epoch: int
+    members: tuple[int, ...]  # the ranks of the next epoch (fewer than world: shrunk)
     step: int  # the donor's committed step: training resumes at step + 1
     donor: int
     receivers: tuple[int, ...]
@@ -117,6 +126,7 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     data, ctl = _kept(records, "data"), _kept(records, "ctl")
     return Plan(
         epoch=epoch + 1,
+        members=tuple(sorted(records)),
         step=step,
         donor=donor,
         receivers=tuple(sorted(r.rank for r in records.values() if r.step < step)),
@@ -133,33 +143,75 @@ def current_epoch(store: Store) -> int:
     return int(bytes(store.get(EPOCH_KEY)).decode())
 
 
-def agree(store: Store, *, epoch: int, world: int, record: Record, timeout_s: float) -> Plan:
-    """Publish ``record`` for leaving ``epoch``, wait for all ``world`` records, and
-    return the plan after moving the epoch counter to ``epoch + 1``.
+def agree(
+    store: Store,
+    *,
+    epoch: int,
+    world: int,
+    record: Record,
+    timeout_s: float,
+    shrink_after_s: float | None = None,
+    min_ranks: int = 1,
+) -> Plan:
+    """Publish ``record`` for leaving ``epoch``, wait for the records of all ``world``
+    ranks (or, after ``shrink_after_s``, of those that reported: see the module
+    docstring), and return the plan after moving the epoch counter to ``epoch + 1``.
 
     Raises:
-        RecoveryError: some ranks did not report within ``timeout_s`` (named).
+        RecoveryError: ranks did not report within ``timeout_s`` (named), or the
+            next epoch was decided without this rank.
         StaleEpoch: the epoch counter is neither ``epoch`` nor ``epoch + 1``.
     """
     prefix = f"recovery/e{epoch}/r"
     store.set(f"{prefix}{record.rank}", record.to_json())
-    keys = [f"{prefix}{r}" for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    missing = keys
-    while missing:
-        missing = [k for k in missing if not store.check([k])]
-        if missing and time.monotonic() > deadline:
-            ranks = [int(k.rsplit("r", 1)[1]) for k in missing]
-            raise RecoveryError(
-                f"rank {record.rank} (epoch {epoch}): ranks {ranks} did not report for "
-                f"epoch {epoch + 1} within {timeout_s:.0f} s (no replacement came)"
-            )
-        if missing:
-            time.sleep(_POLL_S)
-    records = {r: Record.from_json(bytes(store.get(k))) for r, k in enumerate(keys)}
+    members = _decide(
+        store, epoch=epoch, world=world, me=record.rank, timeout_s=timeout_s,
+        shrink_after_s=shrink_after_s, min_ranks=min_ranks,
+    )  # fmt: skip
+    if record.rank not in members:
+        raise RecoveryError(
+            f"rank {record.rank} (epoch {epoch}): epoch {epoch + 1} was decided without it "
+            f"(members {list(members)}): it reported after the group shrank"
+        )
+    records = {r: Record.from_json(bytes(store.get(f"{prefix}{r}"))) for r in members}
     plan = make_plan(epoch, records)
     expected = "" if epoch == 0 else str(epoch)
     now = bytes(store.compare_set(EPOCH_KEY, expected, str(epoch + 1))).decode()
     if now != str(epoch + 1):
         raise StaleEpoch(EPOCH_KEY, expected=epoch, current=int(now or 0))
     return plan
+
+
+def _decide(
+    store: Store,
+    *,
+    epoch: int,
+    world: int,
+    me: int,
+    timeout_s: float,
+    shrink_after_s: float | None,
+    min_ranks: int,
+) -> tuple[int, ...]:
+    """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc)."""
+    prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
+    start = time.monotonic()
+    while True:
+        if store.check([decided]):
+            return _members(store.get(decided))
+        present = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+        waited = time.monotonic() - start
+        shrink = shrink_after_s is not None and waited >= shrink_after_s
+        if len(present) == world or (shrink and len(present) >= min_ranks):
+            return _members(store.compare_set(decided, "", json.dumps(present)))
+        if waited > timeout_s:
+            missing = sorted(set(range(world)) - set(present))
+            few = f"; {len(present)} reported, fewer than min_ranks={min_ranks}" if shrink else ""
+            raise RecoveryError(
+                f"rank {me} (epoch {epoch}): ranks {missing} did not report for epoch "
+                f"{epoch + 1} within {timeout_s:.0f} s (no replacement came{few})"
+            )
+        time.sleep(_POLL_S)
+
+
+def _members(raw: Any) -> tuple[int, ...]:
+    return tuple(sorted(int(r) for r in json.loads(bytes(raw).decode())))

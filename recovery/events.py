@@ -38,6 +38,7 @@ __all__ = [
     "default_log",
     "emit",
     "read_events",
+    "set_members",
 ]
 
 logger = logging.getLogger(__name__)
@@ -217,8 +218,35 @@ def default_log() -> EventLog | None:
         return _DEFAULT
 
 
+# The real rank of each position while this process's group runs with fewer
+# members than its world (after a shrink); None while every rank takes part.
+_MEMBERS: tuple[int, ...] | None = None
+
+
+def set_members(members: Sequence[int] | None) -> None:
+    """Name ranks by ``members[position]`` in later events: a group that shrank
+    numbers its members 0..M-1 internally, and SREs read job-wide rank ids."""
+    global _MEMBERS
+    _MEMBERS = None if members is None else tuple(members)
+
+
+def _real(pos: int) -> int:
+    members = _MEMBERS
+    return members[pos] if members is not None and 0 <= pos < len(members) else pos
+
+
 def emit(kind: str, **fields: Any) -> None:
-    """Emit to this process's default log, if it has one (no-op otherwise)."""
+    """Emit to this process's default log, if it has one (no-op otherwise).
+
+    ``links`` and ``rank`` are positions in the group; after a shrink they are
+    written as the job's rank ids (see :func:`set_members`).
+    """
     log = default_log()
-    if log is not None:
-        log.emit(kind, **fields)
+    if log is None:
+        return
+    if _MEMBERS is not None:
+        if "links" in fields:
+            fields["links"] = [(_real(a), _real(b), *rest) for a, b, *rest in fields["links"]]
+        if fields.get("rank") is not None:
+            fields["rank"] = _real(int(fields["rank"]))
+    log.emit(kind, **fields)

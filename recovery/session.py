@@ -28,6 +28,13 @@ trains from the replayed step.
 
 Per-rank data must be a function of (rank, step) (or be restored through
 ``extra``): the donor's state replaces the replacement's, RNG included.
+
+**Shrink.** With ``RecoveryConfig.shrink_after_s`` (``RESILIENT_SHRINK_AFTER_S``),
+survivors that waited that long for a replacement go on without it: the group
+numbers its members anew (only links to the lost rank go), all_reduce reduces over
+the members, and :attr:`Session.shard` tells each rank which part of the data is
+its now (deterministic: the same on every rank). Pass the DDP module as ``ddp=``
+so gradients are averaged over the members, not over the original world size.
 """
 
 from __future__ import annotations
@@ -116,6 +123,7 @@ class Session:
         commit: Callable[[], None] | None = None,
         warmup: Callable[[], Any] | None = None,
         config: RecoveryConfig | None = None,
+        ddp: Any = None,
     ) -> None:
         from resilient.process_group import ResilientProcessGroup
 
@@ -130,6 +138,30 @@ class Session:
         self.replayed = 0
         self._payload: bytes | None = None
         self._rank = int(pg.rank()) if pg is not None else 0
+        self._world = int(pg.size()) if pg is not None else 1
+        if ddp is not None and self.pg is not None:
+            average_over_members(ddp, self.pg)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks training now: all of them, or fewer after a shrink."""
+        return self.pg.members if self.pg is not None else tuple(range(self._world))
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(index, count)``: this rank's share of the data is part ``index`` of
+        ``count``. The same on every rank; ``(rank, world)`` until a shrink."""
+        members = self.members
+        return members.index(self._rank), len(members)
+
+    def shards(self) -> list[int]:
+        """The original per-rank data shards this rank covers now: its own, plus
+        those of ranks that left, dealt round-robin (shard ``j`` goes to member
+        ``j % count``), so every shard is still trained on exactly once."""
+        index, count = self.shard
+        if count == self._world:
+            return [self._rank]
+        return [j for j in range(self._world) if j % count == index]
 
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Step numbers from ``start`` to ``total - 1``; after a recovery it goes on
@@ -239,17 +271,21 @@ class Session:
         plan = agree(
             self.pg.store,
             epoch=epoch,
-            world=self.pg.size(),
+            world=self._world,
             record=record,
             timeout_s=self.config.replace_timeout_s,
+            shrink_after_s=self.config.shrink_after_s,
+            min_ranks=self.config.min_ranks,
         )
+        before = self.pg.members
+        kept = plan.keep_data[self._rank]
         dropped = self.pg.enter_epoch(
-            plan.epoch, keep_data=plan.keep_data[self._rank], keep_ctl=plan.keep_ctl[self._rank]
+            plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members
         )
         events.emit(
-            "epoch.changed", epoch=plan.epoch,
-            reason=f"ranks {list(plan.joined)} replaced" if plan.joined else "peer lost",
-            action=f"kept {len(plan.keep_data[self._rank])} data link(s), dropped {dropped}",
+            "epoch.changed", epoch=plan.epoch, reason=_why(before, plan),
+            action=f"kept {len(kept)} data link(s), dropped {dropped}",
+            members=list(plan.members), kept=len(kept), dropped=dropped,
         )  # fmt: skip
         logger.info(
             "rank %d (epoch %d, step %d): donor %d, receivers %s, %d link(s) dropped",
@@ -289,3 +325,44 @@ class Session:
         buf = io.BytesIO()
         torch.save({"step": self.committed, "state": self.state.state_dict()}, buf)
         return buf.getvalue()
+
+
+def _why(before: tuple[int, ...], plan: Plan) -> str:
+    """What changed between two epochs' members, for the event log."""
+    gone = sorted(set(before) - set(plan.members))
+    back = sorted(set(plan.members) - set(before))
+    parts = []
+    if plan.joined:
+        parts.append(f"ranks {list(plan.joined)} replaced")
+    if gone:
+        parts.append(f"ranks {gone} left: no replacement in time; {len(plan.members)} ranks go on")
+    if back:
+        parts.append(f"ranks {back} back")
+    return "; ".join(parts) or "peer lost"
+
+
+def average_over_members(ddp: Any, pg: Any) -> None:
+    """Make ``ddp`` average gradients over the group's members of the moment.
+
+    DDP divides by the world size it saw at construction; after a shrink that
+    would scale every update by (members / world). This comm hook scales by
+    1/members instead, before a sum all_reduce, exactly as DDP's own default
+    scales by 1/world, so while every rank takes part the bits are the same as
+    without it.
+
+    Raises:
+        RuntimeError: (from DDP) a comm hook was already registered, or training
+            already started.
+    """
+    import torch.distributed as dist
+
+    def hook(_: Any, bucket: Any) -> Any:
+        buf = bucket.buffer()
+        buf.mul_(1.0 / len(pg.members))
+        work = dist.all_reduce(buf, group=pg, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    # DDP rejects a hook whose annotations are not its own types; under postponed
+    # evaluation they are strings, so the hook shows none.
+    hook.__annotations__.clear()
+    ddp.register_comm_hook(None, hook)

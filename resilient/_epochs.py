@@ -29,7 +29,7 @@ from resilient._transfer import recv_bytes, send_bytes
 from resilient._weights import WeightLearner
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
-from resilient.errors import PeerLost, RecoveryError
+from resilient.errors import MembershipError, PeerLost, RecoveryError
 from resilient.links import LinkTable
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ class EpochControl:
     board: HealthBoard
     incarnation: int
     _epoch: int
+    _members: tuple[int, ...]  # the ranks taking part in this epoch (all, or fewer)
+    _pos: int  # this rank's position among them: its number inside the epoch
     _store: Store
     _joining: bool
     _lost: PeerLost | None
@@ -83,7 +85,8 @@ class EpochControl:
     def _setup_epoch(self, epoch: int, ctl_links: LinkTable | None) -> None:
         """Build what lives for one epoch over ``self.links`` (and ``ctl_links``, the
         control links kept from the last epoch, if any)."""
-        rank, world_size = self.rank(), self.size()
+        # Everything of an epoch numbers its members 0..M-1 (M < world after a shrink).
+        rank, world_size = self._pos, len(self._members)
         engine = self.engine
         assert isinstance(engine, RingEngine)
         self._epoch = epoch
@@ -98,6 +101,7 @@ class EpochControl:
         # A lossy rail is proposed slower than it measures (see resilient._loss).
         self._loss = RailLoss(self._retransmissions)
         self._stragglers = StragglerWatch(rank, epoch)
+        events.set_members(self._members if world_size < self.size() else None)
         # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
         # from mesh reductions.
         self._slow_vote = (
@@ -150,6 +154,33 @@ class EpochControl:
         return self._epoch
 
     @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks taking part in this epoch: all of them, or fewer after a shrink."""
+        return self._members
+
+    def _position(self, rank: int, what: str) -> int:
+        """``rank``'s number inside this epoch.
+
+        Raises:
+            MembershipError: ``rank`` left the group (it shrank without it).
+        """
+        if rank not in self._members:
+            raise MembershipError(
+                f"rank {self.rank()} (epoch {self._epoch}): {what} names rank {rank}, which "
+                f"left the group (members now {list(self._members)})"
+            )
+        return self._members.index(rank)
+
+    def _need_every_rank(self, op: str) -> None:
+        """Raises MembershipError for an op whose shapes need all ``size()`` ranks."""
+        if len(self._members) != self.size():
+            raise MembershipError(
+                f"rank {self.rank()} (epoch {self._epoch}): {op} needs all {self.size()} "
+                f"ranks; the group runs with {len(self._members)} after a shrink "
+                "(all_reduce, broadcast and barrier work over the members)"
+            )
+
+    @property
     def store(self) -> Store:
         """The store links rendezvous through (etcd or the init store)."""
         return self._store
@@ -174,12 +205,13 @@ class EpochControl:
         return self._declare_lost(peer, f"its connections closed on all {len(self.rails)} rail(s)")
 
     def _peer_reported_lost(self, peer: int, reporter: int) -> None:
-        """Health board callback: ``reporter`` saw ``peer`` gone."""
-        self._declare_lost(peer, f"rank {reporter} saw it gone")
+        """Health board callback: ``reporter`` saw ``peer`` gone (both positions)."""
+        self._declare_lost(peer, f"rank {self._members[reporter]} saw it gone")
 
     def _declare_lost(self, peer: int, why: str) -> PeerLost:
         """Give up this epoch's calls because ``peer`` is gone; tell the others.
 
+        ``peer`` is a position in this epoch; :class:`PeerLost` names its rank.
         Every later call fails at once; exchanges not started are failed and
         nothing fails over. An op still pending after ``ABANDON_GRACE_S`` has its
         link cut: its peer gave the call up too, so it would only end at its
@@ -189,20 +221,21 @@ class EpochControl:
         with self._lost_lock:
             if self._lost is not None:
                 return self._lost
+            real = self._members[peer]
             lost = PeerLost(
-                f"rank {self.rank()} (epoch {self._epoch}): rank {peer} is gone: {why}",
-                peer=peer,
+                f"rank {self.rank()} (epoch {self._epoch}): rank {real} is gone: {why}",
+                peer=real,
                 epoch=self._epoch,
             )
             self._lost = lost
         events.emit(
-            "rank.lost", epoch=self._epoch, links=[(self.rank(), peer, -1)], reason=why,
+            "rank.lost", epoch=self._epoch, links=[(self._pos, peer, -1)], reason=why,
             action="fail this step's calls at once; recover through the store",
         )  # fmt: skip
-        logger.warning("rank %d (epoch %d): rank %d lost: %s", self.rank(), self._epoch, peer, why)
-        reason = f"rank {peer} was lost: this epoch's calls are given up"
+        logger.warning("rank %d (epoch %d): rank %d lost: %s", self.rank(), self._epoch, real, why)
+        reason = f"rank {real} was lost: this epoch's calls are given up"
         if self._channel is not None:
-            self._channel.fail_pending(PeerLost(str(lost), peer=peer, epoch=self._epoch))
+            self._channel.fail_pending(PeerLost(str(lost), peer=real, epoch=self._epoch))
         self.board.mark_lost(peer)
         for table in self._tables():
             table.abandoned = reason
@@ -245,8 +278,14 @@ class EpochControl:
         self.board.stop()
         ctl = None
         if self._channel is not None and self._channel.stop(timeout_s):
-            ctl = self._channel.engine.links.counters()
-        return {"data": self.links.counters(), "ctl": ctl}
+            ctl = self._named(self._channel.engine.links.counters())
+        return {"data": self._named(self.links.counters()), "ctl": ctl}
+
+    def _named(
+        self, counters: list[tuple[int, int, int, int, int]]
+    ) -> list[tuple[int, int, int, int, int]]:
+        """Link counters with each peer's position replaced by its rank."""
+        return [(self._members[p], r, tx, rx, op) for p, r, tx, rx, op in counters]
 
     def enter_epoch(
         self,
@@ -254,19 +293,39 @@ class EpochControl:
         *,
         keep_data: list[tuple[int, int]],
         keep_ctl: list[tuple[int, int]] | None,
+        members: tuple[int, ...] | None = None,
     ) -> int:
-        """Continue at ``epoch`` keeping only the listed (peer, rail) links (same
-        objects); every other link is closed and built again on first use. Call
-        after :meth:`quiesce` (a joiner: at admission). Returns links dropped."""
+        """Continue at ``epoch`` with ``members`` (default: the same ranks), keeping
+        only the listed (peer rank, rail) links (same objects); every other link
+        is closed and built again on first use. Call after :meth:`quiesce` (a
+        joiner: at admission). Returns links dropped.
+
+        Raises:
+            RecoveryError: this rank is not among ``members``.
+        """
+        new = tuple(sorted(members)) if members is not None else self._members
+        if self.rank() not in new:
+            raise RecoveryError(f"rank {self.rank()}: epoch {epoch} goes on without it ({new})")
+        cur = {r: i for i, r in enumerate(self._members)}
+        nxt = {r: i for i, r in enumerate(new)}
+        renumber = {cur[r]: nxt[r] for r in new if r in cur}
+        pos = nxt[self.rank()]
+
+        def local(keep: list[tuple[int, int]]) -> list[tuple[int, int]]:
+            return [(cur[p], rail) for p, rail in keep if p in cur and p in nxt]
+
         old = self._channel
         ctl_links = old.engine.links if old is not None and keep_ctl is not None else None
         if old is not None and ctl_links is None:
             old.abandon()
-        dropped = self.links.renew(epoch, keep_data)
+        dropped = self.links.renew(epoch, local(keep_data), rank=pos, renumber=renumber)
         if ctl_links is not None:
-            dropped += ctl_links.renew(epoch, keep_ctl or [])
-        if isinstance(self.engine, SoloEngine):
-            self.engine = self._new_engine(self.links, self.size())
+            dropped += ctl_links.renew(epoch, local(keep_ctl or []), rank=pos, renumber=renumber)
+        changed = new != self._members
+        self._members, self._pos = new, pos
+        if isinstance(self.engine, SoloEngine) or changed:
+            self.engine.close()
+            self.engine = self._new_engine(self.links, len(new))
             self._static_weights = self.engine.weights
         self.engine.weights = self._static_weights
         self.engine.new_epoch()
@@ -285,7 +344,7 @@ class EpochControl:
         Raises:
             RecoveryError: the link failed or the peer did not take the bytes in time.
         """
-        send_bytes(self.links.get(peer, rail), payload)
+        send_bytes(self.links.get(self._position(peer, "send_state"), rail), payload)
 
     def recv_state(self, peer: int, rail: int = 0) -> bytes:
         """Receive what ``peer`` sends with :meth:`send_state` (checksum verified).
@@ -293,6 +352,6 @@ class EpochControl:
         Raises:
             RecoveryError: the link failed, or the bytes do not match their SHA-256.
         """
-        return recv_bytes(self.links.get(peer, rail))
+        return recv_bytes(self.links.get(self._position(peer, "recv_state"), rail))
 
     # -- engines ------------------------------------------------------------------------

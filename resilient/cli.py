@@ -33,7 +33,8 @@ Launch NPROC ranks of a Python script on this machine and supervise them.
 Unlike torchrun, a failed rank is restarted alone: it keeps its rank id, gets the
 next incarnation number, and the other ranks keep running. When the job-wide restart
 budget (--max-restarts) is spent, the next failure stops every rank and the launcher
-exits with that rank's exit code (128+N for death by signal N). Ctrl-C or SIGTERM
+exits with that rank's exit code (128+N for death by signal N), unless --min-ranks
+lets the job shrink and go on without it. Ctrl-C or SIGTERM
 stop every rank (SIGTERM, then SIGKILL after a grace period) and exit with 130/143.
 Each rank's output is printed with a "[rank N]" prefix."""
 
@@ -121,6 +122,23 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "process per rank; only while restarts are left)",
     )
     run.add_argument(
+        "--min-ranks",
+        type=int,
+        metavar="M",
+        help="elastic shrink: when a rank is lost and no restart is left, the job goes "
+        "on without it while at least M ranks run; the survivors wait --shrink-after "
+        "seconds for a replacement, then continue with fewer ranks (default: off, "
+        "the job stops)",
+    )
+    run.add_argument(
+        "--shrink-after",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="with --min-ranks: seconds survivors wait for a replacement before they "
+        "shrink (default: 10)",
+    )
+    run.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -183,6 +201,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         etcd=args.etcd,
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
+        min_ranks=args.min_ranks,
+        shrink_after_s=args.shrink_after,
         metrics_port=args.metrics_port,
         log_dir=args.log_dir,
         run_dir=args.run_dir,

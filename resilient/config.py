@@ -7,6 +7,7 @@ var, when it came from one).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -269,28 +270,42 @@ class RecoveryConfig:
     ``quiesce_timeout_s``: how long the group may take to finish the calls still
     queued when a peer was lost (each fails at once; a wait on a live peer can
     last up to its op deadline).
+    ``shrink_after_s``: when set, survivors wait that long for a replacement and
+    then go on without the missing ranks (the group shrinks), as long as at least
+    ``min_ranks`` ranks are left; None never shrinks.
     """
 
     replace_timeout_s: float = 60.0
     quiesce_timeout_s: float = 15.0
+    shrink_after_s: float | None = None
+    min_ranks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("replace_timeout_s", "quiesce_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.shrink_after_s is not None and not 0 < self.shrink_after_s < math.inf:
+            raise ConfigError(f"shrink_after_s={self.shrink_after_s}: must be > 0 seconds")
+        if self.min_ranks < 1:
+            raise ConfigError(f"min_ranks={self.min_ranks}: must be >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RecoveryConfig:
-        """Read ``RESILIENT_REPLACE_TIMEOUT_S`` and ``RESILIENT_QUIESCE_TIMEOUT_S``.
+        """Read ``RESILIENT_REPLACE_TIMEOUT_S``, ``RESILIENT_QUIESCE_TIMEOUT_S``,
+        ``RESILIENT_SHRINK_AFTER_S`` (unset or empty: never shrink) and
+        ``RESILIENT_MIN_RANKS``.
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
         """
         env = os.environ if env is None else env
         p = ENV_PREFIX
+        shrink = env.get(p + "SHRINK_AFTER_S", "").strip()
         return cls(
             replace_timeout_s=_env_float(env, p + "REPLACE_TIMEOUT_S", 60.0),
             quiesce_timeout_s=_env_float(env, p + "QUIESCE_TIMEOUT_S", 15.0),
+            shrink_after_s=_env_float(env, p + "SHRINK_AFTER_S", 0.0) if shrink else None,
+            min_ranks=_env_int(env, p + "MIN_RANKS", 1),
         )
 
 

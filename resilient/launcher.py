@@ -28,10 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from resilient._launch_io import (
@@ -43,7 +40,8 @@ from resilient._launch_io import (
     signal_group,
 )
 from resilient._proc import free_port, spawn
-from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
+from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
+from resilient.config import parse_endpoints, validate_job_name
 from resilient.errors import ConfigError, LauncherError, MembershipError
 
 if TYPE_CHECKING:
@@ -74,59 +72,6 @@ _POLL_S: Final = 0.05
 _LEASE_POLL_S: Final = 0.25
 # How long to wait for a dead rank's last output before announcing its exit.
 _DRAIN_S: Final = 1.0
-
-
-class RankVar(StrEnum):
-    """Every environment variable the launcher sets for a rank.
-
-    The names are the ones :meth:`resilient.config.RankEnv.from_env` reads, plus two
-    for the Python and torch runtimes. :data:`RANK_VAR_HELP` describes each one.
-    """
-
-    RANK = "RANK"
-    WORLD_SIZE = "WORLD_SIZE"
-    LOCAL_RANK = "LOCAL_RANK"
-    LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
-    MASTER_ADDR = "MASTER_ADDR"
-    MASTER_PORT = "MASTER_PORT"
-    ETCD = ENV_PREFIX + "ETCD"
-    JOB = ENV_PREFIX + "JOB"
-    TOKEN = ENV_PREFIX + "TOKEN"
-    RAILS = ENV_PREFIX + "RAILS"
-    INCARNATION = ENV_PREFIX + "INCARNATION"
-    LEASE_TTL_S = ENV_PREFIX + "LEASE_TTL_S"
-    RUN_DIR = ENV_PREFIX + "RUN_DIR"
-    FAULT_CONTROL = ENV_PREFIX + "FAULT_CONTROL"
-    PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-
-RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
-    {
-        RankVar.RANK: "global rank id, 0..WORLD_SIZE-1; a restarted rank keeps its id",
-        RankVar.WORLD_SIZE: "number of ranks (--nproc)",
-        RankVar.LOCAL_RANK: "rank id on this machine (equals RANK here)",
-        RankVar.LOCAL_WORLD_SIZE: "ranks on this machine (equals WORLD_SIZE here)",
-        RankVar.MASTER_ADDR: "127.0.0.1, for code that rendezvouses the torch way",
-        RankVar.MASTER_PORT: "a free TCP port, the same for every rank and restart",
-        RankVar.ETCD: "etcd client URL(s), comma-separated (--etcd or the embedded one)",
-        RankVar.JOB: "job name (--job), the key prefix of the job in etcd",
-        RankVar.TOKEN: "secret shared by the ranks of this job (random per launch unless "
-        "RESILIENT_TOKEN is set in the launcher's environment, to re-join an existing job)",
-        RankVar.RAILS: "this rank's rail addresses, comma-separated: 127.0.<rail+1>.<rank+1>",
-        RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
-        RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",
-        RankVar.RUN_DIR: "directory for event logs and run state (only with --run-dir)",
-        RankVar.FAULT_CONTROL: "1 when 'resilient chaos' injects link faults in-process "
-        "through etcd (loopback runs without root); unset otherwise",
-        RankVar.PYTHONUNBUFFERED: "1, so that output reaches the launcher line by line",
-        RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
-            "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"
-        ),
-    }
-)
-
-_RANK_VAR_NAMES: Final = frozenset(var.value for var in RankVar)
 
 
 def loopback_rails(rank: int, rails: int) -> tuple[str, ...]:
@@ -199,6 +144,11 @@ class LaunchConfig:
     warm_spares: bool = False
     # Serve Prometheus metrics on this port (all interfaces; 0: any free port).
     metrics_port: int | None = None
+    # Elastic shrink: once the restart budget is spent, a lost rank is left out and
+    # the job goes on while at least this many ranks run (None: the job stops).
+    min_ranks: int | None = None
+    # How long survivors wait for a replacement before shrinking (with min_ranks).
+    shrink_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -206,6 +156,9 @@ class LaunchConfig:
         _check_int("max_restarts", self.max_restarts, 0, None)
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
+        if self.min_ranks is not None:
+            _check_int("min_ranks", self.min_ranks, 1, self.nproc)
+        _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
         # etcd leases are whole seconds and the keep-alive runs every ttl/3.
         _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)
         _check_seconds("grace_s", self.grace_s, minimum=0.0, inclusive=False)
@@ -250,6 +203,7 @@ class _Slot:
     incarnation: int = 0
     proc: subprocess.Popen[bytes] | None = None
     done: bool = False
+    left: bool = False  # lost with no restart left; the job went on without it
     hung: bool = False  # killed by us after its lease expired
     spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
 
@@ -339,7 +293,12 @@ class _Run:
                 if (code := self._check(slot)) is not None:
                     return code
             if all(slot.done for slot in self._slots):
-                self._out.notice(f"all {len(self._slots)} rank(s) finished")
+                left = [s.rank for s in self._slots if s.left]
+                finished = len(self._slots) - len(left)
+                self._out.notice(
+                    f"all {finished} rank(s) finished"
+                    + (f" (ranks {left} were left out: the job shrank)" if left else "")
+                )
                 return 0
             time.sleep(_POLL_S)
 
@@ -411,7 +370,11 @@ class _Run:
             rank=slot.rank,
             incarnation=slot.incarnation,
             reason=what,
-            action="restart" if self._restarts < budget else "stop the job (no restarts left)",
+            action="restart"
+            if self._restarts < budget
+            else "go on without it (shrink)"
+            if self._cfg.min_ranks is not None
+            else "stop the job (no restarts left)",
         )
         if self._restarts < budget:
             self._restarts += 1
@@ -432,10 +395,25 @@ class _Run:
                 action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}",
             )
             return None
+        if self._shrink(slot, what):
+            return None
         self._out.notice(
             f"{what}; no restarts left ({self._restarts}/{budget} used); stopping the other ranks"
         )
         return shell_exit_code(code)
+
+    def _shrink(self, slot: _Slot, what: str) -> bool:
+        """Leave ``slot`` out if enough ranks are still running (``min_ranks``)."""
+        floor = self._cfg.min_ranks
+        running = sum(1 for s in self._slots if s is not slot and not s.left)
+        if floor is None or running < floor:
+            return False
+        slot.done = slot.left = True
+        self._out.notice(
+            f"{what}; no restarts left: the job goes on with {running} rank(s) "
+            f"(--min-ranks {floor}; the others shrink after {self._cfg.shrink_after_s:g} s)"
+        )
+        return True
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self._events is not None:
@@ -551,6 +529,9 @@ class _Run:
             values[RankVar.RUN_DIR] = cfg.run_dir
         if cfg.fault_control:
             values[RankVar.FAULT_CONTROL] = "1"
+        if cfg.min_ranks is not None:
+            values[RankVar.MIN_RANKS] = str(cfg.min_ranks)
+            values[RankVar.SHRINK_AFTER_S] = repr(float(cfg.shrink_after_s))
         # Values inherited from an enclosing launch (a launcher run inside a rank)
         # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}

@@ -98,6 +98,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch
         )
         self._store, self._epoch = store, epoch
+        self._members, self._pos = tuple(range(world_size)), rank
         self._cuda: RingEngine | None = None
         self._channel: SignatureChannel | None = None
         # Set when a peer is gone (resilient._lost): every later call fails at once
@@ -228,7 +229,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
 
     def _install(self, exchange: Exchange) -> None:
         """Put data links staged at both ends in service before this call's data."""
-        if install_agreed(self.links, exchange.staged, self.rank(), DATA_TABLE):
+        if install_agreed(self.links, exchange.staged, self._pos, DATA_TABLE):
             self.board.publish()
 
     def _lagging(self) -> tuple[int, int, int]:
@@ -289,14 +290,14 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             return self.engine
         if self._cuda is None:
             links = LinkTable(
-                rank=self.rank(),
+                rank=self._pos,
                 rails=self.rails,
                 store=self._store,
                 config=self.config,
                 epoch=self._epoch,
                 device_type="cuda",
             )
-            self._cuda = self._new_engine(links, self.size())
+            self._cuda = self._new_engine(links, len(self._members))
             self.board.attach(links)
             self._cuda.board = self.board
         return self._cuda
@@ -354,6 +355,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
         opts = opts or dist.BroadcastOptions()
         check_tensors("broadcast", tensors)
         root = int(opts.rootRank)
+        at = self._position(root, "broadcast")  # the root's number in this epoch
         sig = Signature.of("broadcast", tensors, root=root)
 
         inline = self._inline(tensors)
@@ -362,9 +364,9 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             with _Flat(tensors) as flat:
                 buf = flat.buffer
                 if inline and table is not None:
-                    buf.copy_(self._rows(table, buf)[root])
+                    buf.copy_(self._rows(table, buf)[at])
                 else:
-                    self._engine_for(buf).broadcast(buf, root)
+                    self._engine_for(buf).broadcast(buf, at)
             return tensors
 
         # Only the root's bytes matter, but every rank waits for earlier calls alike.
@@ -381,6 +383,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
         outs, inp = output_tensors[0], input_tensors[0]
         check_tensors("allgather", [inp, *outs])
+        self._need_every_rank("allgather")
         if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
             raise ValueError(
                 f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
@@ -399,6 +402,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
         check_tensors("all_gather_into_tensor", [output, input])
+        self._need_every_rank("all_gather_into_tensor")
         if output.numel() != input.numel() * self.size():
             raise ValueError(
                 f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
@@ -431,6 +435,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
             raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
         out, ins = output_tensors[0], input_tensors[0]
         check_tensors("reduce_scatter", [out, *ins])
+        self._need_every_rank("reduce_scatter")
         if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
             raise ValueError(
                 f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
@@ -450,6 +455,7 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
     ) -> ResilientWork:
         opts = opts or dist.ReduceScatterOptions()
         check_tensors("reduce_scatter_tensor", [output, input])
+        self._need_every_rank("reduce_scatter_tensor")
         if input.numel() != output.numel() * self.size():
             raise ValueError(
                 f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "

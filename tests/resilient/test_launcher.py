@@ -289,7 +289,16 @@ record("env", env=dict(os.environ), health=health)
     for rank, rec in enumerate(envs):
         env: dict[str, str] = rec["env"]
         assert rec["health"] == "true"
-        optional = {RankVar.RUN_DIR.value, RankVar.FAULT_CONTROL.value}  # set only when asked
+        # Set only when asked for.
+        optional = {
+            v.value
+            for v in (
+                RankVar.RUN_DIR,
+                RankVar.FAULT_CONTROL,
+                RankVar.MIN_RANKS,
+                RankVar.SHRINK_AFTER_S,
+            )
+        }
         assert {v.value for v in RankVar} - optional <= env.keys()
         assert not optional & env.keys()
         assert env["RESILIENT_TEST_PASSTHROUGH"] == "kept"
