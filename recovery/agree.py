@@ -16,6 +16,13 @@ decided once, by whichever rank gets there first, with a compare-and-set on
 be counted by some ranks and not by others); everyone uses that decision. A
 record that arrives later (a slow replacement) is left out of this epoch.
 
+**Grow.** A replacement that finds the group shrunk asks to join with
+:func:`request_join` (after writing its record); the members see the request at
+a step boundary (:func:`join_requested`, agreed on with one small all_reduce),
+report for the next epoch, and the next epoch takes in every record present. A
+replacement never decides: it waits for the members' decision, and if it was
+left out it asks again at the next epoch.
+
 The plan keeps a link only if both ends still hold it and its counters match
 (everything one end posted the other end posted too, and nothing is left half
 done): a stale posted receive would swallow the next message with its tag. The
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -35,7 +42,16 @@ from torch._C._distributed_c10d import Store
 
 from resilient.errors import RecoveryError, StaleEpoch
 
-__all__ = ["EPOCH_KEY", "Plan", "Record", "agree", "current_epoch", "make_plan"]
+__all__ = [
+    "EPOCH_KEY",
+    "Plan",
+    "Record",
+    "agree",
+    "current_epoch",
+    "join_requested",
+    "make_plan",
+    "request_join",
+]
 
 EPOCH_KEY: Final = "recovery/epoch"
 _POLL_S: Final = 0.01
@@ -143,6 +159,16 @@ def current_epoch(store: Store) -> int:
     return int(bytes(store.get(EPOCH_KEY)).decode())
 
 
+def request_join(store: Store, epoch: int, rank: int) -> None:
+    """Ask the members of ``epoch`` to take ``rank`` in (its record is written)."""
+    store.set(f"recovery/e{epoch}/join", str(rank))
+
+
+def join_requested(store: Store, epoch: int) -> bool:
+    """Whether a replacement asked to join the group during ``epoch``."""
+    return bool(store.check([f"recovery/e{epoch}/join"]))
+
+
 def agree(
     store: Store,
     *,
@@ -150,12 +176,16 @@ def agree(
     world: int,
     record: Record,
     timeout_s: float,
+    expect: Collection[int] | None = None,
+    decide: bool = True,
     shrink_after_s: float | None = None,
     min_ranks: int = 1,
 ) -> Plan:
-    """Publish ``record`` for leaving ``epoch``, wait for the records of all ``world``
-    ranks (or, after ``shrink_after_s``, of those that reported: see the module
-    docstring), and return the plan after moving the epoch counter to ``epoch + 1``.
+    """Publish ``record`` for leaving ``epoch``, wait for the records of the ranks in
+    ``expect`` (default: all ``world``; after ``shrink_after_s``, of those that
+    reported: see the module docstring), and return the plan after moving the epoch
+    counter to ``epoch + 1``. Records present beyond ``expect`` are taken in too.
+    With ``decide`` False (a replacement) this rank only waits for the decision.
 
     Raises:
         RecoveryError: ranks did not report within ``timeout_s`` (named), or the
@@ -166,6 +196,7 @@ def agree(
     store.set(f"{prefix}{record.rank}", record.to_json())
     members = _decide(
         store, epoch=epoch, world=world, me=record.rank, timeout_s=timeout_s,
+        expect=set(range(world) if expect is None else expect) if decide else None,
         shrink_after_s=shrink_after_s, min_ranks=min_ranks,
     )  # fmt: skip
     if record.rank not in members:
@@ -189,10 +220,12 @@ def _decide(
     world: int,
     me: int,
     timeout_s: float,
+    expect: set[int] | None,
     shrink_after_s: float | None,
     min_ranks: int,
 ) -> tuple[int, ...]:
-    """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc)."""
+    """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc);
+    ``expect`` None: wait for someone else's decision."""
     prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
     start = time.monotonic()
     while True:
@@ -201,10 +234,11 @@ def _decide(
         present = [r for r in range(world) if store.check([f"{prefix}{r}"])]
         waited = time.monotonic() - start
         shrink = shrink_after_s is not None and waited >= shrink_after_s
-        if len(present) == world or (shrink and len(present) >= min_ranks):
+        ready = expect is not None and expect <= set(present)
+        if expect is not None and (ready or (shrink and len(present) >= min_ranks)):
             return _members(store.compare_set(decided, "", json.dumps(present)))
         if waited > timeout_s:
-            missing = sorted(set(range(world)) - set(present))
+            missing = sorted((expect or set(range(world))) - set(present))
             few = f"; {len(present)} reported, fewer than min_ranks={min_ranks}" if shrink else ""
             raise RecoveryError(
                 f"rank {me} (epoch {epoch}): ranks {missing} did not report for epoch "

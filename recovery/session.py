@@ -49,7 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from recovery import events
-from recovery.agree import Plan, Record, agree, current_epoch
+from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
 from resilient._solo import SoloEngine
 from resilient.config import RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError
@@ -177,6 +177,7 @@ class Session:
         if self.pg is not None and self.pg.joining:
             self._join()
         while self._next < total:
+            self._maybe_grow()
             before = (self._next, self.recoveries)
             yield self._next
             if (self._next, self.recoveries) == before:
@@ -256,9 +257,7 @@ class Session:
         finally:
             if isinstance(engine, SoloEngine):
                 engine.warming = False
-        epoch = current_epoch(pg.store)
-        record = Record(rank=self._rank, incarnation=pg.incarnation, step=-1, data=[], ctl=[])
-        plan = self._enter(record, epoch)
+        plan = self._admission()
         self._restore(plan)
         events.emit(
             "rank.joined", epoch=plan.epoch, step=plan.step + 1,
@@ -266,18 +265,98 @@ class Session:
             action=f"incarnation {pg.incarnation} admitted; trains from step {plan.step + 1}",
         )  # fmt: skip
 
-    def _enter(self, record: Record, epoch: int) -> Plan:
+    def _admission(self) -> Plan:
+        """Report at the job's epoch until the members take this replacement in: at
+        their recovery, or (the group shrank without it) at a step boundary after
+        it asked to join.
+
+        Raises:
+            RecoveryError: not admitted within ``replace_timeout_s``.
+        """
+        assert self.pg is not None
+        pg = self.pg
+        deadline = time.monotonic() + self.config.replace_timeout_s
+        record = Record(rank=self._rank, incarnation=pg.incarnation, step=-1, data=[], ctl=[])
+        while True:
+            epoch = current_epoch(pg.store)
+            left = deadline - time.monotonic()
+            try:
+                store = pg.store
+                store.set(f"recovery/e{epoch}/r{self._rank}", record.to_json())
+                request_join(store, epoch, self._rank)
+                return self._enter(record, epoch, decide=False, timeout_s=max(left, 0.1))
+            except RecoveryError:
+                if time.monotonic() >= deadline or current_epoch(pg.store) == epoch:
+                    raise
+                logger.info(
+                    "rank %d (epoch %d, step %d): not taken into epoch %d; asking again",
+                    self._rank, epoch, self._next, epoch + 1,
+                )  # fmt: skip
+
+    def _join_pending(self) -> bool:
+        """At a step boundary of a shrunk group: did a replacement ask to join? The
+        members agree with one small all_reduce (a store read may see the request
+        on some ranks and not yet on others)."""
+        pg = self.pg
+        if pg is None or len(pg.members) == self._world:
+            return False
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(join_requested(pg.store, pg.epoch))], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        return bool(flag.item())
+
+    def _maybe_grow(self) -> None:
+        """Take in replacements that asked to join (a shrunk group only), before the
+        next step; a peer lost meanwhile is recovered from as in a step."""
+        try:
+            if self._join_pending():
+                self._grow(self._next)
+        except Exception as exc:
+            lost = self.pg.lost if self.pg is not None else None
+            if self.pg is None or (lost is None and not isinstance(exc, PeerLost)):
+                raise
+            self._recover(self._next, lost or exc)
+
+    def _grow(self, n: int) -> None:
+        """Take the replacements that asked in before step ``n``; nothing is replayed."""
+        assert self.pg is not None
+        pg, began = self.pg, time.monotonic()
+        events.emit(
+            "recovery.started", epoch=pg.epoch, step=n, reason="a replacement asked to join",
+            action="agree on the next epoch with it, send it the state",
+        )  # fmt: skip
+        counters = pg.quiesce(self.config.quiesce_timeout_s)
+        self._payload = self._serialize()
+        record = Record(
+            rank=self._rank, incarnation=pg.incarnation, step=self.committed,
+            data=counters["data"] or [], ctl=counters["ctl"],
+        )  # fmt: skip
+        plan = self._enter(record, pg.epoch)
+        self._restore(plan)
+        self.recoveries += 1
+        events.emit(
+            "recovery.finished", epoch=plan.epoch, step=n,
+            duration_ms=(time.monotonic() - began) * 1e3,
+            action=f"{len(plan.members)} ranks train from step {n}",
+        )  # fmt: skip
+
+    def _enter(
+        self, record: Record, epoch: int, *, decide: bool = True, timeout_s: float | None = None
+    ) -> Plan:
         assert self.pg is not None
         plan = agree(
             self.pg.store,
             epoch=epoch,
             world=self._world,
             record=record,
-            timeout_s=self.config.replace_timeout_s,
+            timeout_s=self.config.replace_timeout_s if timeout_s is None else timeout_s,
+            expect=self.pg.members,
+            decide=decide,
             shrink_after_s=self.config.shrink_after_s,
             min_ranks=self.config.min_ranks,
         )
-        before = self.pg.members
+        before = plan.members if self.pg.joining else self.pg.members
         kept = plan.keep_data[self._rank]
         dropped = self.pg.enter_epoch(
             plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members

@@ -7,6 +7,10 @@ survivors agree on epoch 1 without it, renumber themselves 0..2 (rank 3 becomes
 position 2), keep every link among themselves (same objects) and drop only those
 to rank 2, take over rank 2's data shard, average gradients over three, replay
 the interrupted step and finish with the same parameters on every survivor.
+
+When a replacement for rank 2 does start later, it asks to join; the members take
+it in at the next step boundary (epoch 2, all four ranks again), it receives the
+state, and the job ends with the same parameters on all four.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ KILL_AT = 5
 SURVIVORS = (0, 1, 3)
 
 
-def _worker(rank: int, port: int, results: Any) -> None:
+def _worker(rank: int, port: int, results: Any, incarnation: int = 0, steps: int = STEPS) -> None:
     os.environ.update(
+        RESILIENT_INCARNATION=str(incarnation),
         RANK=str(rank),
         WORLD_SIZE=str(WORLD),
         MASTER_ADDR="127.0.0.1",
@@ -59,7 +64,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
     at = {"step": -1}
 
     def die_in_backward(grad: torch.Tensor) -> torch.Tensor:
-        if rank == VICTIM and at["step"] == KILL_AT:
+        if rank == VICTIM and incarnation == 0 and at["step"] == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
@@ -81,7 +86,13 @@ def _worker(rank: int, port: int, results: Any) -> None:
     session = Session(pg, TrainState(model, opt), warmup=functools.partial(train_step, 0), ddp=ddp)
     links_before: dict[tuple[int, int], int] = {}
     shards: dict[int, list[int]] = {}
-    for step in session.steps(STEPS):
+    told = False
+    for step in session.steps(steps):
+        if len(pg.members) < WORLD and not told:
+            results.put(("shrunk", rank))  # a replacement may start now
+            told = True
+        if len(pg.members) < WORLD and steps > STEPS:
+            time.sleep(0.1)  # leave a replacement time to start and join
         with session.step(step):
             at["step"] = step
             shards[step] = session.shards()
@@ -98,7 +109,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
         h.update(p.detach().numpy().tobytes())
     results.put(
         (rank, h.hexdigest(), session.replayed, pg.epoch, pg.members, session.shard,
-         shards[STEPS - 1], links_before, links_after)
+         shards[steps - 1], links_before, links_after)
     )  # fmt: skip
     del session, train_step, ddp, opt
     dist.barrier()
@@ -121,7 +132,8 @@ def test_survivors_shrink_without_a_replacement_and_train_on_identically() -> No
                 break
             try:
                 rank, *rest = results.get(timeout=0.2)
-                out[rank] = rest
+                if rank != "shrunk":
+                    out[rank] = rest
             except queue.Empty:
                 continue
         for p in procs.values():
@@ -145,3 +157,43 @@ def test_survivors_shrink_without_a_replacement_and_train_on_identically() -> No
         kept = {k: v for k, v in before.items() if k[0] != VICTIM}
         assert kept and all(after.get(k) == v for k, v in kept.items()), rank
         assert not any(k[0] == VICTIM for k in after), rank
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_that_comes_late_grows_the_group_back() -> None:
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    port = free_port()
+    steps = 60
+    procs = [ctx.Process(target=_worker, args=(r, port, results, 0, steps)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(out) < WORLD and time.monotonic() < deadline:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+            try:
+                rank, *rest = results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if rank == "shrunk" and len(procs) == WORLD:
+                late = ctx.Process(target=_worker, args=(VICTIM, port, results, 1, steps))
+                late.start()
+                procs.append(late)
+            elif rank != "shrunk":
+                out[rank] = rest
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert procs[VICTIM].exitcode == -signal.SIGKILL
+    assert sorted(out) == list(range(WORLD)), out.keys()
+    assert len({v[0] for v in out.values()}) == 1, {r: v[0] for r, v in out.items()}
+    for rank, (_, _, epoch, members, shard, last_shards, _, _) in out.items():
+        # Epoch 1: three ranks; epoch 2: the replacement is in and the shards are back.
+        assert (epoch, members, shard, last_shards) == (2, tuple(range(WORLD)), (rank, 4), [rank])
