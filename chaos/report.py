@@ -186,9 +186,18 @@ def _final_hashes(progress: Mapping[int, RankTrack]) -> dict[int, str | None]:
     return {r: t.last.get("params_sha256") if t.done else None for r, t in progress.items()}
 
 
+def left_out(events: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Ranks the launcher left out after a loss (the job shrank without them)."""
+    return {int(e["rank"]) for e in events if e.get("kind") == "rank.lost" and e.get("left")}
+
+
 def _completes(facts: RunFacts, steps: int, nproc: int) -> bool:
-    done = [t for t in facts.progress.values() if t.done and t.step >= steps - 1]
-    return facts.exit_code == 0 and not facts.timed_out and len(done) == nproc
+    """Every rank (but those the job shrank without) finished all steps, exit 0."""
+    left = left_out(facts.events)
+    done = [
+        r for r, t in facts.progress.items() if t.done and t.step >= steps - 1 and r not in left
+    ]
+    return facts.exit_code == 0 and not facts.timed_out and len(done) == nproc - len(left)
 
 
 def _row(name: str, expected: Any, measured: Any, passed: bool, note: str = "") -> dict[str, Any]:
@@ -219,8 +228,10 @@ def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list
                 "" if summary["completes"] else "the job did not complete",
             )
         )
-    hashes = [h for h in summary["params_sha256"].values()]
-    equal = len(hashes) == scenario.job.nproc and None not in hashes and len(set(hashes)) == 1
+    left = set(summary["left_out"])
+    hashes = [h for r, h in summary["params_sha256"].items() if r not in left]
+    expected = scenario.job.nproc - len(left)
+    equal = len(hashes) == expected and None not in hashes and len(set(hashes)) == 1
     if exp.params_equal_across_ranks is not None:
         rows.append(
             _row(
@@ -309,6 +320,7 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
         "completes": _completes(facts, scenario.job.steps, scenario.job.nproc),
         "steps_replayed": max(steps_replayed(facts.progress), replayed_by_survivors(facts.events)),
         "params_sha256": _final_hashes(facts.progress),
+        "left_out": sorted(left_out(facts.events)),
         "step_ms": step_times(facts),
         "events": len(facts.events),
         "faults": faults,
@@ -328,6 +340,7 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
             "target": scenario.job.steps,
             "completed": completed,
             "replayed": summary["steps_replayed"],
+            "left_out": summary["left_out"],
         },
         "step_ms": summary["step_ms"],
         "params_sha256": summary["params_sha256"],
@@ -379,7 +392,9 @@ def render(report: Mapping[str, Any]) -> str:
     sm = report["step_ms"]
     lines.append(
         f"steps: target {report['steps']['target']}, done per rank "
-        f"{report['steps']['completed']}, replayed {report['steps']['replayed']}; "
+        f"{report['steps']['completed']}, replayed {report['steps']['replayed']}"
+        + (f", left out (shrink) {left}" if (left := report["steps"].get("left_out")) else "")
+        + "; "
         f"ms/step before faults {_fmt(sm['before_ms'])}, during {_fmt(sm['during_ms'])}"
         f" (x{_fmt(sm['slowdown'])})"
     )

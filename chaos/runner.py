@@ -249,6 +249,8 @@ def _run_job(
         job=new_job_name(),
         max_restarts=job.max_restarts,
         warm_spares=job.warm_spares,
+        min_ranks=job.min_ranks,
+        shrink_after_s=job.shrink_after_s,
         log_dir=str(out / "logs"),
         run_dir=str(out / "run"),
         rank_rails=tuple(h.rails for h in hosts),

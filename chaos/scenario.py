@@ -12,6 +12,8 @@
     seed = 0
     max_restarts = 3          # the launcher's restart budget
     warm_spares = false       # a standby per rank that already imported torch
+    min_ranks = 3             # elastic shrink: go on without a lost rank (default: off)
+    shrink_after_s = 10.0     # how long survivors wait for a replacement first
     etcd_members = 1          # 3 for an etcd-kill of one member of three
     timeout_s = 600.0         # the run is stopped (and fails) after this
 
@@ -110,6 +112,8 @@ _JOB_TYPES: dict[str, type] = {
     "seed": int,
     "max_restarts": int,
     "warm_spares": bool,
+    "min_ranks": int,
+    "shrink_after_s": float,
     "etcd_members": int,
     "timeout_s": float,
 }
@@ -126,6 +130,8 @@ class JobSpec:
     seed: int = 0
     max_restarts: int = 3
     warm_spares: bool = False
+    min_ranks: int | None = None
+    shrink_after_s: float = 10.0
     etcd_members: int = 1
     timeout_s: float = 600.0
 
@@ -206,6 +212,12 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
             raise ScenarioError(source, f"job.{key}", f"must be >= 1, got {getattr(spec, key)}")
     if spec.max_restarts < 0:
         raise ScenarioError(source, "job.max_restarts", f"must be >= 0, got {spec.max_restarts}")
+    if spec.min_ranks is not None and not 1 <= spec.min_ranks <= spec.nproc:
+        raise ScenarioError(
+            source, "job.min_ranks", f"must be 1..nproc ({spec.nproc}), got {spec.min_ranks}"
+        )
+    if not spec.shrink_after_s > 0:
+        raise ScenarioError(source, "job.shrink_after_s", f"must be > 0, got {spec.shrink_after_s}")
     if spec.topology not in ("netns", "loopback"):
         raise ScenarioError(
             source, "job.topology", f"must be netns or loopback, got {spec.topology!r}"

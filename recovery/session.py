@@ -218,6 +218,7 @@ class Session:
             action="finish the step's calls, agree on the next epoch, restore, replay",
         )  # fmt: skip
         counters = pg.quiesce(self.config.quiesce_timeout_s)
+        quiesced = time.monotonic()
         # Serialized now, while the replacement is still starting: if this rank
         # is picked as the donor, it sends as soon as the epoch is agreed.
         self._payload = self._serialize()
@@ -229,6 +230,7 @@ class Session:
             ctl=counters["ctl"],
         )
         plan = self._enter(record, epoch)
+        agreed = time.monotonic()
         self._restore(plan)
         self.recoveries += 1
         if n > plan.step:
@@ -238,10 +240,16 @@ class Session:
                 reason=f"step {n} was interrupted", action=f"replay from step {plan.step + 1}",
                 replayed=n - plan.step,
             )  # fmt: skip
-        ms = (time.monotonic() - began) * 1e3
+        done = time.monotonic()
         events.emit(
-            "recovery.finished", epoch=plan.epoch, step=plan.step + 1, duration_ms=ms,
-            action=f"resume at step {plan.step + 1}",
+            "recovery.finished", epoch=plan.epoch, step=plan.step + 1,
+            duration_ms=(done - began) * 1e3, action=f"resume at step {plan.step + 1}",
+            # Where the time went: finishing the failed calls, waiting for every
+            # rank's record (the replacement's start, or the shrink delay) and
+            # entering the epoch, sending or receiving the state.
+            quiesce_ms=round((quiesced - began) * 1e3, 1),
+            agree_ms=round((agreed - quiesced) * 1e3, 1),
+            restore_ms=round((done - agreed) * 1e3, 1),
         )  # fmt: skip
 
     def _join(self) -> None:
