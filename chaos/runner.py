@@ -112,6 +112,7 @@ class _Controller:
                 at_step=f.at_step,
                 at_s=f.at_s,
                 duration_s=f.duration_s,
+                max_detect_ms=f.max_detect_ms,
             )
             for i, f in enumerate(faults)
         ]

@@ -77,8 +77,9 @@ FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "partition": (frozenset({"rank", "peer", "rail"}), frozenset()),
     "etcd-kill": (frozenset(), frozenset({"member"})),
 }
-_COMMON = frozenset({"kind", "at_step", "at_s", "duration_s"})
+_COMMON = frozenset({"kind", "at_step", "at_s", "duration_s", "max_detect_ms"})
 _PARAM_TYPES: dict[str, type] = {
+    "max_detect_ms": float,
     "rank": int,
     "peer": int,
     "rail": int,
@@ -145,6 +146,9 @@ class Fault:
     at_step: int | None = None
     at_s: float | None = None
     duration_s: float | None = None
+    # This fault's own detection bound (a throttle takes a few calls to show),
+    # instead of the scenario's ``expect.max_detect_ms``.
+    max_detect_ms: float | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
 
     def param(self, name: str, default: Any = None) -> Any:
@@ -251,6 +255,7 @@ def _parse_fault(source: str, index: int, raw: Any, job: JobSpec) -> Fault:
         at_step=values.get("at_step"),
         at_s=values.get("at_s"),
         duration_s=values.get("duration_s"),
+        max_detect_ms=values.get("max_detect_ms"),
         params=params,
     )
 

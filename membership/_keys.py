@@ -51,6 +51,15 @@ class JobKeys:
         return f"{self.departures}{rank:06d}"
 
     @property
+    def replacements(self) -> str:
+        return self.prefix + "replacement/"
+
+    def replacement(self, rank: int) -> str:
+        """Written by the supervisor when ``rank`` was lost: whether a replacement
+        comes (warm, cold) or not (none), so survivors need not wait to find out."""
+        return f"{self.replacements}{rank:06d}"
+
+    @property
     def rank_health(self) -> str:
         return self.prefix + "health/rank/"
 

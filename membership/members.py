@@ -428,6 +428,12 @@ class Membership:
 
         return self._add_watch(key, on_event, initial=False, name="epoch")
 
+    def replacement(self, rank: int) -> dict[str, Any] | None:
+        """What the supervisor announced for lost ``rank`` (``how``: warm, cold or
+        none; ``incarnation``; ``eta_s``), or None before it said anything."""
+        kv = self.client.get(self.keys.replacement(rank))
+        return json.loads(kv.value) if kv is not None else None
+
     # -- health ---------------------------------------------------------------------------
     def _publisher(self) -> HealthPublisher:
         info = self._require_joined()

@@ -4,17 +4,22 @@ agreement on the next epoch after a rank is lost, and the event log.
 :mod:`recovery.events` writes and reads the recovery event log (JSON lines per
 writer under ``RUN_DIR/events/``); docs/EVENTS.md describes it.
 :mod:`recovery.session` holds :class:`Session` and :class:`TrainState` (importing
-it imports torch); :mod:`recovery.agree` the epoch agreement.
+it imports torch); :mod:`recovery.agree` the epoch agreement;
+:mod:`recovery.policy` picks a remedy by estimated cost and logs why.
 """
 
 from typing import Any
 
 from recovery.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
+from recovery.policy import Choice, Policy, PolicyConfig
 
 __all__ = [
     "EVENT_KINDS",
     "SCHEMA_VERSION",
+    "Choice",
     "EventLog",
+    "Policy",
+    "PolicyConfig",
     "Session",
     "StateHook",
     "TrainState",

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -180,12 +180,16 @@ def agree(
     decide: bool = True,
     shrink_after_s: float | None = None,
     min_ranks: int = 1,
+    give_up: Callable[[], Collection[int]] | None = None,
 ) -> Plan:
     """Publish ``record`` for leaving ``epoch``, wait for the records of the ranks in
     ``expect`` (default: all ``world``; after ``shrink_after_s``, of those that
     reported: see the module docstring), and return the plan after moving the epoch
     counter to ``epoch + 1``. Records present beyond ``expect`` are taken in too.
     With ``decide`` False (a replacement) this rank only waits for the decision.
+    ``give_up`` (polled while waiting) names ranks not to wait for any longer (the
+    policy found no replacement coming for them, or shrinking cheaper): once every
+    other expected rank reported, the next epoch goes on without them.
 
     Raises:
         RecoveryError: ranks did not report within ``timeout_s`` (named), or the
@@ -197,7 +201,7 @@ def agree(
     members = _decide(
         store, epoch=epoch, world=world, me=record.rank, timeout_s=timeout_s,
         expect=set(range(world) if expect is None else expect) if decide else None,
-        shrink_after_s=shrink_after_s, min_ranks=min_ranks,
+        shrink_after_s=shrink_after_s, min_ranks=min_ranks, give_up=give_up,
     )  # fmt: skip
     if record.rank not in members:
         raise RecoveryError(
@@ -223,6 +227,7 @@ def _decide(
     expect: set[int] | None,
     shrink_after_s: float | None,
     min_ranks: int,
+    give_up: Callable[[], Collection[int]] | None = None,
 ) -> tuple[int, ...]:
     """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc);
     ``expect`` None: wait for someone else's decision."""
@@ -234,6 +239,9 @@ def _decide(
         present = [r for r in range(world) if store.check([f"{prefix}{r}"])]
         waited = time.monotonic() - start
         shrink = shrink_after_s is not None and waited >= shrink_after_s
+        if expect is not None and not shrink and give_up is not None:
+            gone = set(give_up())
+            shrink = bool(gone) and expect - gone <= set(present)
         ready = expect is not None and expect <= set(present)
         if expect is not None and (ready or (shrink and len(present) >= min_ranks)):
             return _members(store.compare_set(decided, "", json.dumps(present)))

@@ -67,6 +67,7 @@ EVENT_KINDS: Final = frozenset(
         "recovery.started",
         "recovery.finished",
         "epoch.changed",
+        "policy.decision",
     }
 )
 _SUBDIR: Final = "events"

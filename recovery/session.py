@@ -42,69 +42,25 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from recovery import events
 from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
+from recovery.policy import JobView, Policy
+from recovery.state import StateHook, TrainState, average_over_members
 from resilient._solo import SoloEngine
 from resilient.config import RecoveryConfig
-from resilient.errors import PeerLost, RecoveryError
+from resilient.errors import PeerLost, RecoveryError, ResilientError
 
 __all__ = ["Session", "StateHook", "TrainState"]
 
 logger = logging.getLogger(__name__)
 
 _WARMUP_PASSES = 2
-
-
-@runtime_checkable
-class StateHook(Protocol):
-    """What a recovery saves on a donor and loads on a rank that is behind."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-
-class TrainState:
-    """A :class:`StateHook` for a model and its optimizer, plus torch's RNG state
-    and ``extra`` (a dict of plain values: a data position, a sampler epoch).
-
-    :meth:`commit` runs ``optimizer.step()``: the session calls it when a step's
-    block finished without an error.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        *,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        self.model, self.optimizer = model, optimizer
-        self.extra = extra if extra is not None else {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": torch.get_rng_state(),
-            "extra": dict(self.extra),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        self.extra.clear()
-        self.extra.update(state["extra"])
-
-    def commit(self) -> None:
-        self.optimizer.step()
 
 
 class Session:
@@ -139,6 +95,10 @@ class Session:
         self._payload: bytes | None = None
         self._rank = int(pg.rank()) if pg is not None else 0
         self._world = int(pg.size()) if pg is not None else 1
+        self.policy = Policy.from_recovery(self.config)
+        self._total = 0  # steps() target: the policy weighs the steps left
+        self._step_s = 0.0  # smoothed time between commits
+        self._last_commit: float | None = None
         if ddp is not None and self.pg is not None:
             average_over_members(ddp, self.pg)
 
@@ -171,6 +131,7 @@ class Session:
             RecoveryError: a step was not run under :meth:`step` (it would repeat
                 forever), or joining the job failed (a replacement).
         """
+        self._total = total
         if start > self._next:
             # Resumed from a checkpoint of step ``start - 1``: that is committed.
             self._next, self.committed = start, max(self.committed, start - 1)
@@ -206,6 +167,11 @@ class Session:
             self._commit()
         self.committed = n
         self._next = n + 1
+        now = time.monotonic()
+        if self._last_commit is not None:
+            took = now - self._last_commit
+            self._step_s = took if self._step_s == 0 else 0.8 * self._step_s + 0.2 * took
+        self._last_commit = now
 
     # -- recovery --------------------------------------------------------------------
     def _recover(self, n: int, cause: BaseException) -> None:
@@ -229,7 +195,8 @@ class Session:
             data=counters["data"] or [],
             ctl=counters["ctl"],
         )
-        plan = self._enter(record, epoch)
+        lost = cause.peer if isinstance(cause, PeerLost) else None
+        plan = self._enter(record, epoch, give_up=self._shrink_check(lost, n))
         agreed = time.monotonic()
         self._restore(plan)
         self.recoveries += 1
@@ -349,8 +316,44 @@ class Session:
             action=f"{len(plan.members)} ranks train from step {n}",
         )  # fmt: skip
 
+    def _shrink_check(self, lost: int | None, n: int) -> Callable[[], set[int]]:
+        """Polled while survivors wait for a replacement: asks the policy (with what
+        the launcher announced for the lost rank) whether to shrink now, and then
+        names the rank not to wait for; records each new choice as a
+        ``policy.decision`` event."""
+        assert self.pg is not None
+        pg, cfg = self.pg, self.config
+        allowed = cfg.shrink_after_s is not None and len(pg.members) - 1 >= cfg.min_ranks
+        due, last = 0.0, ""
+
+        def check() -> set[int]:
+            nonlocal due, last
+            now = time.monotonic()
+            if now < due or lost is None:
+                return {lost} if last == "shrink" and lost is not None else set()
+            due = now + 0.1  # an etcd read per check: 10 per second
+            how = _announced(pg, lost)
+            job = JobView(
+                world=self._world, members=len(pg.members), step_s=self._step_s,
+                steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
+                link_bytes_per_s=_link_rate(pg),
+            )  # fmt: skip
+            choice = self.policy.rank_lost(job, replacement=how, shrink_allowed=allowed)
+            if choice.action != last:
+                last = choice.action
+                self.policy.record(choice, epoch=pg.epoch, step=n)
+            return {lost} if choice.action == "shrink" else set()
+
+        return check
+
     def _enter(
-        self, record: Record, epoch: int, *, decide: bool = True, timeout_s: float | None = None
+        self,
+        record: Record,
+        epoch: int,
+        *,
+        decide: bool = True,
+        timeout_s: float | None = None,
+        give_up: Callable[[], set[int]] | None = None,
     ) -> Plan:
         assert self.pg is not None
         plan = agree(
@@ -363,6 +366,7 @@ class Session:
             decide=decide,
             shrink_after_s=self.config.shrink_after_s,
             min_ranks=self.config.min_ranks,
+            give_up=give_up,
         )
         before = plan.members if self.pg.joining else self.pg.members
         kept = plan.keep_data[self._rank]
@@ -428,28 +432,21 @@ def _why(before: tuple[int, ...], plan: Plan) -> str:
     return "; ".join(parts) or "peer lost"
 
 
-def average_over_members(ddp: Any, pg: Any) -> None:
-    """Make ``ddp`` average gradients over the group's members of the moment.
+def _announced(pg: Any, rank: int | None) -> str | None:
+    """What the launcher announced for lost ``rank`` (warm, cold, none), if anything."""
+    membership = getattr(pg, "membership", None)
+    if membership is None or rank is None:
+        return None
+    try:
+        record = membership.replacement(rank)
+    except ResilientError as exc:  # etcd unreachable: decide without it
+        logger.debug("reading rank %d's replacement failed: %s", rank, exc)
+        return None
+    return str(record["how"]) if record else None
 
-    DDP divides by the world size it saw at construction; after a shrink that
-    would scale every update by (members / world). This comm hook scales by
-    1/members instead, before a sum all_reduce, exactly as DDP's own default
-    scales by 1/world, so while every rank takes part the bits are the same as
-    without it.
 
-    Raises:
-        RuntimeError: (from DDP) a comm hook was already registered, or training
-            already started.
-    """
-    import torch.distributed as dist
-
-    def hook(_: Any, bucket: Any) -> Any:
-        buf = bucket.buffer()
-        buf.mul_(1.0 / len(pg.members))
-        work = dist.all_reduce(buf, group=pg, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    # DDP rejects a hook whose annotations are not its own types; under postponed
-    # evaluation they are strings, so the hook shows none.
-    hook.__annotations__.clear()
-    ddp.register_comm_hook(None, hook)
+def _link_rate(pg: Any) -> float:
+    """The measured data rate of this rank's rails together (bytes/s), or 1 GB/s."""
+    rates = getattr(pg.engine, "rail_rates", ())
+    total = float(sum(rates))
+    return total if total > 0 else 1e9

@@ -12,6 +12,7 @@ over. A hang is thus seen within the lease TTL plus one poll.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from membership._etcd import EtcdClient
@@ -55,6 +56,15 @@ class LeaseWatch:
             return []
         self._held = now
         return out
+
+    def announce(self, rank: int, incarnation: int, how: str, eta_s: float | None) -> None:
+        """Tell the survivors what replaces lost ``rank`` (``how``: warm, cold or
+        none) and when it may report (never raises: they then wait as configured)."""
+        record = json.dumps({"incarnation": incarnation, "how": how, "eta_s": eta_s})
+        try:
+            self._client.put(self._keys.replacement(rank), record)
+        except MembershipError as exc:
+            logger.warning("announcing rank %d's replacement failed: %s", rank, exc)
 
     def close(self) -> None:
         self._client.close()

@@ -273,12 +273,20 @@ class RecoveryConfig:
     ``shrink_after_s``: when set, survivors wait that long for a replacement and
     then go on without the missing ranks (the group shrinks), as long as at least
     ``min_ranks`` ranks are left; None never shrinks.
+    ``policy``: ``replace-first`` waits for an announced replacement (up to
+    ``shrink_after_s``) so a replaced run stays bitwise reproducible; ``cost``
+    shrinks at once when that is estimated cheaper (see :mod:`recovery.policy`,
+    which also uses ``warm_eta_s``/``cold_eta_s``, when a warm spare / a cold
+    restart reports after a loss).
     """
 
     replace_timeout_s: float = 60.0
     quiesce_timeout_s: float = 15.0
     shrink_after_s: float | None = None
     min_ranks: int = 1
+    policy: str = "replace-first"
+    warm_eta_s: float = 1.5
+    cold_eta_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("replace_timeout_s", "quiesce_timeout_s"):
@@ -288,12 +296,18 @@ class RecoveryConfig:
             raise ConfigError(f"shrink_after_s={self.shrink_after_s}: must be > 0 seconds")
         if self.min_ranks < 1:
             raise ConfigError(f"min_ranks={self.min_ranks}: must be >= 1")
+        if self.policy not in ("replace-first", "cost"):
+            raise ConfigError(f"policy={self.policy!r}: use replace-first or cost")
+        for name in ("warm_eta_s", "cold_eta_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0 seconds")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RecoveryConfig:
         """Read ``RESILIENT_REPLACE_TIMEOUT_S``, ``RESILIENT_QUIESCE_TIMEOUT_S``,
         ``RESILIENT_SHRINK_AFTER_S`` (unset or empty: never shrink) and
-        ``RESILIENT_MIN_RANKS``.
+        ``RESILIENT_MIN_RANKS``, ``RESILIENT_POLICY``, ``RESILIENT_WARM_ETA_S`` and
+        ``RESILIENT_COLD_ETA_S``.
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -306,6 +320,9 @@ class RecoveryConfig:
             quiesce_timeout_s=_env_float(env, p + "QUIESCE_TIMEOUT_S", 15.0),
             shrink_after_s=_env_float(env, p + "SHRINK_AFTER_S", 0.0) if shrink else None,
             min_ranks=_env_int(env, p + "MIN_RANKS", 1),
+            policy=env.get(p + "POLICY", "").strip().lower() or "replace-first",
+            warm_eta_s=_env_float(env, p + "WARM_ETA_S", 1.5),
+            cold_eta_s=_env_float(env, p + "COLD_ETA_S", 5.0),
         )
 
 

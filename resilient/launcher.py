@@ -257,6 +257,7 @@ class _Run:
             return None
         if left:
             slot.done = slot.left = True
+            self._announce(slot, "none")
             self._out.notice(
                 f"{what}; no restarts left: the job goes on without it (--min-ranks "
                 f"{self._cfg.min_ranks}; the others shrink after {self._cfg.shrink_after_s:g} s)"
@@ -271,6 +272,7 @@ class _Run:
         self._restarts += 1
         slot.incarnation += 1
         warm = self._promote_spare(slot)
+        self._announce(slot, "warm" if warm else "cold")
         how = " (warm spare)" if warm else ""
         self._out.notice(
             f"{what}; restarting as incarnation {slot.incarnation}{how} "
@@ -285,6 +287,11 @@ class _Run:
             incarnation=slot.incarnation,
             action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}",
         )
+
+    def _announce(self, slot: _Slot, how: str) -> None:
+        """Tell the survivors (through etcd) whether and how the rank is replaced."""
+        if self._leases is not None:
+            self._leases.announce(slot.rank, slot.incarnation, how, None)
 
     def _may_shrink(self, slot: _Slot) -> bool:
         """Whether the job may go on without ``slot`` (``min_ranks`` still running)."""

@@ -183,3 +183,35 @@ def test_steps_the_survivors_replayed_count_once_per_recovery() -> None:
         {"kind": "step.replayed", "epoch": 2, "replayed": 1},
     ]
     assert replayed_by_survivors(events) == 3
+
+
+@pytest.mark.timeout(10)
+def test_a_fault_with_its_own_detection_bound_gets_its_own_row() -> None:
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    events = [{"ts": T0 + 1.8, "kind": "link.degraded", "rank": 0}]  # 800 ms after firing
+    facts = _facts(tracks, events=events)
+    facts.faults[0].max_detect_ms = 1000.0
+    report = build_report(_scenario("max_detect_ms = 100.0"), facts)
+    rows = {r["name"]: r for r in report["expectations"]}
+    # The scenario-wide bound covers no fault here, so only the fault's own row counts.
+    assert "max_detect_ms" not in rows
+    assert rows["fault[0].max_detect_ms"]["passed"] is True
+    assert rows["fault[0].max_detect_ms"]["measured"] == pytest.approx(800.0, abs=1.0)
+    facts.faults[0].max_detect_ms = 500.0
+    assert build_report(_scenario("max_detect_ms = 100.0"), facts)["passed"] is False
+
+
+@pytest.mark.timeout(10)
+def test_ranks_the_launcher_left_out_do_not_count_against_completion() -> None:
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(3)}
+    tracks[2] = _track(20.0, 20.0, fault_s=1.0, end_step=40)
+    tracks[2].last["done"] = False
+    left = [{"ts": T0 + 1.1, "kind": "rank.lost", "rank": 2, "left": True}]
+    report = build_report(
+        _scenario("completes = true\nparams_equal_across_ranks = true", nproc=3),
+        _facts(tracks, events=left),
+    )
+    assert report["passed"] is True and report["steps"]["left_out"] == [2]
+    # Without the launcher's word, a rank that stopped early fails the run.
+    report = build_report(_scenario("completes = true", nproc=3), _facts(tracks, events=[]))
+    assert report["passed"] is False

@@ -327,3 +327,34 @@ max_recovery_s = 5.0
     survivors = {e["rank"] for e in events if e["kind"] == "rank.lost"}
     assert survivors == {0, 2}, survivors
     assert not _namespaces(_testbed_of(stderr))
+
+
+@pytest.mark.timeout(240)
+def test_with_no_restart_left_the_survivors_shrink_at_once_and_finish(tmp_path: Path) -> None:
+    # The launcher announces that no replacement comes; the policy then shrinks
+    # without waiting out shrink_after_s (60 s here, longer than the test allows).
+    body = """
+[[fault]]
+kind = "kill"
+rank = 1
+at_step = 20
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+max_recovery_s = 10.0
+"""
+    extra = "max_restarts = 0\nmin_ranks = 2\nshrink_after_s = 60.0"
+    scenario = _scenario(tmp_path, body, topology="loopback", steps=60, job_extra=extra)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 200)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    assert report["steps"]["left_out"] == [1]
+    events = [json.loads(line) for f in (out / "run" / "events").glob("*.jsonl")
+              for line in f.read_text().splitlines()]  # fmt: skip
+    decisions = [(e["rank"], e["action"]) for e in events if e["kind"] == "policy.decision"]
+    assert (0, "shrink") in decisions and (2, "shrink") in decisions, decisions
+    changed = [e for e in events if e["kind"] == "epoch.changed"]
+    assert {tuple(e["members"]) for e in changed} == {(0, 2)}, changed

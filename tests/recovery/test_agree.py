@@ -8,7 +8,15 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from recovery.agree import EPOCH_KEY, Record, agree, current_epoch, make_plan
+from recovery.agree import (
+    EPOCH_KEY,
+    Record,
+    agree,
+    current_epoch,
+    join_requested,
+    make_plan,
+    request_join,
+)
 from resilient._proc import free_port
 from resilient.errors import RecoveryError, StaleEpoch
 
@@ -78,3 +86,51 @@ def test_agree_refuses_an_epoch_the_job_has_left() -> None:
     store.set("recovery/e2/r1", _records()[1].to_json())
     with pytest.raises(StaleEpoch):
         agree(store, epoch=2, world=2, record=_records()[0], timeout_s=5)
+
+
+def test_after_shrink_after_s_the_ranks_that_reported_go_on_alone() -> None:
+    store = _store()
+    recs = _records()
+    store.set("recovery/e0/r1", recs[1].to_json())
+    plan = agree(store, epoch=0, world=3, record=recs[0], timeout_s=5, shrink_after_s=0.2)
+    assert plan.members == (0, 1)
+    assert set(plan.keep_data) == {0, 1}
+    # The decision stands for everyone: rank 2 reporting late is left out of it.
+    store.set("recovery/e0/r2", recs[2].to_json())
+    assert agree(store, epoch=0, world=3, record=recs[1], timeout_s=5).members == (0, 1)
+    with pytest.raises(RecoveryError, match="without it"):
+        agree(store, epoch=0, world=3, record=recs[2], timeout_s=5, decide=False)
+
+
+def test_too_few_ranks_for_min_ranks_wait_until_the_timeout() -> None:
+    store = _store()
+    with pytest.raises(RecoveryError, match="min_ranks=2"):
+        agree(store, epoch=0, world=3, record=_records()[0], timeout_s=0.5,
+              shrink_after_s=0.1, min_ranks=2)  # fmt: skip
+
+
+def test_give_up_skips_the_wait_only_once_every_other_rank_reported() -> None:
+    store = _store()
+    recs = _records()
+    asked: list[float] = []
+
+    def give_up() -> set[int]:
+        asked.append(0.0)
+        if len(asked) == 3:  # rank 1 reports while rank 0 already gave up on rank 2
+            store.set("recovery/e0/r1", recs[1].to_json())
+        return {2}
+
+    plan = agree(store, epoch=0, world=3, record=recs[0], timeout_s=5, give_up=give_up)
+    assert plan.members == (0, 1) and len(asked) >= 3
+
+
+def test_a_join_request_is_seen_and_a_grown_epoch_takes_every_record_present() -> None:
+    store = _store()
+    recs = _records()
+    assert not join_requested(store, 0)
+    store.set("recovery/e0/r2", recs[2].to_json())
+    request_join(store, 0, 2)
+    assert join_requested(store, 0)
+    store.set("recovery/e0/r1", recs[1].to_json())
+    plan = agree(store, epoch=0, world=3, record=recs[0], timeout_s=5, expect=(0, 1))
+    assert plan.members == (0, 1, 2) and plan.joined == (2,)

@@ -1,0 +1,233 @@
+"""Choosing a remedy by estimated cost: one place, and every choice logged with why.
+
+A fault usually has more than one remedy. Each is estimated as the seconds by
+which it would move the job's end (its delay), from what the ranks measured: the
+step time, the steps left, the state a replacement must receive and the link rate
+it comes over. The cheapest remedy that is allowed wins, and a ``policy.decision``
+event records every option with its estimate and the reason.
+
+``rank.lost`` (:meth:`Policy.rank_lost`)
+    *replace*: every survivor waits until the replacement reports (a warm spare
+    or a cold start, as the launcher announced) and then sends it the state.
+    *shrink*: go on at once with M = N - 1 ranks; each step then does the lost
+    rank's share of the data too, so it takes about N/M as long, until a
+    replacement grows the group back (or the job ends). With no replacement
+    coming, waiting buys nothing: shrink (if ``min_ranks`` allows) or stop.
+
+``straggler.confirmed`` (:meth:`Policy.straggler`)
+    *tolerate*: every step waits for it, (slowdown - 1) of a step each.
+    *reroute*: when its links are what is slow, the straggler-aware all_reduce
+    leaves it out of the reduction work (resilient._slowrank) and the remaining
+    cost is its own traffic. Evicting a live straggler is not built.
+
+Two preferences change the rank-loss choice. ``replace-first`` (the default)
+waits up to ``shrink_after_s`` for an announced replacement even where shrinking
+now would be cheaper, so a replaced run stays bitwise equal to a fault-free one.
+``cost`` takes the cheaper option; a shrunk group grows back when the
+replacement reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from recovery import events
+from resilient.config import RecoveryConfig
+from resilient.errors import ConfigError
+
+__all__ = ["PREFERENCES", "Choice", "JobView", "Option", "Policy", "PolicyConfig"]
+
+logger = logging.getLogger(__name__)
+
+PREFERENCES: Final = ("replace-first", "cost")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyConfig:
+    """Estimates the policy cannot measure itself, and the rank-loss preference.
+
+    ``warm_eta_s`` / ``cold_eta_s``: from a loss until a warm spare / a cold
+    restart reports for the next epoch (measured here: 1.1 s for a warm spare,
+    about 4.4 s cold, which adds ``import torch`` and ``torch._dynamo``; see
+    docs/BENCHMARKS.md).
+    """
+
+    preference: str = "replace-first"
+    warm_eta_s: float = 1.5
+    cold_eta_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.preference not in PREFERENCES:
+            raise ConfigError(
+                f"policy preference {self.preference!r}: use one of {', '.join(PREFERENCES)}"
+            )
+        for name in ("warm_eta_s", "cold_eta_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0 seconds")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobView:
+    """What the ranks know of the job when a choice is due."""
+
+    world: int  # ranks the job was started with
+    members: int  # ranks taking part now (before the fault)
+    step_s: float  # recent time per step (0 when not measured yet)
+    steps_left: int
+    state_bytes: int = 0  # what a rank behind must receive
+    link_bytes_per_s: float = 1e9  # the rate it would come at
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One remedy: its estimated delay to the job's end, and how that was reckoned."""
+
+    action: str
+    cost_s: float
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """What the policy picked for one fault, against what."""
+
+    fault: str
+    action: str
+    reason: str
+    options: tuple[Option, ...] = field(default=())
+
+    def as_fields(self) -> dict[str, object]:
+        return {
+            "fault": self.fault,
+            "options": [
+                {"action": o.action, "cost_s": _round(o.cost_s), "note": o.note}
+                for o in self.options
+            ],
+        }
+
+
+def _round(x: float) -> float | None:
+    return None if math.isinf(x) else round(x, 3)
+
+
+def _cheapest(options: Sequence[Option]) -> Option:
+    return min(options, key=lambda o: o.cost_s)
+
+
+def _transfer_s(job: JobView) -> float:
+    return job.state_bytes / max(job.link_bytes_per_s, 1.0)
+
+
+def _replace(job: JobView, how: str, eta: float) -> Option:
+    """Everyone waits until the replacement reports, then it receives the state."""
+    if math.isinf(eta):
+        return Option("replace", math.inf, "no replacement comes")
+    note = (
+        f"{how} replacement reports in ~{eta:g} s, then {job.state_bytes} B at "
+        f"{job.link_bytes_per_s / 1e6:.0f} MB/s"
+    )
+    return Option("replace", eta + _transfer_s(job), note)
+
+
+def _shrink(job: JobView, eta: float, allowed: bool) -> Option:
+    """The survivors do the lost rank's share too until the replacement grows the
+    group back (then it receives the state) or, with none coming, to the end."""
+    if not allowed:
+        return Option("shrink", math.inf, "not allowed (no shrink_after_s, or min_ranks)")
+    left = max(job.members - 1, 1)
+    coming = not math.isinf(eta)
+    steps = min(job.steps_left, eta / max(job.step_s, 1e-9)) if coming else job.steps_left
+    cost = steps * job.step_s * (job.members / left - 1.0) + (_transfer_s(job) if coming else 0.0)
+    ms = job.step_s * 1e3
+    note = f"{left} ranks do {job.members}'s work for {steps:.0f} steps of {ms:.0f} ms"
+    return Option("shrink", cost, note)
+
+
+class Policy:
+    """Pure cost estimates plus the event that records each choice."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+
+    @classmethod
+    def from_recovery(cls, config: RecoveryConfig) -> Policy:
+        return cls(
+            PolicyConfig(
+                preference=config.policy, warm_eta_s=config.warm_eta_s,
+                cold_eta_s=config.cold_eta_s,
+            )
+        )  # fmt: skip
+
+    def rank_lost(self, job: JobView, *, replacement: str | None, shrink_allowed: bool) -> Choice:
+        """Replace or shrink, for a lost rank. ``replacement``: what the launcher
+        announced (warm, cold, none) or None (not known yet: a restart is assumed,
+        cold). The action is ``replace`` (wait), ``shrink`` (go on now) or ``stop``
+        (no replacement and no shrink allowed)."""
+        how = replacement or "cold"
+        eta = {"warm": self.config.warm_eta_s, "cold": self.config.cold_eta_s}.get(how, math.inf)
+        replace, shrink = _replace(job, how, eta), _shrink(job, eta, shrink_allowed)
+        options = (replace, shrink)
+        best = _cheapest(options)
+        if math.isinf(best.cost_s):
+            return Choice("rank.lost", "stop", "no replacement comes and no shrink", options)
+        coming = not math.isinf(eta)
+        if best is shrink and coming and self.config.preference == "replace-first":
+            return Choice(
+                "rank.lost", "replace",
+                f"a {how} replacement comes: wait for it (replace-first keeps the run "
+                f"bitwise reproducible) although shrinking would cost ~{shrink.cost_s:.2f} s "
+                f"against ~{replace.cost_s:.2f} s",
+                options,
+            )  # fmt: skip
+        other = shrink if best is replace else replace
+        worse = "is impossible" if math.isinf(other.cost_s) else f"~{other.cost_s:.2f} s"
+        return Choice(
+            "rank.lost", best.action,
+            f"{best.action} costs ~{best.cost_s:.2f} s, {other.action} {worse}", options,
+        )  # fmt: skip
+
+    def straggler(self, job: JobView, *, slowdown: float, cause: str) -> Choice:
+        """Tolerate or reroute around a confirmed straggler (``slowdown``: its time
+        over its peers' median; ``cause``: stalled, compute or link)."""
+        per_step = max(slowdown - 1.0, 0.0) * job.step_s
+        tolerate = Option(
+            "tolerate", per_step * job.steps_left,
+            f"every step waits {per_step * 1e3:.0f} ms for it over {job.steps_left} steps",
+        )  # fmt: skip
+        if cause == "link":
+            # Left out of the reduction work, it still sends its data once and
+            # receives the result once: about 1/world of the slow part remains.
+            rest = per_step / max(job.members, 1)
+            reroute = Option(
+                "reroute", rest * job.steps_left,
+                "straggler-aware all_reduce: it only sends its data and takes the result",
+            )  # fmt: skip
+        else:
+            reroute = Option(
+                "reroute", math.inf, f"its {cause} is slow, not its links: rerouting cannot help"
+            )
+        options = (tolerate, reroute)
+        best = _cheapest(options)
+        return Choice(
+            "straggler.confirmed", best.action,
+            f"{best.action} costs ~{best.cost_s:.2f} s; evicting a live rank is not built",
+            options,
+        )  # fmt: skip
+
+    @staticmethod
+    def record(
+        choice: Choice, *, epoch: int, step: int | None = None, rank: int | None = None
+    ) -> None:
+        """Emit the ``policy.decision`` event and log the choice."""
+        events.emit(
+            "policy.decision", epoch=epoch, step=step, rank=rank, reason=choice.reason,
+            action=choice.action, **choice.as_fields(),
+        )  # fmt: skip
+        logger.info(
+            "epoch %d, step %s: %s -> %s (%s)", epoch, step, choice.fault, choice.action,
+            choice.reason,
+        )  # fmt: skip

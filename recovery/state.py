@@ -1,0 +1,84 @@
+"""What a recovery saves and restores (:class:`StateHook`, :class:`TrainState`),
+and the DDP comm hook that averages over the members of a shrunk group."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["StateHook", "TrainState", "average_over_members"]
+
+
+@runtime_checkable
+class StateHook(Protocol):
+    """What a recovery saves on a donor and loads on a rank that is behind."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class TrainState:
+    """A :class:`StateHook` for a model and its optimizer, plus torch's RNG state
+    and ``extra`` (a dict of plain values: a data position, a sampler epoch).
+
+    :meth:`commit` runs ``optimizer.step()``: the session calls it when a step's
+    block finished without an error.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.extra = extra if extra is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "extra": dict(self.extra),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.extra.clear()
+        self.extra.update(state["extra"])
+
+    def commit(self) -> None:
+        self.optimizer.step()
+
+
+def average_over_members(ddp: Any, pg: Any) -> None:
+    """Make ``ddp`` average gradients over the group's members of the moment.
+
+    DDP divides by the world size it saw at construction; after a shrink that
+    would scale every update by (members / world). This comm hook scales by
+    1/members instead, before a sum all_reduce, exactly as DDP's own default
+    scales by 1/world, so while every rank takes part the bits are the same as
+    without it.
+
+    Raises:
+        RuntimeError: (from DDP) a comm hook was already registered, or training
+            already started.
+    """
+    import torch.distributed as dist
+
+    def hook(_: Any, bucket: Any) -> Any:
+        buf = bucket.buffer()
+        buf.mul_(1.0 / len(pg.members))
+        work = dist.all_reduce(buf, group=pg, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    # DDP rejects a hook whose annotations are not its own types; under postponed
+    # evaluation they are strings, so the hook shows none.
+    hook.__annotations__.clear()
+    ddp.register_comm_hook(None, hook)

@@ -1,0 +1,82 @@
+"""The remedy policy's choices (pure cost estimates)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from recovery.policy import JobView, Policy, PolicyConfig
+from resilient.errors import ConfigError
+
+# 4 ranks, 100 ms steps, 100 MB of state at 1 GB/s (0.1 s to send).
+JOB = JobView(
+    world=4, members=4, step_s=0.1, steps_left=1000, state_bytes=100_000_000,
+    link_bytes_per_s=1e9,
+)  # fmt: skip
+
+
+def _costs(choice: object) -> dict[str, float]:
+    return {o.action: o.cost_s for o in choice.options}  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(10)
+def test_no_replacement_coming_means_shrink_at_once_or_stop() -> None:
+    policy = Policy()
+    shrink = policy.rank_lost(JOB, replacement="none", shrink_allowed=True)
+    assert shrink.action == "shrink"
+    assert math.isinf(_costs(shrink)["replace"])
+    # Three ranks do four's work for the 1000 steps left: +1/3 of 100 s.
+    assert _costs(shrink)["shrink"] == pytest.approx(1000 * 0.1 / 3)
+    stop = policy.rank_lost(JOB, replacement="none", shrink_allowed=False)
+    assert stop.action == "stop"
+
+
+@pytest.mark.timeout(10)
+def test_replace_first_waits_for_a_coming_replacement_cost_may_not() -> None:
+    cold = Policy().rank_lost(JOB, replacement="cold", shrink_allowed=True)
+    assert cold.action == "replace"
+    costs = _costs(cold)
+    # Waiting 5 s + 0.1 s of transfer, against 50 slower steps (+1/3 each) + 0.1 s.
+    assert costs["replace"] == pytest.approx(5.1)
+    assert costs["shrink"] == pytest.approx(50 * 0.1 / 3 + 0.1)
+    by_cost = Policy(PolicyConfig(preference="cost"))
+    assert by_cost.rank_lost(JOB, replacement="cold", shrink_allowed=True).action == "shrink"
+    # Three ranks, a warm spare in 1.5 s: two ranks do 1.5x their work for the
+    # 15 steps until it joins (0.75 s), cheaper than all waiting 1.5 s.
+    three = JobView(world=3, members=3, step_s=0.1, steps_left=1000, state_bytes=0)
+    warm = by_cost.rank_lost(three, replacement="warm", shrink_allowed=True)
+    assert _costs(warm) == {"replace": pytest.approx(1.5), "shrink": pytest.approx(0.75)}
+    assert warm.action == "shrink"
+    # Two ranks: the survivor alone does twice the work while it waits: a tie, and
+    # waiting wins ties (the run stays reproducible).
+    two = JobView(world=2, members=2, step_s=0.1, steps_left=1000, state_bytes=0)
+    assert by_cost.rank_lost(two, replacement="warm", shrink_allowed=True).action == "replace"
+
+
+@pytest.mark.timeout(10)
+def test_a_job_near_its_end_shrinks_rather_than_wait_under_cost() -> None:
+    ending = JobView(world=4, members=4, step_s=0.1, steps_left=3, state_bytes=0)
+    choice = Policy(PolicyConfig(preference="cost")).rank_lost(
+        ending, replacement="cold", shrink_allowed=True
+    )
+    assert choice.action == "shrink"
+    assert _costs(choice)["shrink"] == pytest.approx(3 * 0.1 / 3)
+
+
+@pytest.mark.timeout(10)
+def test_only_a_link_straggler_is_rerouted() -> None:
+    policy = Policy()
+    link = policy.straggler(JOB, slowdown=1.5, cause="link")
+    assert link.action == "reroute"
+    assert _costs(link)["tolerate"] == pytest.approx(0.05 * 1000)
+    stalled = policy.straggler(JOB, slowdown=1.5, cause="stalled")
+    assert stalled.action == "tolerate" and math.isinf(_costs(stalled)["reroute"])
+
+
+@pytest.mark.timeout(10)
+def test_bad_policy_settings_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        PolicyConfig(preference="fastest")
+    with pytest.raises(ConfigError):
+        PolicyConfig(cold_eta_s=-1.0)
