@@ -18,7 +18,9 @@ event records every option with its estimate and the reason.
     *tolerate*: every step waits for it, (slowdown - 1) of a step each.
     *reroute*: when its links are what is slow, the straggler-aware all_reduce
     leaves it out of the reduction work (resilient._slowrank) and the remaining
-    cost is its own traffic. Evicting a live straggler is not built.
+    cost is its own traffic. Not wired in yet: the straggler-aware schedule
+    switches on the ranks' agreed link evidence by itself, and evicting a live
+    straggler is not built.
 
 Two preferences change the rank-loss choice. ``replace-first`` (the default)
 waits up to ``shrink_after_s`` for an announced replacement even where shrinking
