@@ -426,7 +426,7 @@ def _why(before: tuple[int, ...], plan: Plan) -> str:
     if plan.joined:
         parts.append(f"ranks {list(plan.joined)} replaced")
     if gone:
-        parts.append(f"ranks {gone} left: no replacement in time; {len(plan.members)} ranks go on")
+        parts.append(f"ranks {gone} left without a replacement; {len(plan.members)} ranks go on")
     if back:
         parts.append(f"ranks {back} back")
     return "; ".join(parts) or "peer lost"

@@ -324,7 +324,8 @@ class EpochControl:
         changed = new != self._members
         self._members, self._pos = new, pos
         if isinstance(self.engine, SoloEngine) or changed:
-            self.engine.close()
+            # Not waiting: a rail thread may still sit in an op of the failed call.
+            self.engine.close(wait=False)
             self.engine = self._new_engine(self.links, len(new))
             self._static_weights = self.engine.weights
         self.engine.weights = self._static_weights

@@ -79,5 +79,5 @@ class SoloEngine:
     def barrier(self) -> None:
         self._note("barrier")
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         pass

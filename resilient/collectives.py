@@ -193,8 +193,10 @@ class RingEngine:
     def right(self) -> int:
         return (self.rank + 1) % self.world
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the rail threads; ``wait=False`` leaves one still blocked in an op of
+        an abandoned call to end at its own deadline (its link is gone anyway)."""
+        self._pool.shutdown(wait=wait)
 
     def new_epoch(self) -> None:
         """Count calls from zero again, as a replacement's new engine does: failover
