@@ -71,10 +71,31 @@ class Route:
     log: list[tuple[int, int, int, int]] = field(default_factory=list)
     # May a pair with no rail left go through the store (resilient._relay)?
     relay: bool = False
+    # The epoch the call started in (-1: whatever the table's is). A rail thread
+    # of a call given up may outlive its epoch; it must not fail over into the
+    # next one (a rendezvous there nobody answers holds the table for its timeout).
+    epoch: int = -1
 
     @property
     def store(self) -> Store:
         return self.links.store
+
+    def check_epoch(self) -> None:
+        """Raises LinkError once the call's epoch is over: a rail thread of a call
+        given up must not post on a link the next epoch kept (same tags)."""
+        if self.epoch >= 0 and self.links.epoch != self.epoch:
+            raise LinkError(
+                f"rank {self.links.rank}: the call belongs to epoch {self.epoch}, "
+                f"the group is at {self.links.epoch}"
+            )
+
+    def given_up(self) -> str | None:
+        """Why this call may not fail over (a peer was lost, or its epoch is over)."""
+        if self.links.abandoned is not None:
+            return self.links.abandoned
+        if self.epoch >= 0 and self.links.epoch != self.epoch:
+            return f"the call belongs to epoch {self.epoch}, the group is at {self.links.epoch}"
+        return None
 
     def key(self, src: int, dst: int, rail: int, gen: int) -> str:
         t = self.links
@@ -86,8 +107,8 @@ class Route:
         Raises:
             LinkError: no rail is left, or the call is given up (a peer was lost).
         """
-        if self.links.abandoned is not None:
-            raise LinkError(f"rank {self.links.rank}: no failover: {self.links.abandoned}")
+        if (why := self.given_up()) is not None:
+            raise LinkError(f"rank {self.links.rank}: no failover: {why}")
         for rail in range(len(self.links.rails)):
             if rail in tried or (self.allowed is not None and rail not in self.allowed):
                 continue
@@ -101,7 +122,7 @@ class Route:
         """Through the store only if we cut ``failed`` ourselves: then the peer is
         alive (a peer that closed the connection may be dead)."""
         cut = getattr(failed, "cut_reason", None) is not None
-        return self.relay and cut and self.links.abandoned is None
+        return self.relay and cut and self.given_up() is None
 
     def link(
         self, peer: int, rail: int, orig_rail: int, gen: int, *, sender: bool
@@ -109,6 +130,8 @@ class Route:
         """The link a channel resumes on: ``rail``'s, or the store's."""
         if rail == RELAY_RAIL:
             return StoreLink(self, peer, orig_rail, gen, sender=sender)
+        if (why := self.given_up()) is not None:
+            raise LinkError(f"rank {self.links.rank}: no failover: {why}")
         return self.links.get(peer, rail)
 
     def read(self, key: str) -> str:
@@ -119,7 +142,7 @@ class Route:
         """
         end = time.monotonic() + self.timeout_s
         while True:
-            if self.links.closed or self.links.abandoned is not None:
+            if self.links.closed or self.given_up() is not None:
                 raise LinkError(f"rank {self.links.rank}: links closed while waiting for {key}")
             if self.store.check([key]):
                 return bytes(self.store.get(key)).decode()
@@ -212,6 +235,7 @@ class Tx(_Channel):
                 self._failover(stale)  # a no-op if the channel left it already
 
     def post(self, tensor: torch.Tensor, tag: int) -> int:
+        self.route.check_epoch()
         with self._lock:
             idx = len(self._msgs)
             self._msgs.append((tensor, tag))
@@ -339,6 +363,7 @@ class Rx(_Channel):
             self.failover(self.link)  # never blocks: it only publishes where to resume
 
     def post(self, into: torch.Tensor, tag: int) -> int:
+        self.route.check_epoch()
         with self._lock:
             idx = len(self._msgs)
             self._msgs.append((into, tag))

@@ -183,6 +183,7 @@ class RingEngine:
             log=self.failovers,
             allowed=frozenset(r for r, w in enumerate(self.weights) if w > 0),
             relay=self.relay,
+            epoch=self.links.epoch,
         )
 
     @property
