@@ -26,8 +26,10 @@ left out it asks again at the next epoch.
 The plan keeps a link only if both ends still hold it and its counters match
 (everything one end posted the other end posted too, and nothing is left half
 done): a stale posted receive would swallow the next message with its tag. The
-donor is a rank with the highest committed step (the lowest such rank); every
-rank behind it, the replacement included, receives its state.
+donor is a rank with the highest committed step; every rank behind it, the
+replacement included, receives its state. Among the ranks furthest ahead the
+donor is the one with the healthiest links: the most rails up, then the fastest
+measured rails, then the lowest rank (the joiner has no links yet to compare).
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ class Record:
     step: int
     data: list[Counter] = field(default_factory=list)
     ctl: list[Counter] | None = field(default_factory=list)
+    # How well this rank could send its state: rails with their NIC up and the
+    # measured rate of its rails together (bytes/s; 0 = not measured).
+    rails_up: int = 0
+    rate: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(
             {"rank": self.rank, "incarnation": self.incarnation, "step": self.step,
-             "data": self.data, "ctl": self.ctl}
+             "data": self.data, "ctl": self.ctl, "rails_up": self.rails_up, "rate": self.rate}
         )  # fmt: skip
 
     @classmethod
@@ -85,6 +91,8 @@ class Record:
             step=int(d["step"]),
             data=[_counter(c) for c in d.get("data", [])],
             ctl=None if ctl is None else [_counter(c) for c in ctl],
+            rails_up=int(d.get("rails_up", 0)),
+            rate=float(d.get("rate", 0.0)),
         )
 
 
@@ -138,7 +146,11 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     if not survivors:
         raise RecoveryError(f"epoch {epoch}: no rank has a committed step to restore from")
     step = max(r.step for r in survivors)
-    donor = min(r.rank for r in survivors if r.step == step)
+    # Of the ranks furthest ahead, the one best placed to send: most rails up,
+    # then the fastest measured rails, then the lowest rank (every rank computes
+    # the same from the same records).
+    ahead = [r for r in survivors if r.step == step]
+    donor = max(ahead, key=lambda r: (r.rails_up, r.rate, -r.rank)).rank
     data, ctl = _kept(records, "data"), _kept(records, "ctl")
     return Plan(
         epoch=epoch + 1,

@@ -194,6 +194,8 @@ class Session:
             step=self.committed,
             data=counters["data"] or [],
             ctl=counters["ctl"],
+            rails_up=_rails_up(pg),
+            rate=_link_rate(pg, default=0.0),
         )
         lost = cause.peer if isinstance(cause, PeerLost) else None
         plan = self._enter(record, epoch, give_up=self._shrink_check(lost, n))
@@ -305,7 +307,8 @@ class Session:
         self._payload = self._serialize()
         record = Record(
             rank=self._rank, incarnation=pg.incarnation, step=self.committed,
-            data=counters["data"] or [], ctl=counters["ctl"],
+            data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
+            rate=_link_rate(pg, default=0.0),
         )  # fmt: skip
         plan = self._enter(record, pg.epoch)
         self._restore(plan)
@@ -445,8 +448,16 @@ def _announced(pg: Any, rank: int | None) -> str | None:
     return str(record["how"]) if record else None
 
 
-def _link_rate(pg: Any) -> float:
-    """The measured data rate of this rank's rails together (bytes/s), or 1 GB/s."""
+def _link_rate(pg: Any, default: float = 1e9) -> float:
+    """The measured data rate of this rank's rails together (bytes/s), or ``default``."""
     rates = getattr(pg.engine, "rail_rates", ())
-    total = float(sum(rates))
-    return total if total > 0 else 1e9
+    total = float(sum(r for r in rates if r > 0))
+    return total if total > 0 else default
+
+
+def _rails_up(pg: Any) -> int:
+    """This rank's rails whose NIC is up (links broken toward the lost rank say
+    nothing about how well this rank can send)."""
+    nics = getattr(pg, "nics", None)
+    up = list(getattr(nics, "up", ())) or [True] * len(pg.rails)
+    return sum(1 for ok in up if ok)

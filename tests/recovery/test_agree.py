@@ -134,3 +134,17 @@ def test_a_join_request_is_seen_and_a_grown_epoch_takes_every_record_present() -
     store.set("recovery/e0/r1", recs[1].to_json())
     plan = agree(store, epoch=0, world=3, record=recs[0], timeout_s=5, expect=(0, 1))
     assert plan.members == (0, 1, 2) and plan.joined == (2,)
+
+
+def test_of_the_ranks_furthest_ahead_the_one_with_more_rails_up_then_faster_donates() -> None:
+    recs = {
+        0: Record(rank=0, incarnation=0, step=9, rails_up=1, rate=9e9),  # a NIC down
+        1: Record(rank=1, incarnation=0, step=9, rails_up=2, rate=1e8),
+        2: Record(rank=2, incarnation=0, step=9, rails_up=2, rate=2e8),
+        3: Record(rank=3, incarnation=1, step=-1),
+    }
+    assert make_plan(0, recs).donor == 2
+    assert Record.from_json(recs[2].to_json()) == recs[2]
+    recs[2] = Record(rank=2, incarnation=0, step=8, rails_up=2, rate=2e8)  # behind
+    plan = make_plan(0, recs)
+    assert plan.donor == 1 and plan.receivers == (2, 3)
