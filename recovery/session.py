@@ -287,7 +287,9 @@ class Session:
         """Take in replacements that asked to join (a shrunk group only), before the
         next step; a peer lost meanwhile is recovered from as in a step."""
         try:
-            if self._join_pending():
+            # Checked again after a grow: the replacement just taken in makes that
+            # same check before its first step, and every member must make it too.
+            while self._join_pending():
                 self._grow(self._next)
         except Exception as exc:
             lost = self.pg.lost if self.pg is not None else None

@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from resilient._args import check_tensors, reduce_op
 from resilient._epochs import EpochControl
+from resilient._gathers import GatherOps
 from resilient._gpu import GpuHealth
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
@@ -42,7 +43,7 @@ from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
-from resilient.collectives import Reduce, RingEngine, fold_rows
+from resilient.collectives import RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import CommunicationError, PeerLost, ResilientError
 from resilient.links import LinkTable
@@ -67,7 +68,7 @@ def _shutdown_live_groups() -> None:
             logger.debug("shutdown at exit failed", exc_info=True)
 
 
-class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[misc]
+class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type: ignore[misc]
     """A process group whose collectives are ring schedules over per-rail links.
 
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
@@ -372,142 +373,6 @@ class ResilientProcessGroup(dist.ProcessGroup, EpochControl):  # type: ignore[mi
         # Only the root's bytes matter, but every rank waits for earlier calls alike.
         payload = (lambda: _packed(tensors) if self.rank() == root else None) if inline else None
         return self._submit("broadcast", sig, run, payload=payload, after_previous=inline)
-
-    def allgather(  # type: ignore[override]
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: Any = None,
-    ) -> ResilientWork:
-        if len(input_tensors) != 1 or len(output_tensors) != 1:
-            raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
-        outs, inp = output_tensors[0], input_tensors[0]
-        check_tensors("allgather", [inp, *outs])
-        self._need_every_rank("allgather")
-        if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
-            raise ValueError(
-                f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
-            )
-        sig = Signature.of("allgather", [inp])
-
-        def run(_: torch.Tensor | None) -> list[list[torch.Tensor]]:
-            buf = self._gather_buffer(inp)
-            for i, out in enumerate(outs):
-                out.copy_(buf[i].view_as(out))
-            return output_tensors
-
-        return self._submit("allgather", sig, run)
-
-    def _allgather_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        check_tensors("all_gather_into_tensor", [output, input])
-        self._need_every_rank("all_gather_into_tensor")
-        if output.numel() != input.numel() * self.size():
-            raise ValueError(
-                f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
-                f"need {input.numel() * self.size()}"
-            )
-        sig = Signature.of("all_gather_into_tensor", [input])
-
-        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
-            buf = self._gather_buffer(input)
-            output.copy_(buf.view_as(output))
-            return [output]
-
-        return self._submit("all_gather_into_tensor", sig, run)
-
-    def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
-        n = inp.numel()
-        buf = torch.empty((self.size(), n), dtype=inp.dtype, device=inp.device)
-        buf[self.rank()].copy_(inp.reshape(-1))
-        self._engine_for(buf).all_gather(buf.view(-1))
-        return buf
-
-    def reduce_scatter(  # type: ignore[override]
-        self,
-        output_tensors: list[torch.Tensor],
-        input_tensors: list[list[torch.Tensor]],
-        opts: Any = None,
-    ) -> ResilientWork:
-        opts = opts or dist.ReduceScatterOptions()
-        if len(output_tensors) != 1 or len(input_tensors) != 1:
-            raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
-        out, ins = output_tensors[0], input_tensors[0]
-        check_tensors("reduce_scatter", [out, *ins])
-        self._need_every_rank("reduce_scatter")
-        if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
-            raise ValueError(
-                f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
-            )
-        red = reduce_op("reduce_scatter", opts)
-        sig = Signature.of("reduce_scatter", [out], reduce=red)
-
-        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
-            buf = torch.cat([i.reshape(-1) for i in ins])
-            self._scatter_into(buf, out, red)
-            return output_tensors
-
-        return self._submit("reduce_scatter", sig, run)
-
-    def _reduce_scatter_base(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        opts = opts or dist.ReduceScatterOptions()
-        check_tensors("reduce_scatter_tensor", [output, input])
-        self._need_every_rank("reduce_scatter_tensor")
-        if input.numel() != output.numel() * self.size():
-            raise ValueError(
-                f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
-                f"need {output.numel() * self.size()}"
-            )
-        red = reduce_op("reduce_scatter_tensor", opts)
-        sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
-
-        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
-            self._scatter_into(input.reshape(-1).clone(), output, red)
-            return [output]
-
-        return self._submit("reduce_scatter_tensor", sig, run)
-
-    def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
-        mine = self._engine_for(buf).reduce_scatter(buf, red)
-        out.copy_(buf[mine.start : mine.stop].view_as(out))
-
-    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor here.
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        return self._allgather_base(output, input, opts)
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        return self._reduce_scatter_base(output, input, opts)
-
-    def all_gather_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> ResilientWork:
-        return self._last(
-            [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        )
-
-    def reduce_scatter_single_coalesced(
-        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
-    ) -> ResilientWork:
-        return self._last(
-            [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        )
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
-
-    @staticmethod
-    def _last(works: list[ResilientWork]) -> ResilientWork:
-        """Works run in order on one thread: the last one completes after the others."""
-        if not works:
-            raise ValueError("resilient: a coalesced call needs at least one tensor pair")
-        return works[-1]
 
     def barrier(self, opts: Any = None) -> ResilientWork:
         sig = Signature.of("barrier", [])

@@ -1,0 +1,393 @@
+"""One link: a two-rank gloo group between this rank and a peer on one rail.
+
+:class:`Link` binds its gloo device to this rank's address on the rail and
+rendezvouses through a store prefix (epoch and generation, from
+:class:`~resilient.links.LinkTable`). Every operation has a deadline derived from
+its size and the link's expected bandwidth, with a floor; a missed deadline or a
+gloo error becomes :class:`~resilient.errors.LinkError`. Dead groups are destroyed
+in a background thread, because dropping a gloo group can block for seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
+
+from recovery import events
+from resilient import _faults, _sockets, _stall, _waiter
+from resilient.config import DataPlaneConfig
+from resilient.errors import ConfigError, LinkError
+
+__all__ = ["STALL_CUT_MS", "Link"]
+
+logger = logging.getLogger(__name__)
+
+
+# A connection with unacknowledged data and no ACK for this long is cut (see
+# Link.network_stall and resilient._stall): well past a few retransmission timeouts.
+STALL_CUT_MS: Final = 1000
+# What gloo says when the process at the other end closed its socket or is gone.
+_PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
+
+_DEVICES: dict[str, Any] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def _rail_device(address: str) -> Any:
+    """One gloo device per rail address, shared by every link on that rail.
+
+    Each gloo device runs its own event-loop thread; one per link would mean a
+    thread per peer and rail, and on a busy CPU their wake-ups cost more than the
+    transfers. Links stay separate groups (separate pairs and failure domains); a
+    rail's links share its NIC anyway.
+    """
+    with _DEVICES_LOCK:
+        device = _DEVICES.get(address)
+        if device is None:
+            device = _DEVICES[address] = ProcessGroupGloo.create_device(hostname=address)
+        return device
+
+
+def _gloo_pair(store: Store, index: int, address: str, config: DataPlaneConfig) -> Any:
+    opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
+    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    opts._devices = [_rail_device(address)]
+    return ProcessGroupGloo(store, index, 2, opts)
+
+
+def _nccl_pair(store: Store, index: int, config: DataPlaneConfig) -> Any:
+    """A two-rank NCCL communicator for CUDA tensors (ranks on distinct GPUs).
+
+    NCCL picks its own NIC (NCCL_SOCKET_IFNAME / NCCL_IB_HCA), so a CUDA link is not
+    bound to one rail's address the way a gloo link is; the rail split still gives
+    each rail its own communicator and its own share of the bytes.
+    """
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds
+
+    opts: Any = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    return ProcessGroupNCCL(store, index, 2, opts)
+
+
+class Link:
+    """A two-rank group between ``rank`` and ``peer`` on ``rail``.
+
+    ``device_type`` "cpu" builds a gloo pair bound to ``address``; "cuda" an NCCL pair.
+
+    Raises:
+        LinkError: the rendezvous failed or timed out (from the constructor).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        peer: int,
+        rail: int,
+        address: str,
+        store: Store,
+        prefix: str,
+        config: DataPlaneConfig,
+        device_type: str = "cpu",
+    ) -> None:
+        if rank == peer:
+            raise ConfigError(f"a link needs two ranks, got {rank} twice")
+        self.rank, self.peer, self.rail = rank, peer, rail
+        self.prefix = prefix
+        self.config = config
+        self.device_type = device_type
+        self._peer_index = 0 if peer < rank else 1
+        index = 0 if rank < peer else 1
+        start = time.monotonic()
+        try:
+            own = PrefixStore(prefix, store)
+            if device_type == "cuda":
+                self.pg: Any = _nccl_pair(own, index, config)
+                self._conns: list[_sockets.Conn] = []
+            else:
+                with _sockets.capture() as got:
+                    self.pg = _gloo_pair(own, index, address, config)
+                self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            raise LinkError(
+                f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
+            ) from exc
+        self.connect_s = time.monotonic() - start
+        if device_type != "cuda" and len(self._conns) != 1:
+            logger.warning(
+                "rank %d: %r has %d known connections (want 1): cutting it may not "
+                "interrupt its ops", rank, self, len(self._conns),
+            )  # fmt: skip
+        self.broken = False
+        self.cut_reason: str | None = None  # set when this rank cut it (abort)
+        self.watch_stalls = True
+        # Another rail to fail over to: only then is a wait worth interrupting early
+        # (with one rail the op fails at its deadline either way).
+        self.has_backup = False
+        # Called once when the link breaks (the health board publishes it, so the
+        # peer cuts its end too).
+        self.on_broken: Callable[[Link], None] | None = None
+        # (store, key) of failover records to publish as "finished" if this link
+        # breaks after a receive channel finished on it (see resilient._channel).
+        self.finished: deque[tuple[Store, str]] = deque(maxlen=8)
+        # Receive channels now using this link: failed over the moment it breaks.
+        self._receivers: list[Any] = []
+        self._senders: list[Any] = []
+        self._broken_lock = threading.Lock()
+        self._waiters = _waiter.Waiters(repr(self))
+        # Ops posted and ops still unfinished here. After an aborted collective both
+        # ends compare them (resilient.recovery keeps a link only if nothing it
+        # carried is left half-done: a stale posted receive would swallow the next
+        # message with its tag).
+        self.tx_ops = 0
+        self.rx_ops = 0
+        self.open_ops = 0
+        # Set when the peer closed or reset the connection (its process is gone, or
+        # it cut the link on purpose: the health board tells which).
+        self.peer_closed = False
+        self.socket_gone = False  # see check_closed
+
+    def __repr__(self) -> str:
+        return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
+
+    def renumber(self, rank: int, peer: int) -> None:
+        """Give both ends new numbers (a group that shrank or grew); their order
+        must not change, since it decides which end of the pair this is."""
+        if (rank < peer) != (self.rank < self.peer):
+            raise ConfigError(f"{self!r}: renumbering to {rank}<->{peer} swaps the pair's ends")
+        self.rank, self.peer = rank, peer
+
+    def _injected_failure(self, what: str) -> None:
+        h = _faults.hook()
+        if h is not None and h.failed(self.rank, self.peer, self.rail):
+            raise self._failed(f"{self}: {what} failed: fault injected by chaos control")
+
+    def watch_receiver(self, rx: Any) -> bool:
+        """Fail ``rx`` over when this link breaks; False if it already is broken."""
+        with self._broken_lock:
+            if not self.broken:
+                self._receivers.append(rx)
+            return not self.broken
+
+    def unwatch_receiver(self, rx: Any) -> None:
+        with self._broken_lock:
+            if rx in self._receivers:
+                self._receivers.remove(rx)
+
+    def watch_sender(self, tx: Any) -> bool:
+        """Tell ``tx`` (``tx.cut(link)``) when this link breaks; False if it is broken."""
+        with self._broken_lock:
+            if not self.broken:
+                self._senders.append(tx)
+            return not self.broken
+
+    def unwatch_sender(self, tx: Any) -> None:
+        with self._broken_lock:
+            if tx in self._senders:
+                self._senders.remove(tx)
+
+    def _failed(self, message: str, action: str = "raised LinkError") -> LinkError:
+        """Mark the link broken and log ``link.down`` once; returns the error to raise."""
+        if self.cut_reason is None and any(m in message for m in _PEER_CLOSED):
+            self.peer_closed = True
+        with self._broken_lock:
+            first, self.broken = not self.broken, True
+            receivers, self._receivers = self._receivers, []
+            senders, self._senders = self._senders, []
+        self._waiters.interrupt()
+        if first:
+            events.emit(
+                "link.down",
+                links=[(self.rank, self.peer, self.rail)],
+                reason=message,
+                action=action,
+            )
+            logger.warning("rank %d: %s", self.rank, message)
+            if self.on_broken is not None:
+                try:
+                    self.on_broken(self)
+                except Exception:  # reporting must never mask the link error itself
+                    logger.exception("rank %d: reporting broken %r failed", self.rank, self)
+            self._publish_finished()
+            # Receivers first: they only publish where to resume, which is what the
+            # peer's senders wait for.
+            for rx in receivers:
+                try:
+                    rx.failover(self)
+                except LinkError as exc:  # its own wait raises the same error, typed
+                    logger.warning("rank %d: no failover for %r: %s", self.rank, self, exc)
+                except Exception:
+                    logger.exception("rank %d: failing over a receiver failed", self.rank)
+            for tx in senders:
+                tx.cut(self)
+        return LinkError(message)
+
+    def abort(self, reason: str) -> None:
+        """Mark the link broken and cut its connection: pending ops fail at once.
+
+        Used when the link is known dead from elsewhere (its NIC went down, the peer
+        said so); waiting for its deadline would stall the collective for seconds.
+        """
+        self.cut_reason = reason  # first: failing over reads it (resilient._relay)
+        self._failed(f"{self}: {reason}", action="cut its connection")
+        if _sockets.cut(self._conns):
+            logger.debug("rank %d: cut %r", self.rank, self)
+
+    def sent(self) -> tuple[int, int, int, int] | None:
+        """``(bytes_acked, busy_us, retransmitted, segments_out)`` of this link's
+        sending side (see :func:`resilient._sockets.sent`), or None when the kernel
+        cannot say."""
+        stats = [_sockets.sent(conn) for conn in self._conns]
+        if not stats or any(s is None for s in stats):
+            return None
+        a, b, c, d = zip(*(s for s in stats if s is not None), strict=True)
+        return sum(a), sum(b), sum(c), sum(d)
+
+    def network_stall(self, min_ms: int = STALL_CUT_MS) -> str | None:
+        """Why this link's connection looks dead to the kernel, or None.
+
+        Dead means: data is waiting for an ACK, the retransmission timer fired,
+        and no ACK came for ``min_ms``. A slow or late peer shows none of that
+        (its ACKs still come), nor does a throttled link.
+        """
+        for conn in self._conns:
+            p = _sockets.progress(conn)
+            if p is not None and p.unacked and p.retransmits and p.since_ack_ms >= min_ms:
+                return (
+                    f"{p.unacked} segment(s) unacknowledged, {p.retransmits} retransmission "
+                    f"timeout(s), no ACK for {p.since_ack_ms} ms"
+                )
+        return None
+
+    def check_closed(self) -> bool:
+        """Mark the link broken if the kernel saw its peer close or reset the
+        connection (no op needs to be pending on it); True if it did.
+
+        Also notes in :attr:`socket_gone` that the connection's descriptor is gone:
+        gloo closes a pair's socket itself once it read the peer's FIN or RST, and
+        then the kernel has no state left to show (resilient._lost weighs it).
+        """
+        if self.broken:
+            return False
+        states = [_sockets.tcp_state(conn) for conn in self._conns]
+        self.socket_gone = bool(states) and all(s is None for s in states)
+        if not any(s in _sockets.PEER_GONE_STATES for s in states):
+            return False
+        self._failed(f"{self}: connection closed by peer (seen by the kernel)", "marked broken")
+        return True
+
+    def _publish_finished(self) -> None:
+        """Tell senders still waiting on this link that our receives here had finished."""
+        while self.finished:
+            store, key = self.finished.popleft()
+            try:
+                store.set(key, "done")
+            except Exception:  # the sender then fails at its own deadline, typed
+                logger.warning("rank %d: publishing %s failed", self.rank, key, exc_info=True)
+
+    def isend(self, tensor: torch.Tensor, tag: int) -> Any:
+        """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
+        self._injected_failure("send")
+        try:
+            work = self.pg.send([tensor], self._peer_index, tag)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failed(f"{self}: send failed: {exc}") from exc
+        self.tx_ops += 1
+        self.open_ops += 1
+        return work
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+        """Post a receive into a contiguous tensor."""
+        self._injected_failure("recv")
+        try:
+            work = self.pg.recv([tensor], self._peer_index, tag)
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failed(f"{self}: recv failed: {exc}") from exc
+        self.rx_ops += 1
+        self.open_ops += 1
+        return work
+
+    def wait(
+        self, work: Any, nbytes: int, *, watch: bool = True, interruptible: bool = False
+    ) -> None:
+        """Wait for ``work`` within the deadline for ``nbytes``.
+
+        ``watch=False`` keeps the wait out of stall reports (acknowledgements wait
+        for the peer to finish, not for bytes); a dead connection is cut either way.
+        ``interruptible`` (ops of at least ``_waiter.MIN_BYTES`` on a link with a
+        backup rail) makes the wait end as soon as the link breaks, even when gloo's
+        own wait would not (see :mod:`resilient._waiter`).
+
+        Raises:
+            LinkError: the peer failed, the connection broke or the deadline passed.
+        """
+        timeout = self.config.deadline_s(nbytes)
+        start = time.monotonic()
+        # Every wait is watched for a dead connection; only data waits are reported
+        # as stalls (a late peer is not a stalled link).
+        stalls = _stall.watch()
+        token = stalls.begin(
+            (self.rank, self.peer, self.rail),
+            self,
+            nbytes / self.config.expected_link_bytes_per_s,
+            report=self.watch_stalls and watch,
+        )
+        try:
+            if interruptible and self.has_backup and self._conns and nbytes >= _waiter.MIN_BYTES:
+                self._wait_interruptible(work, nbytes, timeout)
+            else:
+                work.wait(timedelta(seconds=timeout))
+        except (RuntimeError, dist.DistError) as exc:
+            raise self._failed(
+                f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {exc}"
+            ) from exc
+        finally:
+            stalls.end(token)
+        self.open_ops -= 1
+        h = _faults.hook()
+        if h is not None:
+            self._injected_failure("op")
+            delay = h.delay_s(self.rank, self.peer, self.rail, nbytes, time.monotonic() - start)
+            if delay > 0:
+                time.sleep(delay)
+
+    def _wait_interruptible(self, work: Any, nbytes: int, timeout: float) -> None:
+        job = self._waiters.wait(work, timeout)
+        if job.interrupted:
+            raise self._failed(f"{self}: cut while waiting for {nbytes} B")
+        if job.error is not None:
+            raise self._failed(
+                f"{self}: op on {nbytes} B failed or exceeded {timeout:.1f} s: {job.error}"
+            ) from job.error
+
+    def close(self, *, background: bool | None = None) -> None:
+        """Drop the group; a broken one in a background thread (closing it can block).
+
+        Healthy groups are dropped synchronously: a gloo group still alive while the
+        interpreter exits can abort the process.
+        """
+        self._waiters.close()
+        pg, self.pg = getattr(self, "pg", None), None
+        if pg is None:
+            return
+        if background if background is not None else self.broken:
+            threading.Thread(target=_drop, args=(pg,), name=f"close-{self!r}", daemon=True).start()
+        else:
+            _drop(pg)
+
+
+def _drop(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except Exception:  # a dead group may refuse a clean shutdown; the sockets still close
+        logger.debug("shutdown of a link group failed", exc_info=True)
+    del pg
