@@ -8,13 +8,18 @@ Runs examples/train_ddp.py three times on this machine, each time SIGKILLing ran
 * ``resilient run --max-restarts 1`` (cold replacement: a new process imports torch);
 * the same with ``--warm-spares`` (a standby that already imported torch);
 * ``torchrun --max-restarts 1`` with gloo, checkpointing every ``--ckpt-every``
-  steps and resuming from the checkpoint (every worker restarts).
+  steps and resuming from the checkpoint (every worker restarts);
+* ``resilient run --max-restarts 1 --min-ranks P-1`` with ``RESILIENT_POLICY=cost``
+  (``--with-shrink``): the survivors shrink at once and train on while the cold
+  replacement starts, then grow back when it asks to join (``grown_s``: from the
+  kill until the epoch with every rank again). Not bitwise equal to a fault-free
+  run: three ranks do four ranks' data for a few steps.
 
 The model's width is chosen so that its parameters hold ``--state-mb`` MB (the
 state a replacement must receive). Measured per run, from the kill:
 
-* ``back_s``: until rank 0 finished a step again (every rank, the replacement
-  included, took part in it: DDP steps are collective);
+* ``back_s``: until rank 0 finished a step again (every rank of the group took
+  part in it: DDP steps are collective; in the shrink run, the three survivors);
 * ``caught_up_s``: until rank 0 finished the step after the last one it had
   printed before the kill (a restart from a checkpoint first redoes steps);
 * ``unblocked_s`` (resilient): until the last survivor caught the lost peer
@@ -158,9 +163,14 @@ def _summary(run: Run, ranks: int) -> dict[str, Any]:
 def _with_events(out: dict[str, Any], events: list[dict[str, Any]], kill_wall: float) -> None:
     """Resilient runs: survivors' detection and the restore, from the event log."""
     # Survivors log recovery.started with the step they were in; the launcher without.
-    started = [float(e["ts"]) for e in events
-               if e["kind"] == "recovery.started" and e.get("step") is not None]  # fmt: skip
-    out["unblocked_s"] = round(max(started) - kill_wall, 3) if started else None
+    # Each survivor's first one after the kill (a later grow logs another).
+    first: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "recovery.started" and e.get("step") is not None:
+            ts = float(e["ts"])
+            if ts >= kill_wall:
+                first[int(e["rank"])] = min(first.get(int(e["rank"]), ts), ts)
+    out["unblocked_s"] = round(max(first.values()) - kill_wall, 3) if first else None
     out["replayed"] = max(
         (int(e.get("replayed", 0)) for e in events if e["kind"] == "step.replayed"), default=0
     )
@@ -170,19 +180,34 @@ def _with_events(out: dict[str, Any], events: list[dict[str, Any]], kill_wall: f
     out["restarted"] = 1
 
 
-def _resilient(args: argparse.Namespace, width: int, warm: bool, tmp: Path) -> dict[str, Any]:
-    run_dir = tmp / ("warm" if warm else "cold")
+def _resilient(
+    args: argparse.Namespace, width: int, warm: bool, tmp: Path, *, shrink: bool = False
+) -> dict[str, Any]:
+    name = "shrink" if shrink else "warm" if warm else "cold"
+    run_dir = tmp / name
     argv = [
         sys.executable, "-m", "resilient", "run", "--nproc", str(args.ranks),
         "--max-restarts", "1", "--run-dir", str(run_dir), "--log-dir", str(run_dir / "logs"),
         *(["--warm-spares"] if warm else []),
+        *(["--min-ranks", str(args.ranks - 1), "--shrink-after", "30"] if shrink else []),
         str(SCRIPT), "--steps", str(args.steps), "--width", str(width),
     ]  # fmt: skip
+    env = {"RESILIENT_POLICY": "cost"} if shrink else {}
+    label = {"shrink": "resilient cold, shrink+grow", "warm": "resilient warm spare"}
     wall0, mono0 = time.time(), time.monotonic()
-    run = _launch("resilient warm spare" if warm else "resilient cold", argv, {}, args)
+    run = _launch(label.get(name, "resilient cold"), argv, env, args)
     out = _summary(run, args.ranks)
     if run.killed_at is not None:
-        _with_events(out, read_events(run_dir), wall0 + (run.killed_at - mono0))
+        kill_wall = wall0 + (run.killed_at - mono0)
+        events = read_events(run_dir)
+        _with_events(out, events, kill_wall)
+        if shrink:
+            grown = [
+                float(e["ts"]) for e in events
+                if e["kind"] == "epoch.changed" and float(e["ts"]) > kill_wall
+                and len(e.get("members") or []) == args.ranks
+            ]  # fmt: skip
+            out["grown_s"] = round(min(grown) - kill_wall, 3) if grown else None
     return out
 
 
@@ -210,6 +235,9 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--skip-torchrun", action="store_true")
     p.add_argument("--skip-warm", action="store_true")
+    p.add_argument(
+        "--with-shrink", action="store_true", help="also the shrink-then-grow run (policy cost)"
+    )
     p.add_argument("--out", default=None, help="keep run dirs (event logs) here")
     args = p.parse_args()
     width = _width(args.state_mb)
@@ -220,15 +248,19 @@ def main() -> int:
             results.append(_resilient(args, width, True, tmp))
         if not args.skip_torchrun:
             results.append(_torchrun(args, width, tmp))
+        if args.with_shrink:
+            results.append(_resilient(args, width, False, tmp, shrink=True))
     rows = [
         [r["name"], str(r.get("back_s")), str(r.get("caught_up_s")), str(r.get("unblocked_s", "-")),
-         str(r.get("replayed")), str(r.get("restarted")), str(r.get("exit_code"))]
+         str(r.get("grown_s", "-")), str(r.get("replayed")), str(r.get("restarted")),
+         str(r.get("exit_code"))]
         for r in results
     ]  # fmt: skip
     print(f"width {width}: {2 * width * width * 4 / 1e6:.0f} MB of parameters, "
           f"{args.ranks} ranks, kill rank {args.victim} after step {args.kill_at}")  # fmt: skip
     print_table(
-        ["run", "back_s", "caught_up_s", "unblocked_s", "replayed", "restarted", "exit"], rows
+        ["run", "back_s", "caught_up_s", "unblocked_s", "grown_s", "replayed", "restarted", "exit"],
+        rows,
     )
     print(json.dumps({
         "ranks": args.ranks, "state_mb": round(2 * width * width * 4 / 1e6, 1), "width": width,
