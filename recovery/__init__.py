@@ -11,7 +11,7 @@ it imports torch); :mod:`recovery.agree` the epoch agreement;
 from typing import Any
 
 from recovery.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
-from recovery.policy import Choice, Policy, PolicyConfig
+from recovery.policy import Choice, Policy
 
 __all__ = [
     "EVENT_KINDS",
@@ -19,7 +19,6 @@ __all__ = [
     "Choice",
     "EventLog",
     "Policy",
-    "PolicyConfig",
     "Session",
     "StateHook",
     "TrainState",

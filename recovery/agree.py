@@ -245,10 +245,12 @@ def _decide(
     ``expect`` None: wait for someone else's decision."""
     prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
     start = time.monotonic()
+    seen: set[int] = set()  # records are never taken back: only the others are polled
     while True:
         if store.check([decided]):
             return _members(store.get(decided))
-        present = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+        seen |= {r for r in range(world) if r not in seen and store.check([f"{prefix}{r}"])}
+        present = sorted(seen)
         waited = time.monotonic() - start
         shrink = shrink_after_s is not None and waited >= shrink_after_s
         if expect is not None and not shrink and give_up is not None:

@@ -35,41 +35,13 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
 
 from recovery import events
 from resilient.config import RecoveryConfig
-from resilient.errors import ConfigError
 
-__all__ = ["PREFERENCES", "Choice", "JobView", "Option", "Policy", "PolicyConfig"]
+__all__ = ["Choice", "JobView", "Option", "Policy"]
 
 logger = logging.getLogger(__name__)
-
-PREFERENCES: Final = ("replace-first", "cost")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PolicyConfig:
-    """Estimates the policy cannot measure itself, and the rank-loss preference.
-
-    ``warm_eta_s`` / ``cold_eta_s``: from a loss until a warm spare / a cold
-    restart reports for the next epoch (measured here: 1.1 s for a warm spare,
-    about 4.4 s cold, which adds ``import torch`` and ``torch._dynamo``; see
-    docs/BENCHMARKS.md).
-    """
-
-    preference: str = "replace-first"
-    warm_eta_s: float = 1.5
-    cold_eta_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.preference not in PREFERENCES:
-            raise ConfigError(
-                f"policy preference {self.preference!r}: use one of {', '.join(PREFERENCES)}"
-            )
-        for name in ("warm_eta_s", "cold_eta_s"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0 seconds")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,17 +124,12 @@ def _shrink(job: JobView, eta: float, allowed: bool) -> Option:
 class Policy:
     """Pure cost estimates plus the event that records each choice."""
 
-    def __init__(self, config: PolicyConfig | None = None) -> None:
-        self.config = config or PolicyConfig()
-
-    @classmethod
-    def from_recovery(cls, config: RecoveryConfig) -> Policy:
-        return cls(
-            PolicyConfig(
-                preference=config.policy, warm_eta_s=config.warm_eta_s,
-                cold_eta_s=config.cold_eta_s,
-            )
-        )  # fmt: skip
+    def __init__(self, config: RecoveryConfig | None = None) -> None:
+        """``config``: the preference (``policy``) and the replacement ETAs
+        (``warm_eta_s``, ``cold_eta_s``: measured here, 1.1 s for a warm spare and
+        about 4.4 s cold, which adds ``import torch`` and ``torch._dynamo``; see
+        docs/BENCHMARKS.md)."""
+        self.config = config or RecoveryConfig()
 
     def rank_lost(self, job: JobView, *, replacement: str | None, shrink_allowed: bool) -> Choice:
         """Replace or shrink, for a lost rank. ``replacement``: what the launcher
@@ -170,14 +137,15 @@ class Policy:
         cold). The action is ``replace`` (wait), ``shrink`` (go on now) or ``stop``
         (no replacement and no shrink allowed)."""
         how = replacement or "cold"
-        eta = {"warm": self.config.warm_eta_s, "cold": self.config.cold_eta_s}.get(how, math.inf)
+        cfg = self.config
+        eta = {"warm": cfg.warm_eta_s, "cold": cfg.cold_eta_s}.get(how, math.inf)
         replace, shrink = _replace(job, how, eta), _shrink(job, eta, shrink_allowed)
         options = (replace, shrink)
         best = _cheapest(options)
         if math.isinf(best.cost_s):
             return Choice("rank.lost", "stop", "no replacement comes and no shrink", options)
         coming = not math.isinf(eta)
-        if best is shrink and coming and self.config.preference == "replace-first":
+        if best is shrink and coming and cfg.policy == "replace-first":
             return Choice(
                 "rank.lost", "replace",
                 f"a {how} replacement comes: wait for it (replace-first keeps the run "

@@ -95,7 +95,7 @@ class Session:
         self._payload: bytes | None = None
         self._rank = int(pg.rank()) if pg is not None else 0
         self._world = int(pg.size()) if pg is not None else 1
-        self.policy = Policy.from_recovery(self.config)
+        self.policy = Policy(self.config)
         self._total = 0  # steps() target: the policy weighs the steps left
         self._step_s = 0.0  # smoothed time between commits
         self._last_commit: float | None = None
@@ -116,12 +116,13 @@ class Session:
 
     def shards(self) -> list[int]:
         """The original per-rank data shards this rank covers now: its own, plus
-        those of ranks that left, dealt round-robin (shard ``j`` goes to member
-        ``j % count``), so every shard is still trained on exactly once."""
+        those of the ranks that left, dealt round-robin over the members (the k-th
+        left rank's shard to member ``k % count``), so every shard is still trained
+        on exactly once and every member keeps its own."""
         index, count = self.shard
-        if count == self._world:
-            return [self._rank]
-        return [j for j in range(self._world) if j % count == index]
+        members = self.members
+        left = [r for r in range(self._world) if r not in members]
+        return [self._rank] + [r for k, r in enumerate(left) if k % count == index]
 
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Step numbers from ``start`` to ``total - 1``; after a recovery it goes on

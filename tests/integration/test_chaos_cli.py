@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from chaos.testbed import PREFIX, sweep_leftovers
+from recovery.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -352,8 +353,7 @@ max_recovery_s = 10.0
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
     assert report["steps"]["left_out"] == [1]
-    events = [json.loads(line) for f in (out / "run" / "events").glob("*.jsonl")
-              for line in f.read_text().splitlines()]  # fmt: skip
+    events = read_events(out / "run")
     decisions = [(e["rank"], e["action"]) for e in events if e["kind"] == "policy.decision"]
     assert (0, "shrink") in decisions and (2, "shrink") in decisions, decisions
     changed = [e for e in events if e["kind"] == "epoch.changed"]

@@ -151,8 +151,8 @@ def test_survivors_shrink_without_a_replacement_and_train_on_identically() -> No
         assert (replayed, epoch, members) == (1, 1, SURVIVORS), rank
         index = SURVIVORS.index(rank)
         assert shard == (index, 3)
-        # Rank 2's shard is dealt round-robin: shard j goes to member j % 3.
-        assert last_shards == [j for j in range(WORLD) if j % 3 == index], rank
+        # Each keeps its own shard; rank 2's goes to the first member, rank 0.
+        assert last_shards == ([0, VICTIM] if rank == 0 else [rank]), rank
         # Survivor links are the same objects; links to the lost rank are gone.
         kept = {k: v for k, v in before.items() if k[0] != VICTIM}
         assert kept and all(after.get(k) == v for k, v in kept.items()), rank

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from recovery.policy import JobView, Policy, PolicyConfig
+from recovery.policy import JobView, Policy
+from resilient.config import RecoveryConfig
 from resilient.errors import ConfigError
 
 # 4 ranks, 100 ms steps, 100 MB of state at 1 GB/s (0.1 s to send).
@@ -40,7 +41,7 @@ def test_replace_first_waits_for_a_coming_replacement_cost_may_not() -> None:
     # Waiting 5 s + 0.1 s of transfer, against 50 slower steps (+1/3 each) + 0.1 s.
     assert costs["replace"] == pytest.approx(5.1)
     assert costs["shrink"] == pytest.approx(50 * 0.1 / 3 + 0.1)
-    by_cost = Policy(PolicyConfig(preference="cost"))
+    by_cost = Policy(RecoveryConfig(policy="cost"))
     assert by_cost.rank_lost(JOB, replacement="cold", shrink_allowed=True).action == "shrink"
     # Three ranks, a warm spare in 1.5 s: two ranks do 1.5x their work for the
     # 15 steps until it joins (0.75 s), cheaper than all waiting 1.5 s.
@@ -57,7 +58,7 @@ def test_replace_first_waits_for_a_coming_replacement_cost_may_not() -> None:
 @pytest.mark.timeout(10)
 def test_a_job_near_its_end_shrinks_rather_than_wait_under_cost() -> None:
     ending = JobView(world=4, members=4, step_s=0.1, steps_left=3, state_bytes=0)
-    choice = Policy(PolicyConfig(preference="cost")).rank_lost(
+    choice = Policy(RecoveryConfig(policy="cost")).rank_lost(
         ending, replacement="cold", shrink_allowed=True
     )
     assert choice.action == "shrink"
@@ -77,6 +78,6 @@ def test_only_a_link_straggler_is_rerouted() -> None:
 @pytest.mark.timeout(10)
 def test_bad_policy_settings_are_refused() -> None:
     with pytest.raises(ConfigError):
-        PolicyConfig(preference="fastest")
+        RecoveryConfig(policy="fastest")
     with pytest.raises(ConfigError):
-        PolicyConfig(cold_eta_s=-1.0)
+        RecoveryConfig(cold_eta_s=-1.0)
