@@ -355,6 +355,8 @@ max_recovery_s = 10.0
     assert report["steps"]["left_out"] == [1]
     events = read_events(out / "run")
     decisions = [(e["rank"], e["action"]) for e in events if e["kind"] == "policy.decision"]
-    assert (0, "shrink") in decisions and (2, "shrink") in decisions, decisions
+    # Whichever survivor saw the announcement first decided for both (a survivor
+    # that looked before it arrived logged "replace", then found the decision).
+    assert {r for r, _ in decisions} <= {0, 2} and any(a == "shrink" for _, a in decisions)
     changed = [e for e in events if e["kind"] == "epoch.changed"]
     assert {tuple(e["members"]) for e in changed} == {(0, 2)}, changed
