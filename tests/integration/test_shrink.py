@@ -10,7 +10,9 @@ the interrupted step and finish with the same parameters on every survivor.
 
 When a replacement for rank 2 does start later, it asks to join; the members take
 it in at the next step boundary (epoch 2, all four ranks again), it receives the
-state, and the job ends with the same parameters on all four.
+state, and the job ends with the same parameters on all four. With five ranks,
+two lost and one back, the group stays one short after the grow and stays
+consistent (every member, the newcomer too, keeps checking for joins).
 """
 
 from __future__ import annotations
@@ -35,11 +37,19 @@ KILL_AT = 5
 SURVIVORS = (0, 1, 3)
 
 
-def _worker(rank: int, port: int, results: Any, incarnation: int = 0, steps: int = STEPS) -> None:
+def _worker(
+    rank: int,
+    port: int,
+    results: Any,
+    incarnation: int = 0,
+    steps: int = STEPS,
+    world: int = WORLD,
+    victims: tuple[int, ...] = (VICTIM,),
+) -> None:
     os.environ.update(
         RESILIENT_INCARNATION=str(incarnation),
         RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RESILIENT_RAILS=f"127.0.1.{rank + 1},127.0.2.{rank + 1}",
@@ -64,7 +74,7 @@ def _worker(rank: int, port: int, results: Any, incarnation: int = 0, steps: int
     at = {"step": -1}
 
     def die_in_backward(grad: torch.Tensor) -> torch.Tensor:
-        if rank == VICTIM and incarnation == 0 and at["step"] == KILL_AT:
+        if rank in victims and incarnation == 0 and at["step"] == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
@@ -88,11 +98,11 @@ def _worker(rank: int, port: int, results: Any, incarnation: int = 0, steps: int
     shards: dict[int, list[int]] = {}
     told = False
     for step in session.steps(steps):
-        if len(pg.members) < WORLD and not told:
+        if len(pg.members) < world and not told:
             results.put(("shrunk", rank))  # a replacement may start now
             told = True
-        if len(pg.members) < WORLD and steps > STEPS:
-            time.sleep(0.1)  # leave a replacement time to start and join
+        if len(pg.members) < world and steps > STEPS and pg.epoch < 2:
+            time.sleep(0.25)  # leave a replacement time to start and join (~14 s)
         with session.step(step):
             at["step"] = step
             shards[step] = session.shards()
@@ -159,29 +169,34 @@ def test_survivors_shrink_without_a_replacement_and_train_on_identically() -> No
         assert not any(k[0] == VICTIM for k in after), rank
 
 
-@pytest.mark.timeout(240)
-def test_a_replacement_that_comes_late_grows_the_group_back() -> None:
+def _late_replacement(world: int, victims: tuple[int, ...], late: int) -> dict[int, Any]:
+    """``world`` ranks, ``victims`` killed at KILL_AT; once the survivors shrank, a
+    replacement for ``late`` starts. Every rank's result once all finished."""
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     port = free_port()
     steps = 60
-    procs = [ctx.Process(target=_worker, args=(r, port, results, 0, steps)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, results, 0, steps, world, victims))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    expected = world - len(victims) + 1
     try:
         deadline = time.monotonic() + 180
-        while len(out) < WORLD and time.monotonic() < deadline:
+        while len(out) < expected and time.monotonic() < deadline:
             if not any(p.is_alive() for p in procs) and results.empty():
                 break
             try:
                 rank, *rest = results.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if rank == "shrunk" and len(procs) == WORLD:
-                late = ctx.Process(target=_worker, args=(VICTIM, port, results, 1, steps))
-                late.start()
-                procs.append(late)
+            if rank == "shrunk" and len(procs) == world:
+                args = (late, port, results, 1, steps, world, victims)
+                procs.append(ctx.Process(target=_worker, args=args))
+                procs[-1].start()
             elif rank != "shrunk":
                 out[rank] = rest
         for p in procs:
@@ -191,9 +206,26 @@ def test_a_replacement_that_comes_late_grows_the_group_back() -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    assert procs[VICTIM].exitcode == -signal.SIGKILL
-    assert sorted(out) == list(range(WORLD)), out.keys()
+    assert all(procs[v].exitcode == -signal.SIGKILL for v in victims)
     assert len({v[0] for v in out.values()}) == 1, {r: v[0] for r, v in out.items()}
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_that_comes_late_grows_the_group_back() -> None:
+    out = _late_replacement(WORLD, (VICTIM,), VICTIM)
+    assert sorted(out) == list(range(WORLD)), out.keys()
     for rank, (_, _, epoch, members, shard, last_shards, _, _) in out.items():
         # Epoch 1: three ranks; epoch 2: the replacement is in and the shards are back.
         assert (epoch, members, shard, last_shards) == (2, tuple(range(WORLD)), (rank, 4), [rank])
+
+
+@pytest.mark.timeout(240)
+def test_a_group_that_grows_back_only_partly_stays_consistent() -> None:
+    # Five ranks, 1 and 3 killed, only 3 comes back: still one short after the grow,
+    # so every member (the newcomer too) keeps checking for joins before each step.
+    out = _late_replacement(5, (1, 3), 3)
+    assert sorted(out) == [0, 2, 3, 4], out.keys()
+    for rank, (_, _, epoch, members, _, last_shards, _, _) in out.items():
+        assert (epoch, members) == (2, (0, 2, 3, 4)), rank
+        assert last_shards == ([0, 1] if rank == 0 else [rank]), rank
