@@ -184,20 +184,7 @@ class Session:
             "recovery.started", epoch=epoch, step=n, reason=str(cause),
             action="finish the step's calls, agree on the next epoch, restore, replay",
         )  # fmt: skip
-        counters = pg.quiesce(self.config.quiesce_timeout_s)
-        quiesced = time.monotonic()
-        # Serialized now, while the replacement is still starting: if this rank
-        # is picked as the donor, it sends as soon as the epoch is agreed.
-        self._payload = self._serialize()
-        record = Record(
-            rank=self._rank,
-            incarnation=pg.incarnation,
-            step=self.committed,
-            data=counters["data"] or [],
-            ctl=counters["ctl"],
-            rails_up=_rails_up(pg),
-            rate=_link_rate(pg, default=0.0),
-        )
+        record, quiesced = self._stop_and_report()
         lost = cause.peer if isinstance(cause, PeerLost) else None
         plan = self._enter(record, epoch, give_up=self._shrink_check(lost, n))
         agreed = time.monotonic()
@@ -306,13 +293,7 @@ class Session:
             "recovery.started", epoch=pg.epoch, step=n, reason="a replacement asked to join",
             action="agree on the next epoch with it, send it the state",
         )  # fmt: skip
-        counters = pg.quiesce(self.config.quiesce_timeout_s)
-        self._payload = self._serialize()
-        record = Record(
-            rank=self._rank, incarnation=pg.incarnation, step=self.committed,
-            data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
-            rate=_link_rate(pg, default=0.0),
-        )  # fmt: skip
+        record, _ = self._stop_and_report()
         plan = self._enter(record, pg.epoch)
         self._restore(plan)
         self.recoveries += 1
@@ -321,6 +302,27 @@ class Session:
             duration_ms=(time.monotonic() - began) * 1e3,
             action=f"{len(plan.members)} ranks train from step {n}",
         )  # fmt: skip
+
+    def _stop_and_report(self) -> tuple[Record, float]:
+        """Finish the epoch's calls, serialize the state, and build this rank's
+        record for the next epoch; also returns when the calls had finished.
+
+        Raises:
+            RecoveryError: the calls did not finish within ``quiesce_timeout_s``.
+        """
+        assert self.pg is not None
+        pg = self.pg
+        counters = pg.quiesce(self.config.quiesce_timeout_s)
+        quiesced = time.monotonic()
+        # Serialized now, while a replacement may still be starting: if this rank
+        # is picked as the donor, it sends as soon as the epoch is agreed.
+        self._payload = self._serialize()
+        record = Record(
+            rank=self._rank, incarnation=pg.incarnation, step=self.committed,
+            data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
+            rate=_link_rate(pg, default=0.0),
+        )  # fmt: skip
+        return record, quiesced
 
     def _shrink_check(self, lost: int | None, n: int) -> Callable[[], set[int]]:
         """Polled while survivors wait for a replacement: asks the policy (with what
