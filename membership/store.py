@@ -194,6 +194,11 @@ class EtcdStore(Store):
             assert self._client is not None
             return self._client
 
+    def client(self) -> EtcdClient:
+        """The etcd client under this store (for watches on its keys, see
+        :mod:`resilient._bell`). Raises MembershipError once the store is closed."""
+        return self._etcd()
+
     def _key(self, key: str) -> str:
         return self._prefix + key
 

@@ -4,16 +4,17 @@ A rank learns of its own dead NIC in ~10 ms (:mod:`resilient._nic`), and of a li
 that failed under one of its ops at once. Its peer on the other end does not: its
 ops on that link just stop making progress, and gloo would only give up at their
 deadline (seconds). So every rank publishes what it sees down under
-``health/e<epoch>/r<rank>`` and bumps ``health/e<epoch>/v``; a poller thread per
-rank checks that counter every ``interval_s`` (one small store round trip) and,
-on a change, cuts its own end of every link a peer reported dead. Cutting fails
-the pending ops at once, which is what starts a failover (:mod:`resilient._channel`).
+``health/e<epoch>/r<rank>`` and bumps ``health/e<epoch>/v``; a watcher thread per
+rank wakes on a doorbell (:mod:`resilient._bell`: an etcd watch, a TCPStore queue,
+or at worst a poll every ``interval_s``), reads that counter and, on a change,
+cuts its own end of every link a peer reported dead. Cutting fails the pending ops
+at once, which is what starts a failover (:mod:`resilient._channel`).
 
 The board also answers "which rails can carry traffic between me and this peer?"
 for choosing a backup rail, and "is this rail healthy here?" for the rail weights
 every rank agrees on (a rail broken anywhere gets no share until it is repaired).
-The poller only ever makes non-blocking store calls, so it never waits behind a
-rendezvous on the same store client.
+The watcher's reads are non-blocking store calls (a queue bell blocks on a
+connection of its own), so it never waits behind a rendezvous on the same client.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from torch._C._distributed_c10d import Store
 
+from resilient._bell import Bell, open_bell
 from resilient._repair import LinkRepair
 from resilient.links import Link, LinkTable
 
@@ -77,6 +79,8 @@ class HealthBoard:
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
+        self._bell: Bell | None = None  # made by start(): rings only reach started boards
+        self._rang_unstarted = False
 
     # -- this rank ----------------------------------------------------------------
     def attach(self, table: LinkTable) -> None:
@@ -88,6 +92,9 @@ class HealthBoard:
 
     def start(self) -> HealthBoard:
         if self._thread is None and self.world > 1:
+            self._bell = open_bell(self._store, self._prefix, self.rank, poll_s=self._interval)
+            if self._rang_unstarted:  # published before there was a bell to ring
+                self._ring()
             self._thread = threading.Thread(target=self._run, name="health-board", daemon=True)
             self._thread.start()
             if self.repair is not None:
@@ -96,6 +103,8 @@ class HealthBoard:
 
     def stop(self) -> None:
         self._halt.set()
+        if self._bell is not None:
+            self._bell.close()
         if self._thread is not None:
             self._thread.join(2.0)
         if self.repair is not None:
@@ -164,18 +173,40 @@ class HealthBoard:
             self._store.add(f"{self._prefix}/v", 1)
         except Exception:  # the peers then learn at their own deadline
             logger.warning("rank %d (epoch %d): publishing health failed", self.rank, self.epoch)
+            return
+        self._ring()
+
+    def _ring(self) -> None:
+        bell = self._bell
+        if bell is None:
+            self._rang_unstarted = True
+            return
+        try:
+            bell.ring(p for p in range(self.world) if p != self.rank)
+        except Exception:  # the peers then look at their safety interval or deadline
+            logger.warning("rank %d (epoch %d): ringing peers failed", self.rank, self.epoch)
 
     # -- peers ----------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._halt.wait(self._interval):
+        bell = self._bell
+        assert bell is not None
+        while not self._halt.is_set():
             try:
-                version = int(self._store.add(f"{self._prefix}/v", 0))
+                # Look first: whatever was published before this thread started.
+                version = self._read_version()
                 if version != self._version:
                     self._version = version
                     self._refresh()
+                if not self._halt.is_set():
+                    bell.wait(bell.safety_s)
             except Exception:  # store gone (shutdown) or busy: try again later
-                logger.debug("rank %d: health poll failed", self.rank, exc_info=True)
+                logger.debug("rank %d: health watch failed", self.rank, exc_info=True)
                 self._halt.wait(0.2)
+
+    def _read_version(self) -> int:
+        # A read, not add(0): through etcd an add is a compare-and-swap write.
+        key = f"{self._prefix}/v"
+        return int(bytes(self._store.get(key)).decode()) if self._store.check([key]) else 0
 
     def _refresh(self) -> None:
         keys = [f"{self._prefix}/r{p}" for p in range(self.world) if p != self.rank]
