@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--b", type=float, default=0.5, help="slow rank's fraction of it (0.5)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations (10)")
     p.add_argument(
-        "--warmup", type=int, default=30,
-        help="untimed iterations first (30: the slow-rank vote starts after 20 calls, "
+        "--warmup", type=int, default=40,
+        help="untimed iterations first (40: the slow-rank vote starts after 20 calls, "
         "then needs a few to agree)",
     )  # fmt: skip
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")

@@ -217,19 +217,25 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     side, or None (gone, old kernel).
 
     ``busy_us`` is the kernel's time with data to send (``tcpi_busy_time``, Linux
-    4.10+, jiffy resolution), so the deltas of the first two over an interval give
-    the rate the path allowed, whatever the application did in between; the last
-    two give the share of segments that had to be sent again (loss).
+    4.10+, jiffy resolution) less the part the receiver's window held it back
+    (``tcpi_rwnd_limited``: a receiver too busy to read is a slow process, not a
+    slow path), so the deltas of the first two over an interval give the rate the
+    path allowed, whatever either application did in between; the last two give
+    the share of segments that had to be sent again (loss).
     """
-    raw = _tcp_info(conn, 176)
+    raw = _tcp_info(conn, 184)
     if raw is None or len(raw) < 176:
         return None
     # struct tcp_info: u32 tcpi_total_retrans at 100, u64 tcpi_bytes_acked at 120,
-    # u32 tcpi_segs_out at 136, u64 tcpi_busy_time at 168.
+    # u32 tcpi_segs_out at 136, u64 tcpi_busy_time at 168, u64 tcpi_rwnd_limited
+    # at 176 (part of the busy time).
     (retrans,) = struct.unpack_from("=I", raw, 100)
     (acked,) = struct.unpack_from("=Q", raw, 120)
     (segs,) = struct.unpack_from("=I", raw, 136)
     (busy,) = struct.unpack_from("=Q", raw, 168)
+    if len(raw) >= 184:
+        (rwnd_limited,) = struct.unpack_from("=Q", raw, 176)
+        busy = max(0, busy - rwnd_limited)
     return acked, busy, retrans, segs
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 WORLD = 3
-CALLS = 32  # the vote starts after 20 calls (WARMUP_CALLS), then needs 3 votes
+CALLS = 40  # the vote starts after 20 calls (WARMUP_CALLS), then needs 6 votes
 NUMEL = 1 << 18  # 1 MiB of float32: above LAG_MIN_BYTES, under the mesh limit
 
 
