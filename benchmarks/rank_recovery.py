@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,6 +186,8 @@ def _resilient(
 ) -> dict[str, Any]:
     name = "shrink" if shrink else "warm" if warm else "cold"
     run_dir = tmp / name
+    # A kept --out dir from an earlier run: its event logs would be read with ours.
+    shutil.rmtree(run_dir, ignore_errors=True)
     argv = [
         sys.executable, "-m", "resilient", "run", "--nproc", str(args.ranks),
         "--max-restarts", "1", "--run-dir", str(run_dir), "--log-dir", str(run_dir / "logs"),
@@ -214,6 +217,8 @@ def _resilient(
 def _torchrun(args: argparse.Namespace, width: int, tmp: Path) -> dict[str, Any]:
     from resilient._proc import free_port
 
+    # An earlier run's checkpoint would make this one resume from it at the start.
+    shutil.rmtree(tmp / "ckpt", ignore_errors=True)
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
         "--max-restarts", "1", "--master-port", str(free_port()),
