@@ -42,6 +42,7 @@ from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
+from resilient._bell import Bell, watch_or_poll
 from resilient.errors import RecoveryError, StaleEpoch
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
 
 EPOCH_KEY: Final = "recovery/epoch"
 _POLL_S: Final = 0.01
+_SAFETY_S: Final = 0.1  # with a watch: timers (shrink, give_up) still run
 
 Counter = tuple[int, int, int, int, int]  # (peer, rail, tx_ops, rx_ops, open_ops)
 
@@ -243,6 +245,30 @@ def _decide(
 ) -> tuple[int, ...]:
     """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc);
     ``expect`` None: wait for someone else's decision."""
+    # Through etcd a watch wakes the loop on every record; a 10 ms poll there took
+    # CPU (gRPC, etcd) from the replacement starting on the same machine.
+    bell = watch_or_poll(store, f"recovery/e{epoch}/", poll_s=_POLL_S, safety_s=_SAFETY_S)
+    try:
+        return _decide_loop(store, bell, epoch, world, me, timeout_s, expect=expect,
+                            shrink_after_s=shrink_after_s, min_ranks=min_ranks,
+                            give_up=give_up)  # fmt: skip
+    finally:
+        bell.close()
+
+
+def _decide_loop(
+    store: Store,
+    bell: Bell,
+    epoch: int,
+    world: int,
+    me: int,
+    timeout_s: float,
+    *,
+    expect: set[int] | None,
+    shrink_after_s: float | None,
+    min_ranks: int,
+    give_up: Callable[[], Collection[int]] | None,
+) -> tuple[int, ...]:
     prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
     start = time.monotonic()
     seen: set[int] = set()  # records are never taken back: only the others are polled
@@ -266,7 +292,7 @@ def _decide(
                 f"rank {me} (epoch {epoch}): ranks {missing} did not report for epoch "
                 f"{epoch + 1} within {timeout_s:.0f} s (no replacement came{few})"
             )
-        time.sleep(_POLL_S)
+        bell.wait(bell.safety_s)
 
 
 def _members(raw: Any) -> tuple[int, ...]:

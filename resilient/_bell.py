@@ -32,7 +32,7 @@ from typing import Any, Final, Protocol, cast
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-__all__ = ["Bell", "PollBell", "QueueBell", "WatchBell", "open_bell"]
+__all__ = ["Bell", "PollBell", "QueueBell", "WatchBell", "open_bell", "watch_or_poll"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,19 +138,28 @@ class WatchBell:
         self._watch.stop(timeout_s=2.0)
 
 
+def _base(store: Store) -> tuple[Any, bool]:
+    """The store under any PrefixStore layers, and whether there were any."""
+    wrapped = isinstance(store, PrefixStore)
+    return (cast(Any, store)._underlying_non_prefix_store if wrapped else store), wrapped
+
+
+def _etcd(store: Any) -> bool:
+    from membership.store import EtcdStore
+
+    return isinstance(store, EtcdStore)
+
+
 def open_bell(store: Store, prefix: str, rank: int, *, poll_s: float) -> Bell:
     """The best bell ``store`` allows for the board keys under ``prefix``.
 
     Never raises: a store that cannot carry a bell gets a :class:`PollBell`.
     """
-    # PrefixStore does not tell its prefix: under one, the watch covers the whole
-    # etcd store (other keys there change rarely: link rendezvous).
-    wrapped = isinstance(store, PrefixStore)
-    base = cast(Any, store)._underlying_non_prefix_store if wrapped else store
     try:
-        from membership.store import EtcdStore
-
-        if isinstance(base, EtcdStore):
+        base, wrapped = _base(store)
+        if _etcd(base):
+            # PrefixStore does not tell its prefix: under one, the watch covers the
+            # whole etcd store (other keys there change rarely: link rendezvous).
             return WatchBell(base, "" if wrapped else prefix + "/")
         if isinstance(base, TCPStore):
             return QueueBell(store, prefix, rank)
@@ -159,4 +168,19 @@ def open_bell(store: Store, prefix: str, rank: int, *, poll_s: float) -> Bell:
             "rank %d: no store notification for %s; polling every %.3f s",
             rank, prefix, poll_s, exc_info=True,
         )  # fmt: skip
+    return PollBell(poll_s)
+
+
+def watch_or_poll(store: Store, prefix: str, *, poll_s: float, safety_s: float) -> Bell:
+    """A bell for keys under ``prefix`` that nobody rings: an etcd watch (looking
+    again at least every ``safety_s``), or a poll every ``poll_s`` on other stores.
+
+    Never raises.
+    """
+    try:
+        base, wrapped = _base(store)
+        if _etcd(base):
+            return WatchBell(base, "" if wrapped else prefix, safety_s=safety_s)
+    except Exception:  # etcd unreachable right now: poll
+        logger.warning("no etcd watch on %s; polling every %.3f s", prefix, poll_s, exc_info=True)
     return PollBell(poll_s)

@@ -1,13 +1,16 @@
 """The epoch agreement after a lost rank: pure plan logic, and the store protocol on
-a real TCPStore."""
+a real TCPStore and a real etcd."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from membership.store import EtcdStore
 from recovery.agree import (
     EPOCH_KEY,
     Record,
@@ -18,6 +21,7 @@ from recovery.agree import (
     request_join,
 )
 from resilient._proc import free_port
+from resilient.config import EtcdConfig
 from resilient.errors import RecoveryError, StaleEpoch
 
 pytestmark = pytest.mark.timeout(30)
@@ -148,3 +152,32 @@ def test_of_the_ranks_furthest_ahead_the_one_with_more_rails_up_then_faster_dona
     recs[2] = Record(rank=2, incarnation=0, step=8, rails_up=2, rate=2e8)  # behind
     plan = make_plan(0, recs)
     assert plan.donor == 1 and plan.receivers == (2, 3)
+
+
+@pytest.fixture
+def etcd_store(etcd_config: EtcdConfig, job_name: str) -> Iterator[EtcdStore]:
+    s = EtcdStore(etcd_config, f"/resilient/{job_name}/store/")
+    yield s
+    s.delete_prefix()
+    s.close()
+
+
+def test_through_etcd_a_record_written_while_waiting_wakes_the_agreement(
+    etcd_store: EtcdStore,
+) -> None:
+    """The waiting loop sleeps on an etcd watch there (resilient._bell), not a poll."""
+    late = threading.Timer(0.3, etcd_store.set, ("recovery/e0/r1", _records()[1].to_json()))
+    late.start()
+    try:
+        plan = agree(etcd_store, epoch=0, world=2, record=_records()[0], timeout_s=10)
+    finally:
+        late.cancel()
+    assert plan.epoch == 1 and plan.members == (0, 1)
+    assert current_epoch(etcd_store) == 1
+
+
+def test_through_etcd_the_shrink_timer_still_runs(etcd_store: EtcdStore) -> None:
+    recs = _records()
+    etcd_store.set("recovery/e0/r1", recs[1].to_json())
+    plan = agree(etcd_store, epoch=0, world=3, record=recs[0], timeout_s=10, shrink_after_s=0.3)
+    assert plan.members == (0, 1)
