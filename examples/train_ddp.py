@@ -127,18 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     losses: list[float] = []
     step_ms: list[float] = []
 
+    from recovery.shards import Piece
+
     def train_step(
         step: int,
         rows: int = args.batch,
-        shards: tuple[int, ...] = (rank,),
+        shards: tuple[Piece, ...] = (Piece(rank),),
         ddp: nn.Module = ddp,
         opt: torch.optim.Optimizer = opt,
     ) -> torch.Tensor:
-        # ``shards``: whose data this rank trains on (after a shrink, a lost rank's
-        # shard is dealt to a survivor; see Session.shards).
-        parts = [batch(args.seed, r, step, args.width, rows) for r in shards]
-        x = torch.cat([p[0] for p in parts])
-        y = torch.cat([p[1] for p in parts])
+        # ``shards``: whose data this rank trains on (after a shrink, an equal part
+        # of each lost rank's shard too; see Session.shards).
+        parts = [(p.rows(rows), batch(args.seed, p.shard, step, args.width, rows)) for p in shards]
+        x = torch.cat([xy[0][sl] for sl, xy in parts])
+        y = torch.cat([xy[1][sl] for sl, xy in parts])
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

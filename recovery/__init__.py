@@ -5,19 +5,22 @@ agreement on the next epoch after a rank is lost, and the event log.
 writer under ``RUN_DIR/events/``); docs/EVENTS.md describes it.
 :mod:`recovery.session` holds :class:`Session` and :class:`TrainState` (importing
 it imports torch); :mod:`recovery.agree` the epoch agreement;
-:mod:`recovery.policy` picks a remedy by estimated cost and logs why.
+:mod:`recovery.policy` picks a remedy by estimated cost and logs why;
+:mod:`recovery.shards` deals the data of ranks that left over the members.
 """
 
 from typing import Any
 
 from recovery.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
 from recovery.policy import Choice, Policy
+from recovery.shards import Piece
 
 __all__ = [
     "EVENT_KINDS",
     "SCHEMA_VERSION",
     "Choice",
     "EventLog",
+    "Piece",
     "Policy",
     "Session",
     "StateHook",

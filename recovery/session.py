@@ -51,6 +51,7 @@ import torch
 from recovery import events
 from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
 from recovery.policy import JobView, Policy
+from recovery.shards import Piece, pieces
 from recovery.state import StateHook, TrainState, average_over_members
 from resilient._solo import SoloEngine
 from resilient.config import RecoveryConfig
@@ -114,15 +115,12 @@ class Session:
         members = self.members
         return members.index(self._rank), len(members)
 
-    def shards(self) -> list[int]:
-        """The original per-rank data shards this rank covers now: its own, plus
-        those of the ranks that left, dealt round-robin over the members (the k-th
-        left rank's shard to member ``k % count``), so every shard is still trained
-        on exactly once and every member keeps its own."""
-        index, count = self.shard
-        members = self.members
-        left = [r for r in range(self._world) if r not in members]
-        return [self._rank] + [r for k, r in enumerate(left) if k % count == index]
+    def shards(self) -> list[Piece]:
+        """The data this rank trains on now: its own shard whole, plus an equal part
+        of each shard of a rank that left (see :mod:`recovery.shards`), so every
+        row is still trained on exactly once and the members' loads stay even.
+        ``[Piece(rank)]`` while every rank takes part."""
+        return pieces(self._rank, self._world, self.members)
 
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Step numbers from ``start`` to ``total - 1``; after a recovery it goes on

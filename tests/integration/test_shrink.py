@@ -5,7 +5,7 @@ Four real processes train a small MLP with DDP over "resilient" (2 rails) under
 backward at step 5 and nobody starts it again. After the shrink delay the three
 survivors agree on epoch 1 without it, renumber themselves 0..2 (rank 3 becomes
 position 2), keep every link among themselves (same objects) and drop only those
-to rank 2, take over rank 2's data shard, average gradients over three, replay
+to rank 2, share out rank 2's data shard, average gradients over three, replay
 the interrupted step and finish with the same parameters on every survivor.
 
 When a replacement for rank 2 does start later, it asks to join; the members take
@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from recovery.shards import Piece
 from resilient._proc import free_port
 
 WORLD = 4
@@ -82,12 +83,12 @@ def _worker(
 
     def train_step(
         step: int,
-        shards: tuple[int, ...] = (rank,),
+        shards: tuple[Piece, ...] = (Piece(rank),),
         ddp: nn.Module = ddp,
         opt: torch.optim.Optimizer = opt,
     ) -> torch.Tensor:
-        xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s * 1_000 + step))
-              for s in shards]  # fmt: skip
+        xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(p.shard * 1_000 + step))
+              [p.rows(8)] for p in shards]  # fmt: skip
         loss = ddp(torch.cat(xs)).square().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -95,7 +96,7 @@ def _worker(
 
     session = Session(pg, TrainState(model, opt), warmup=functools.partial(train_step, 0), ddp=ddp)
     links_before: dict[tuple[int, int], int] = {}
-    shards: dict[int, list[int]] = {}
+    shards: dict[int, list[Piece]] = {}
     told = False
     for step in session.steps(steps):
         if len(pg.members) < world and not told:
@@ -161,8 +162,8 @@ def test_survivors_shrink_without_a_replacement_and_train_on_identically() -> No
         assert (replayed, epoch, members) == (1, 1, SURVIVORS), rank
         index = SURVIVORS.index(rank)
         assert shard == (index, 3)
-        # Each keeps its own shard; rank 2's goes to the first member, rank 0.
-        assert last_shards == ([0, VICTIM] if rank == 0 else [rank]), rank
+        # Each keeps its own shard and trains a third of rank 2's rows.
+        assert last_shards == [Piece(rank), Piece(VICTIM, index, 3)], rank
         # Survivor links are the same objects; links to the lost rank are gone.
         kept = {k: v for k, v in before.items() if k[0] != VICTIM}
         assert kept and all(after.get(k) == v for k, v in kept.items()), rank
@@ -217,7 +218,9 @@ def test_a_replacement_that_comes_late_grows_the_group_back() -> None:
     assert sorted(out) == list(range(WORLD)), out.keys()
     for rank, (_, _, epoch, members, shard, last_shards, _, _) in out.items():
         # Epoch 1: three ranks; epoch 2: the replacement is in and the shards are back.
-        assert (epoch, members, shard, last_shards) == (2, tuple(range(WORLD)), (rank, 4), [rank])
+        assert (epoch, members, shard, last_shards) == (
+            2, tuple(range(WORLD)), (rank, 4), [Piece(rank)]
+        )  # fmt: skip
 
 
 @pytest.mark.timeout(240)
@@ -228,4 +231,4 @@ def test_a_group_that_grows_back_only_partly_stays_consistent() -> None:
     assert sorted(out) == [0, 2, 3, 4], out.keys()
     for rank, (_, _, epoch, members, _, last_shards, _, _) in out.items():
         assert (epoch, members) == (2, (0, 2, 3, 4)), rank
-        assert last_shards == ([0, 1] if rank == 0 else [rank]), rank
+        assert last_shards == [Piece(rank), Piece(1, members.index(rank), 4)], rank
