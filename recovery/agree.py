@@ -23,9 +23,11 @@ report for the next epoch, and the next epoch takes in every record present. A
 replacement never decides: it waits for the members' decision, and if it was
 left out it asks again at the next epoch.
 
-The plan keeps a link only if both ends still hold it and its counters match
-(everything one end posted the other end posted too, and nothing is left half
-done): a stale posted receive would swallow the next message with its tag. The
+The plan keeps a link if both ends still hold it and no thread at either end is
+blocked on one of its ops. Ops the given-up call left half done may stay pending
+(unmatched, unwaited): every epoch salts its tags (:mod:`resilient._ledger`), so a
+stale receive never swallows a message of the next epoch; a link whose leftovers
+were posted under the next epoch's salt (16 epochs ago) is not kept. The
 donor is a rank with the highest committed step; every rank behind it, the
 replacement included, receives its state. Among the ranks furthest ahead the
 donor is the one with the healthiest links: the most rails up, then the fastest
@@ -43,7 +45,9 @@ from typing import Any, Final
 from torch._C._distributed_c10d import Store
 
 from resilient._bell import Bell, watch_or_poll
+from resilient._ledger import salt_of
 from resilient.errors import RecoveryError, StaleEpoch
+from resilient.links import Counters
 
 __all__ = [
     "EPOCH_KEY",
@@ -60,7 +64,7 @@ EPOCH_KEY: Final = "recovery/epoch"
 _POLL_S: Final = 0.01
 _SAFETY_S: Final = 0.1  # with a watch: timers (shrink, give_up) still run
 
-Counter = tuple[int, int, int, int, int]  # (peer, rail, tx_ops, rx_ops, open_ops)
+Counter = Counters  # (peer, rail, tx_ops, rx_ops, open_ops, dirty)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,8 +103,8 @@ class Record:
 
 
 def _counter(raw: Sequence[Any]) -> Counter:
-    p, r, tx, rx, op = (int(x) for x in raw)
-    return (p, r, tx, rx, op)
+    p, r, tx, rx, op, *dirty = (int(x) for x in raw)
+    return (p, r, tx, rx, op, dirty[0] if dirty else 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +121,13 @@ class Plan:
     keep_ctl: Mapping[int, list[tuple[int, int]] | None]
 
 
-def _kept(records: Mapping[int, Record], table: str) -> dict[int, list[tuple[int, int]] | None]:
+def _kept(
+    records: Mapping[int, Record], table: str, epoch: int
+) -> dict[int, list[tuple[int, int]] | None]:
+    """Per rank, the links kept into ``epoch``: held at both ends, no thread blocked
+    on one of its ops at either end, and not dirty for ``epoch``'s tag salt."""
+    salt_bit = 1 << salt_of(epoch)
+
     def counters(rec: Record) -> dict[tuple[int, int], Counter] | None:
         rows = rec.data if table == "data" else rec.ctl
         return None if rows is None else {(c[0], c[1]): c for c in rows}
@@ -129,10 +139,12 @@ def _kept(records: Mapping[int, Record], table: str) -> dict[int, list[tuple[int
             out[me] = None
             continue
         keep = []
-        for (peer, rail), (_, _, tx, rx, open_ops) in sorted(mine.items()):
+        for (peer, rail), (_, _, _, _, blocked, dirty) in sorted(mine.items()):
             theirs = (views.get(peer) or {}).get((me, rail))
-            # Idle at both ends, and every op one end posted was posted by the other.
-            if theirs is not None and (open_ops, theirs[4], tx, rx) == (0, 0, theirs[3], theirs[2]):
+            # Ops left half done by the given-up call (counts that differ) do not
+            # matter: the next epoch's tags never match them (resilient._ledger).
+            idle = theirs is not None and (blocked, theirs[4]) == (0, 0)
+            if idle and theirs is not None and not (dirty | theirs[5]) & salt_bit:
                 keep.append((peer, rail))
         out[me] = keep
     return out
@@ -153,7 +165,7 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     # the same from the same records).
     ahead = [r for r in survivors if r.step == step]
     donor = max(ahead, key=lambda r: (r.rails_up, r.rate, -r.rank)).rank
-    data, ctl = _kept(records, "data"), _kept(records, "ctl")
+    data, ctl = _kept(records, "data", epoch + 1), _kept(records, "ctl", epoch + 1)
     return Plan(
         epoch=epoch + 1,
         members=tuple(sorted(records)),

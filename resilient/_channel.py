@@ -305,6 +305,10 @@ class Tx(_Channel):
         threading.Thread(target=run, name="tx-failover", daemon=True).start()
 
     def _failover(self, failed: Link | StoreLink) -> None:
+        if (why := self.route.given_up()) is not None:
+            # Not a broken link: the call is over, and the link may serve the next
+            # epoch (resilient._ledger).
+            raise LinkError(f"rank {self.me}: no failover to rank {self.peer}: {why}")
         with self._lock:
             if self.link is not failed or self._delivered:
                 return  # done already (by the owner, or by the thread of a cut)
@@ -446,8 +450,10 @@ class Rx(_Channel):
         thread broke it).
 
         Raises:
-            LinkError: no usable rail is left.
+            LinkError: no usable rail is left, or the call was given up.
         """
+        if (why := self.route.given_up()) is not None:
+            raise LinkError(f"rank {self.me}: no failover from rank {self.peer}: {why}")
         with self._lock:
             if self._done or self.link is not failed:
                 return

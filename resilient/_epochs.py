@@ -30,7 +30,7 @@ from resilient._weights import WeightLearner
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
 from resilient.errors import MembershipError, PeerLost, RecoveryError
-from resilient.links import LinkTable
+from resilient.links import Counters, LinkTable
 
 if TYPE_CHECKING:
     import queue
@@ -239,6 +239,7 @@ class EpochControl:
         self.board.mark_lost(peer)
         for table in self._tables():
             table.abandoned = reason
+            table.freeze()
         timer = threading.Timer(ABANDON_GRACE_S, self._cut_busy, args=(lost, reason))
         timer.daemon = True
         timer.start()
@@ -259,7 +260,7 @@ class EpochControl:
                     self.rank(), self._epoch, cut, ABANDON_GRACE_S, lost.peer,
                 )  # fmt: skip
 
-    def quiesce(self, timeout_s: float) -> dict[str, list[tuple[int, int, int, int, int]] | None]:
+    def quiesce(self, timeout_s: float) -> dict[str, list[Counters] | None]:
         """Let queued calls fail, stop the epoch's threads, and return the op counters
         of the links still standing (``data``; ``ctl`` is None when the control
         thread did not stop in time, so none of its links can be trusted).
@@ -281,11 +282,9 @@ class EpochControl:
             ctl = self._named(self._channel.engine.links.counters())
         return {"data": self._named(self.links.counters()), "ctl": ctl}
 
-    def _named(
-        self, counters: list[tuple[int, int, int, int, int]]
-    ) -> list[tuple[int, int, int, int, int]]:
+    def _named(self, counters: list[Counters]) -> list[Counters]:
         """Link counters with each peer's position replaced by its rank."""
-        return [(self._members[p], r, tx, rx, op) for p, r, tx, rx, op in counters]
+        return [(self._members[c[0]], *c[1:]) for c in counters]
 
     def enter_epoch(
         self,

@@ -24,6 +24,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
 from resilient import _faults, _sockets, _stall, _waiter
+from resilient._ledger import OpLedger
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -98,6 +99,7 @@ class Link:
         prefix: str,
         config: DataPlaneConfig,
         device_type: str = "cpu",
+        salt: int = 0,
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
@@ -144,13 +146,11 @@ class Link:
         self._senders: list[Any] = []
         self._broken_lock = threading.Lock()
         self._waiters = _waiter.Waiters(repr(self))
-        # Ops posted and ops still unfinished here. After an aborted collective both
-        # ends compare them (resilient.recovery keeps a link only if nothing it
-        # carried is left half-done: a stale posted receive would swallow the next
-        # message with its tag).
+        # Ops posted here (link statistics; recovery.agree reads them from records).
         self.tx_ops = 0
         self.rx_ops = 0
-        self.open_ops = 0
+        # Unfinished ops and the epoch's tag salt (see resilient._ledger).
+        self.ledger = OpLedger(salt)
         # Set when the peer closed or reset the connection (its process is gone, or
         # it cut the link on purpose: the health board tells which).
         self.peer_closed = False
@@ -298,23 +298,29 @@ class Link:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
         self._injected_failure("send")
         try:
-            work = self.pg.send([tensor], self._peer_index, tag)
+            work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: send failed: {exc}") from exc
         self.tx_ops += 1
-        self.open_ops += 1
+        self.ledger.posted(work)
         return work
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a receive into a contiguous tensor."""
         self._injected_failure("recv")
         try:
-            work = self.pg.recv([tensor], self._peer_index, tag)
+            work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: recv failed: {exc}") from exc
         self.rx_ops += 1
-        self.open_ops += 1
+        self.ledger.posted(work)
         return work
+
+    @property
+    def open_ops(self) -> int:
+        """Unfinished ops a thread is blocked on now (such a link is cut when its
+        call is given up: the wait would close the pair at its deadline)."""
+        return self.ledger.blocked()
 
     def wait(
         self, work: Any, nbytes: int, *, watch: bool = True, interruptible: bool = False
@@ -328,8 +334,20 @@ class Link:
         own wait would not (see :mod:`resilient._waiter`).
 
         Raises:
-            LinkError: the peer failed, the connection broke or the deadline passed.
+            LinkError: the peer failed, the connection broke or the deadline passed
+                (the link is then broken); or ``work`` belongs to a given-up call and
+                has not finished (the link stays as it is: see resilient._ledger).
         """
+        if not self.ledger.begin_wait(work):
+            raise LinkError(f"{self}: an op of a given-up call is not waited for")
+        finished = False
+        try:
+            self._wait(work, nbytes, watch=watch, interruptible=interruptible)
+            finished = True
+        finally:
+            self.ledger.end_wait(work, finished=finished)
+
+    def _wait(self, work: Any, nbytes: int, *, watch: bool, interruptible: bool) -> None:
         timeout = self.config.deadline_s(nbytes)
         start = time.monotonic()
         # Every wait is watched for a dead connection; only data waits are reported
@@ -352,7 +370,6 @@ class Link:
             ) from exc
         finally:
             stalls.end(token)
-        self.open_ops -= 1
         h = _faults.hook()
         if h is not None:
             self._injected_failure("op")

@@ -18,10 +18,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch._C._distributed_c10d import Store
 
+from resilient._ledger import salt_of
 from resilient._link import Link
 from resilient.config import DataPlaneConfig
 
-__all__ = ["Link", "LinkTable"]
+__all__ = ["Counters", "Link", "LinkTable"]
+
+# (peer, rail, tx_ops, rx_ops, open_ops, dirty): see LinkTable.counters
+Counters = tuple[int, int, int, int, int, int]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ class LinkTable:
             prefix=self.prefix(peer, rail),
             config=config or self.config,
             device_type=self.device_type,
+            salt=salt_of(self.epoch),
         )
         # Waits of the signature exchange last as long as the latest rank takes to
         # arrive (a checkpoint, an evaluation): not a link stall.
@@ -203,17 +208,28 @@ class LinkTable:
             link.abort(reason)
         return len(hit)
 
-    def counters(self) -> list[tuple[int, int, int, int, int]]:
-        """``(peer, rail, tx_ops, rx_ops, open_ops)`` of every link not broken."""
+    def counters(self) -> list[Counters]:
+        """``(peer, rail, tx_ops, rx_ops, open_ops, dirty)`` of every link not broken:
+        ``open_ops`` unfinished ops a thread is blocked on, ``dirty`` the tag salts
+        the link must not be kept into (see resilient._ledger)."""
         return [
-            (p, r, lk.tx_ops, lk.rx_ops, lk.open_ops)
+            (p, r, lk.tx_ops, lk.rx_ops, lk.open_ops, lk.ledger.dirty_mask())
             for (p, r), lk in sorted(self._links.items())
             if not lk.broken
         ]
 
+    def freeze(self) -> None:
+        """This epoch's calls are given up: waits for their unfinished ops fail at
+        once instead of blocking (resilient._ledger)."""
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.ledger.freeze()
+
     def cut_busy(self, reason: str) -> int:
-        """Cut every link with an op still pending (its peer may never complete it);
-        returns how many. Idle links stay as they are."""
+        """Cut every link a thread is blocked on with an op its peer may never
+        complete (the wait would close the pair at its deadline anyway); returns
+        how many. Links with only unwaited leftovers stay (their tags are salted)."""
         busy = [lk for lk in list(self._links.values()) if lk.open_ops and not lk.broken]
         for link in busy:
             link.abort(reason)
@@ -253,6 +269,8 @@ class LinkTable:
             self._links, self._generation = kept, gens
             self._staged = {}
             self.relayed = set()
+        for link in kept.values():
+            link.ledger.renew(salt_of(epoch))
         for link in drop:
             link.close(background=True)
         return len(drop)

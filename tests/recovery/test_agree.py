@@ -3,6 +3,7 @@ a real TCPStore and a real etcd."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -28,19 +29,38 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _records() -> dict[int, Record]:
-    # Rank 2 was replaced (no links, step -1). Ranks 0 and 1 hold rail 0 and 1
-    # links to each other: rail 0 matches, rail 1 has a send rank 1 never received.
+    # Rank 2 was replaced (no links, step -1). Ranks 0 and 1 hold rail 0, 1 and 2
+    # links to each other: rail 0 is idle; on rail 1 rank 0 sent one message rank 1
+    # never received and rank 1 is blocked on a receive; on rail 2 rank 0 sent one
+    # message rank 1 never received, and nobody waits.
     return {
-        0: Record(rank=0, incarnation=0, step=9, data=[(1, 0, 5, 5, 0), (1, 1, 6, 4, 0)]),
-        1: Record(rank=1, incarnation=0, step=8, data=[(0, 0, 5, 5, 0), (0, 1, 4, 5, 1)]),
+        0: Record(rank=0, incarnation=0, step=9,
+                  data=[(1, 0, 5, 5, 0, 0), (1, 1, 6, 4, 0, 0), (1, 2, 7, 7, 0, 1 << 3)]),
+        1: Record(rank=1, incarnation=0, step=8,
+                  data=[(0, 0, 5, 5, 0, 0), (0, 1, 4, 5, 1, 0), (0, 2, 7, 6, 0, 0)]),
         2: Record(rank=2, incarnation=1, step=-1, data=[], ctl=[]),
-    }
+    }  # fmt: skip
 
 
-def test_the_plan_keeps_only_links_idle_and_matched_at_both_ends() -> None:
+def test_the_plan_keeps_links_held_at_both_ends_that_nobody_is_blocked_on() -> None:
+    # Leftovers of the given-up call (rail 2) do not matter: the tags of the next
+    # epoch are salted differently. A thread blocked on an op (rail 1) would close
+    # the pair at its deadline.
     plan = make_plan(3, _records())
     assert plan.epoch == 4
+    assert plan.keep_data == {0: [(1, 0), (1, 2)], 1: [(0, 0), (0, 2)], 2: []}
+
+
+def test_a_link_with_leftovers_under_the_next_epochs_salt_is_not_kept() -> None:
+    # Rank 0's rail-2 link has ops pending from an epoch with salt 3, which epoch
+    # 19 (19 % 16 == 3) would use again.
+    plan = make_plan(18, _records())
     assert plan.keep_data == {0: [(1, 0)], 1: [(0, 0)], 2: []}
+
+
+def test_records_of_the_old_format_read_as_clean() -> None:
+    old = json.dumps({"rank": 1, "incarnation": 0, "step": 8, "data": [[0, 0, 5, 5, 0]]})
+    assert Record.from_json(old).data == [(0, 0, 5, 5, 0, 0)]
 
 
 def test_the_rank_furthest_ahead_donates_to_every_rank_behind_it() -> None:
@@ -53,7 +73,7 @@ def test_the_rank_furthest_ahead_donates_to_every_rank_behind_it() -> None:
 def test_a_rank_whose_control_thread_did_not_stop_keeps_no_control_link() -> None:
     recs = _records()
     recs[0] = Record(rank=0, incarnation=0, step=9, data=[], ctl=None)
-    recs[1] = Record(rank=1, incarnation=0, step=9, data=[], ctl=[(0, 0, 1, 1, 0)])
+    recs[1] = Record(rank=1, incarnation=0, step=9, data=[], ctl=[(0, 0, 1, 1, 0, 0)])
     plan = make_plan(0, recs)
     assert plan.keep_ctl[0] is None
     assert plan.keep_ctl[1] == []

@@ -1,0 +1,114 @@
+"""The ops of one link that have not finished, so a link can outlive a given-up call.
+
+When a rank is lost, the survivors give up the call they were in. Some of its ops
+between two survivors never finish: an acknowledgement the peer was never going
+to send, a receive of data the peer stopped producing, a send nobody waited for.
+gloo cannot cancel them, and a stale receive left on a link would swallow the
+next message with its tag. So every link's tags carry a *salt*, the epoch modulo
+:data:`SALTS` (bits 24-27 of the tag): ops of different epochs never match, and an
+op of a given-up epoch that nobody waits for is harmless (measured: a pair with
+an unmatched receive and an unmatched send pending carried new traffic with other
+tags correctly, and left the stale buffer untouched).
+
+What is not harmless is *waiting* for such an op: a gloo wait that reaches its
+deadline closes the pair ("Application timeout caused pair closure", measured).
+So the ledger knows which unfinished ops a thread is blocked on (those links
+must be cut), and once the epoch is given up (:meth:`OpLedger.freeze`) a new wait
+for an unfinished op of it fails at once instead of blocking.
+
+A salt comes round again after :data:`SALTS` epochs. A link that carried stale ops
+under some salt is *dirty* for it and is not kept into an epoch with that salt
+(both ends' records say so; see :mod:`recovery.agree`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Final
+
+__all__ = ["SALTS", "OpLedger", "salt_of"]
+
+SALTS: Final = 16
+SALT_SHIFT: Final = 24
+_PURGE_ABOVE: Final = 256
+
+
+def salt_of(epoch: int) -> int:
+    """The tag salt of ``epoch``."""
+    return epoch % SALTS
+
+
+class OpLedger:
+    """Unfinished ops of one link, for the current epoch; see the module docstring."""
+
+    def __init__(self, salt: int = 0) -> None:
+        self.salt = salt
+        self.dirty = 0  # bit s: ops posted under salt s may still be pending
+        self._lock = threading.Lock()
+        self._open: dict[int, Any] = {}  # id(work) -> work, posted this epoch
+        self._stale: dict[int, Any] = {}  # unfinished ops of earlier epochs
+        self._waiting: dict[int, Any] = {}
+        self._frozen = False
+
+    def tag(self, tag: int) -> int:
+        """``tag`` as it goes on the wire in this epoch."""
+        return tag + (self.salt << SALT_SHIFT)
+
+    def posted(self, work: Any) -> None:
+        with self._lock:
+            self._open[id(work)] = work
+            if len(self._open) > _PURGE_ABOVE:  # ops never waited for (a re-posted send)
+                self._purge()
+
+    def begin_wait(self, work: Any) -> bool:
+        """Note that a thread waits for ``work``; False (do not wait) if its epoch was
+        given up and it has not finished (it may never: the wait would only end at
+        its deadline, and that closes the pair)."""
+        key = id(work)
+        with self._lock:
+            given_up = key in self._stale or (self._frozen and key in self._open)
+            if given_up and not work.is_completed():
+                return False
+            self._waiting[key] = work
+            return True
+
+    def end_wait(self, work: Any, *, finished: bool) -> None:
+        with self._lock:
+            self._waiting.pop(id(work), None)
+            if finished:
+                self._open.pop(id(work), None)
+
+    def blocked(self) -> int:
+        """Unfinished ops a thread is waiting for right now."""
+        with self._lock:
+            return sum(1 for w in self._waiting.values() if not w.is_completed())
+
+    def stale(self) -> int:
+        """Unfinished ops, waited for or not."""
+        with self._lock:
+            self._purge()
+            return len(self._open)
+
+    def dirty_mask(self) -> int:
+        """The salts this link must not be kept into (this epoch's if ops are left)."""
+        return self.dirty | ((1 << self.salt) if self.stale() else 0)
+
+    def freeze(self) -> None:
+        """The epoch's calls are given up: no new wait for an unfinished op."""
+        with self._lock:
+            self._frozen = True
+
+    def renew(self, salt: int) -> None:
+        """Enter a new epoch under ``salt``; what is still pending stays pending in
+        gloo, unmatched and unwaited, and marks its salt dirty."""
+        self.dirty = self.dirty_mask()
+        with self._lock:
+            self._stale.update(self._open)
+            self._open.clear()
+            self._frozen = False
+            self.salt = salt
+
+    def _purge(self) -> None:
+        for ops in (self._open, self._stale):
+            for k in [k for k, w in ops.items() if w.is_completed()]:
+                del ops[k]
