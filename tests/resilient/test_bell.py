@@ -154,3 +154,19 @@ def test_stopping_a_board_ends_its_watcher_at_once(tcp_store: dist.TCPStore) -> 
     assert time.monotonic() - start < 2.0
     threads = [b._thread for b in boards]
     assert all(t is not None and not t.is_alive() for t in threads)
+
+
+def test_under_a_prefix_store_the_etcd_watch_covers_the_whole_store(
+    etcd_store: EtcdStore,
+) -> None:
+    wrapped = dist.PrefixStore("job", etcd_store)
+    bell = open_bell(wrapped, "health/e0", 0, poll_s=0.005)
+    assert isinstance(bell, WatchBell)
+    try:
+        t, took = _waiter(bell, 30.0)
+        time.sleep(0.3)
+        wrapped.set("health/e0/r1", "{}")
+        t.join(10.0)
+        assert took and took[0] < 10.0
+    finally:
+        bell.close()
