@@ -24,6 +24,12 @@ on every rank (the straggler-aware schedule folds in the mesh's rank order).
   it at :data:`LEAVE_PERMILLE` or less;
 * after leaving, :data:`COOLDOWN_CALLS` calls pass before it may enter again, so a
   rank near the threshold does not flip the schedule back and forth.
+
+Entering and leaving are also the ``straggler.confirmed`` / ``straggler.cleared``
+verdicts with ``cause: link``: a rank whose links are slow while its compute is
+not. Compute and stalled stragglers come from the exchange clocks instead
+(:mod:`resilient._stragglers`); a busy receiver does not count as a slow link here
+(see :func:`resilient._sockets.sent`).
 """
 
 from __future__ import annotations
@@ -99,6 +105,12 @@ def quorum(world: int) -> int:
     return max(2, -(-2 * (world - 1) // 3))
 
 
+def _share(lagging: Sequence[Lagging], rank: int) -> int:
+    """The median permille of the voters naming ``rank`` (1000 when none does)."""
+    shares = [share for voter, (peer, share, _) in enumerate(lagging) if peer == rank != voter]
+    return int(statistics.median(shares)) if shares else 1000
+
+
 def named(lagging: Sequence[Lagging], permille: int) -> int | None:
     """The rank a quorum of the others name as slow, at ``permille`` or less."""
     votes: dict[int, int] = {}
@@ -119,6 +131,7 @@ class SlowRankVote:
         self._candidate: int | None = None
         self._seen: tuple[int, ...] = ()
         self._cooldown_until = WARMUP_CALLS
+        self._lagging: Sequence[Lagging] = ()
 
     def decide(self, seq: int, lagging: Sequence[Lagging]) -> int | None:
         """The slow rank for call ``seq`` (the same on every rank for the same table)."""
@@ -128,6 +141,7 @@ class SlowRankVote:
         if counts == self._seen:  # no new measurement: nothing to vote on
             return self.slow
         self._seen = counts
+        self._lagging = lagging
         if self.slow is None:
             self._vote_enter(seq, named(lagging, ENTER_PERMILLE))
         else:
@@ -154,6 +168,16 @@ class SlowRankVote:
     def _report(self, seq: int, *, entered: bool) -> None:
         slow = self.slow
         assert slow is not None
+        # The straggler's verdict, with its cause: its links are slow (a compute or
+        # stalled straggler is judged on the exchange clocks, resilient._stragglers).
+        share = _share(self._lagging, slow)
+        events.emit(
+            "straggler.confirmed" if entered else "straggler.cleared", epoch=self.epoch,
+            rank=slow, call=seq, relative=round(share / 1000, 3), cause="link",
+            reason=f"the other ranks send to rank {slow} at {share / 10:.0f}% of their "
+            "rate to anyone else (median of their votes)",
+            action="reported",
+        )  # fmt: skip
         if entered:
             reason = (
                 f"the other ranks send to rank {slow} at <= {ENTER_PERMILLE / 10:.0f}% of "

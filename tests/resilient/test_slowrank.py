@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from resilient._slowrank import (
@@ -81,3 +83,30 @@ def test_small_worlds_never_switch(world: int) -> None:
     vote = SlowRankVote(0, world)
     for seq in range(10):
         assert vote.decide(seq, [(0, 0, seq)] * world) is None
+
+
+@pytest.mark.timeout(10)
+def test_the_vote_reports_a_link_straggler_and_its_clearing(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """What tells a link straggler from a compute one: ``cause: link``, from the
+    peers' send rates (resilient._stragglers judges the exchange clocks)."""
+    import recovery.events as ev_mod
+
+    log = ev_mod.EventLog(tmp_path, job="j", rank=0)
+    monkeypatch.setattr(ev_mod, "default_log", lambda: log)
+    vote = SlowRankVote(0, 4)
+    seq = WARMUP_CALLS
+    for _ in range(ENTER_VOTES):
+        seq += 1
+        vote.decide(seq, _table(4, 2, 300, seq))
+    for _ in range(LEAVE_VOTES):
+        seq += 1
+        vote.decide(seq, _table(4, None, 0, seq))
+    log.close()
+    found = [e for e in ev_mod.read_events(tmp_path) if e["kind"].startswith("straggler.")]
+    assert [(e["kind"], e["rank"], e["cause"]) for e in found] == [
+        ("straggler.confirmed", 2, "link"),
+        ("straggler.cleared", 2, "link"),
+    ]
+    assert found[0]["relative"] == pytest.approx(0.3)
