@@ -105,7 +105,9 @@ class EpochControl:
         # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
         # from mesh reductions.
         self._slow_vote = (
-            SlowRankVote(rank, world_size, epoch)
+            SlowRankVote(
+                rank, world_size, epoch, explained=lambda r: self._stragglers.state(r) != "ok"
+            )
             if self.config.straggler_schedule
             and self.config.check_mismatch
             and engine.mesh

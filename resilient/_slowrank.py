@@ -28,15 +28,16 @@ on every rank (the straggler-aware schedule folds in the mesh's rank order).
 Entering and leaving are also the ``straggler.confirmed`` / ``straggler.cleared``
 verdicts with ``cause: link``: a rank whose links are slow while its compute is
 not. Compute and stalled stragglers come from the exchange clocks instead
-(:mod:`resilient._stragglers`); a busy receiver does not count as a slow link here
-(see :func:`resilient._sockets.sent`).
+(:mod:`resilient._stragglers`): a rank those already show slow is not reported
+again as a link straggler (a stopped process's links look slow too: seen in the
+``straggler`` scenario), though the schedule still spares it the reduction work.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from recovery import events
@@ -124,8 +125,19 @@ def named(lagging: Sequence[Lagging], permille: int) -> int | None:
 class SlowRankVote:
     """The agreed slow rank (or None), updated from each exchange's ``lagging``."""
 
-    def __init__(self, rank: int, world: int, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        epoch: int = 0,
+        explained: Callable[[int], bool] | None = None,
+    ) -> None:
+        """``explained(rank)``: the exchange clocks already show that rank slow at
+        compute or stalled (resilient._stragglers): its slow links are a symptom,
+        so the vote still switches the schedule but reports no link straggler."""
         self.rank, self.world, self.epoch = rank, world, epoch
+        self._explained = explained
+        self._reported: int | None = None  # the link straggler confirmed, if any
         self.slow: int | None = None
         self._streak = 0
         self._candidate: int | None = None
@@ -171,13 +183,16 @@ class SlowRankVote:
         # The straggler's verdict, with its cause: its links are slow (a compute or
         # stalled straggler is judged on the exchange clocks, resilient._stragglers).
         share = _share(self._lagging, slow)
-        events.emit(
-            "straggler.confirmed" if entered else "straggler.cleared", epoch=self.epoch,
-            rank=slow, call=seq, relative=round(share / 1000, 3), cause="link",
-            reason=f"the other ranks send to rank {slow} at {share / 10:.0f}% of their "
-            "rate to anyone else (median of their votes)",
-            action="reported",
-        )  # fmt: skip
+        explained = self._explained is not None and self._explained(slow)
+        if (entered and not explained) or (not entered and self._reported == slow):
+            self._reported = slow if entered else None
+            events.emit(
+                "straggler.confirmed" if entered else "straggler.cleared", epoch=self.epoch,
+                rank=slow, call=seq, relative=round(share / 1000, 3), cause="link",
+                reason=f"the other ranks send to rank {slow} at {share / 10:.0f}% of their "
+                "rate to anyone else (median of their votes)",
+                action="reported",
+            )  # fmt: skip
         if entered:
             reason = (
                 f"the other ranks send to rank {slow} at <= {ENTER_PERMILLE / 10:.0f}% of "

@@ -110,3 +110,26 @@ def test_the_vote_reports_a_link_straggler_and_its_clearing(
         ("straggler.cleared", 2, "link"),
     ]
     assert found[0]["relative"] == pytest.approx(0.3)
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_the_clocks_already_show_slow_is_not_also_a_link_straggler(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    import recovery.events as ev_mod
+
+    log = ev_mod.EventLog(tmp_path, job="j", rank=0)
+    monkeypatch.setattr(ev_mod, "default_log", lambda: log)
+    vote = SlowRankVote(0, 4, explained=lambda r: r == 2)
+    seq = WARMUP_CALLS
+    for _ in range(ENTER_VOTES):
+        seq += 1
+        got = vote.decide(seq, _table(4, 2, 300, seq))
+    assert got == 2  # the schedule still spares it the reduction work
+    for _ in range(LEAVE_VOTES):
+        seq += 1
+        vote.decide(seq, _table(4, None, 0, seq))
+    log.close()
+    kinds = [e["kind"] for e in ev_mod.read_events(tmp_path)]
+    assert not [k for k in kinds if k.startswith("straggler.")], kinds
+    assert "link.rerouted" in kinds
