@@ -44,7 +44,7 @@ from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
-from resilient._bell import Bell, watch_or_poll
+from resilient._bell import watch_or_poll
 from resilient._ledger import salt_of
 from resilient.errors import RecoveryError, StaleEpoch
 from resilient.links import Counters
@@ -257,54 +257,38 @@ def _decide(
 ) -> tuple[int, ...]:
     """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc);
     ``expect`` None: wait for someone else's decision."""
+    prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
     # Through etcd a watch wakes the loop on every record; a 10 ms poll there took
     # CPU (gRPC, etcd) from the replacement starting on the same machine.
     bell = watch_or_poll(store, f"recovery/e{epoch}/", poll_s=_POLL_S, safety_s=_SAFETY_S)
     try:
-        return _decide_loop(store, bell, epoch, world, me, timeout_s, expect=expect,
-                            shrink_after_s=shrink_after_s, min_ranks=min_ranks,
-                            give_up=give_up)  # fmt: skip
+        start = time.monotonic()
+        seen: set[int] = set()  # records are never taken back: only the others are polled
+        while True:
+            if store.check([decided]):
+                return _members(store.get(decided))
+            seen |= {r for r in range(world) if r not in seen and store.check([f"{prefix}{r}"])}
+            present = sorted(seen)
+            waited = time.monotonic() - start
+            shrink = shrink_after_s is not None and waited >= shrink_after_s
+            if expect is not None and not shrink and give_up is not None:
+                gone = set(give_up())
+                shrink = bool(gone) and expect - gone <= set(present)
+            ready = expect is not None and expect <= set(present)
+            if expect is not None and (ready or (shrink and len(present) >= min_ranks)):
+                return _members(store.compare_set(decided, "", json.dumps(present)))
+            if waited > timeout_s:
+                missing = sorted((expect or set(range(world))) - set(present))
+                few = (
+                    f"; {len(present)} reported, fewer than min_ranks={min_ranks}" if shrink else ""
+                )
+                raise RecoveryError(
+                    f"rank {me} (epoch {epoch}): ranks {missing} did not report for epoch "
+                    f"{epoch + 1} within {timeout_s:.0f} s (no replacement came{few})"
+                )
+            bell.wait(bell.safety_s)
     finally:
         bell.close()
-
-
-def _decide_loop(
-    store: Store,
-    bell: Bell,
-    epoch: int,
-    world: int,
-    me: int,
-    timeout_s: float,
-    *,
-    expect: set[int] | None,
-    shrink_after_s: float | None,
-    min_ranks: int,
-    give_up: Callable[[], Collection[int]] | None,
-) -> tuple[int, ...]:
-    prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
-    start = time.monotonic()
-    seen: set[int] = set()  # records are never taken back: only the others are polled
-    while True:
-        if store.check([decided]):
-            return _members(store.get(decided))
-        seen |= {r for r in range(world) if r not in seen and store.check([f"{prefix}{r}"])}
-        present = sorted(seen)
-        waited = time.monotonic() - start
-        shrink = shrink_after_s is not None and waited >= shrink_after_s
-        if expect is not None and not shrink and give_up is not None:
-            gone = set(give_up())
-            shrink = bool(gone) and expect - gone <= set(present)
-        ready = expect is not None and expect <= set(present)
-        if expect is not None and (ready or (shrink and len(present) >= min_ranks)):
-            return _members(store.compare_set(decided, "", json.dumps(present)))
-        if waited > timeout_s:
-            missing = sorted((expect or set(range(world))) - set(present))
-            few = f"; {len(present)} reported, fewer than min_ranks={min_ranks}" if shrink else ""
-            raise RecoveryError(
-                f"rank {me} (epoch {epoch}): ranks {missing} did not report for epoch "
-                f"{epoch + 1} within {timeout_s:.0f} s (no replacement came{few})"
-            )
-        bell.wait(bell.safety_s)
 
 
 def _members(raw: Any) -> tuple[int, ...]:

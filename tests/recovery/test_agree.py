@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -22,7 +21,6 @@ from recovery.agree import (
     request_join,
 )
 from resilient._proc import free_port
-from resilient.config import EtcdConfig
 from resilient.errors import RecoveryError, StaleEpoch
 
 pytestmark = pytest.mark.timeout(30)
@@ -172,14 +170,6 @@ def test_of_the_ranks_furthest_ahead_the_one_with_more_rails_up_then_faster_dona
     recs[2] = Record(rank=2, incarnation=0, step=8, rails_up=2, rate=2e8)  # behind
     plan = make_plan(0, recs)
     assert plan.donor == 1 and plan.receivers == (2, 3)
-
-
-@pytest.fixture
-def etcd_store(etcd_config: EtcdConfig, job_name: str) -> Iterator[EtcdStore]:
-    s = EtcdStore(etcd_config, f"/resilient/{job_name}/store/")
-    yield s
-    s.delete_prefix()
-    s.close()
 
 
 def test_through_etcd_a_record_written_while_waiting_wakes_the_agreement(

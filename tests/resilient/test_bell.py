@@ -18,7 +18,6 @@ import torch.distributed as dist
 from membership.store import EtcdStore
 from resilient._bell import PollBell, QueueBell, WatchBell, open_bell
 from resilient._health import HealthBoard
-from resilient.config import EtcdConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,14 +26,6 @@ pytestmark = pytest.mark.timeout(60)
 def tcp_store() -> Iterator[dist.TCPStore]:
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10))
     yield server
-
-
-@pytest.fixture
-def etcd_store(etcd_config: EtcdConfig, job_name: str) -> Iterator[EtcdStore]:
-    s = EtcdStore(etcd_config, f"/resilient/{job_name}/store/")
-    yield s
-    s.delete_prefix()
-    s.close()
 
 
 def _waiter(bell: object, timeout_s: float | None) -> tuple[threading.Thread, list[float]]:
