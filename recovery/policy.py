@@ -18,9 +18,10 @@ event records every option with its estimate and the reason.
     *tolerate*: every step waits for it, (slowdown - 1) of a step each.
     *reroute*: when its links are what is slow, the straggler-aware all_reduce
     leaves it out of the reduction work (resilient._slowrank) and the remaining
-    cost is its own traffic. Not wired in yet: the straggler-aware schedule
-    switches on the ranks' agreed link evidence by itself, and evicting a live
-    straggler is not built.
+    cost is its own traffic. ``recovery.Session`` asks at the next step boundary
+    after each confirmation and logs the choice; the straggler-aware schedule
+    itself switches on the ranks' agreed link evidence in the data plane, and
+    evicting a live straggler is not built.
 
 Two preferences change the rank-loss choice. ``replace-first`` (the default)
 waits up to ``shrink_after_s`` for an announced replacement even where shrinking
@@ -177,9 +178,9 @@ class Policy:
                 "straggler-aware all_reduce: it only sends its data and takes the result",
             )  # fmt: skip
         else:
-            reroute = Option(
-                "reroute", math.inf, f"its {cause} is slow, not its links: rerouting cannot help"
-            )
+            stalled = cause == "stalled"
+            what = "it could not run part of the time" if stalled else "its compute is slow"
+            reroute = Option("reroute", math.inf, f"{what}, not its links: rerouting cannot help")
         options = (tolerate, reroute)
         best = _cheapest(options)
         return Choice(
@@ -190,12 +191,13 @@ class Policy:
 
     @staticmethod
     def record(
-        choice: Choice, *, epoch: int, step: int | None = None, rank: int | None = None
-    ) -> None:
-        """Emit the ``policy.decision`` event and log the choice."""
+        choice: Choice, *, epoch: int, step: int | None = None, rank: int | None = None,
+        **fields: object,
+    ) -> None:  # fmt: skip
+        """Emit the ``policy.decision`` event (plus ``fields``) and log the choice."""
         events.emit(
             "policy.decision", epoch=epoch, step=step, rank=rank, reason=choice.reason,
-            action=choice.action, **choice.as_fields(),
+            action=choice.action, **choice.as_fields(), **fields,
         )  # fmt: skip
         logger.info(
             "epoch %d, step %s: %s -> %s (%s)", epoch, step, choice.fault, choice.action,

@@ -138,6 +138,7 @@ class Session:
             self._join()
         while self._next < total:
             self._maybe_grow()
+            self._judge_stragglers(self._next)
             before = (self._next, self.recoveries)
             yield self._next
             if (self._next, self.recoveries) == before:
@@ -268,6 +269,21 @@ class Session:
         flag = torch.tensor([int(join_requested(pg.store, pg.epoch))], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
         return bool(flag.item())
+
+    def _judge_stragglers(self, n: int) -> None:
+        """Ask the policy about each straggler confirmed since the last step and log
+        its choice (``policy.decision`` with ``straggler``: its rank)."""
+        verdicts = getattr(self.pg, "verdicts", None)
+        if verdicts is None or self.pg is None:
+            return
+        for rank, cause, relative in verdicts.take():
+            job = JobView(
+                world=self._world, members=len(self.pg.members), step_s=self._step_s,
+                steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
+                link_bytes_per_s=_link_rate(self.pg),
+            )  # fmt: skip
+            choice = self.policy.straggler(job, slowdown=1 / max(relative, 1e-3), cause=cause)
+            self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
 
     def _maybe_grow(self) -> None:
         """Take in replacements that asked to join (a shrunk group only), before the

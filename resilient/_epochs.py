@@ -24,7 +24,7 @@ from resilient._lost import dead_peer
 from resilient._precheck import SignatureChannel
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
-from resilient._stragglers import StragglerWatch
+from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._transfer import recv_bytes, send_bytes
 from resilient._weights import WeightLearner
 from resilient.collectives import RingEngine
@@ -69,6 +69,7 @@ class EpochControl:
     _learner: WeightLearner | None
     _loss: RailLoss
     _stragglers: StragglerWatch
+    verdicts: Verdicts
     _slow_vote: SlowRankVote | None
     _send_rates: SendRates | None
 
@@ -100,13 +101,18 @@ class EpochControl:
         self._learner = WeightLearner(engine.weights, rank, epoch) if learn else None
         # A lossy rail is proposed slower than it measures (see resilient._loss).
         self._loss = RailLoss(self._retransmissions)
-        self._stragglers = StragglerWatch(rank, epoch)
+        self._stragglers = StragglerWatch(rank, epoch, self.verdicts)
         events.set_members(self._members if world_size < self.size() else None)
+        self.verdicts.members = self._members
         # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
         # from mesh reductions.
         self._slow_vote = (
             SlowRankVote(
-                rank, world_size, epoch, explained=lambda r: self._stragglers.state(r) != "ok"
+                rank,
+                world_size,
+                epoch,
+                sink=self.verdicts,
+                explained=lambda r: self._stragglers.state(r) != "ok",
             )
             if self.config.straggler_schedule
             and self.config.check_mismatch

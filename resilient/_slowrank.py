@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Final
 from recovery import events
 
 if TYPE_CHECKING:
+    from resilient._stragglers import Verdicts
     from resilient.links import LinkTable
 
 __all__ = ["SendRates", "SlowRankVote", "quorum"]
@@ -131,12 +132,14 @@ class SlowRankVote:
         world: int,
         epoch: int = 0,
         explained: Callable[[int], bool] | None = None,
+        sink: Verdicts | None = None,
     ) -> None:
         """``explained(rank)``: the exchange clocks already show that rank slow at
         compute or stalled (resilient._stragglers): its slow links are a symptom,
         so the vote still switches the schedule but reports no link straggler."""
         self.rank, self.world, self.epoch = rank, world, epoch
         self._explained = explained
+        self._sink = sink
         self._reported: int | None = None  # the link straggler confirmed, if any
         self.slow: int | None = None
         self._streak = 0
@@ -186,6 +189,8 @@ class SlowRankVote:
         explained = self._explained is not None and self._explained(slow)
         if (entered and not explained) or (not entered and self._reported == slow):
             self._reported = slow if entered else None
+            if entered and self._sink is not None:
+                self._sink.add(slow, "link", share / 1000)
             events.emit(
                 "straggler.confirmed" if entered else "straggler.cleared", epoch=self.epoch,
                 rank=slow, call=seq, relative=round(share / 1000, 3), cause="link",

@@ -28,6 +28,7 @@ time and :data:`MIN_CALLS` calls.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from recovery import events
@@ -36,7 +37,7 @@ from recovery.straggler import StragglerConfig, StragglerDetector, Transition
 if TYPE_CHECKING:
     from resilient._signature import Exchange
 
-__all__ = ["StragglerWatch"]
+__all__ = ["StragglerWatch", "Verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +77,36 @@ class _Sampler:
         return delta
 
 
+class Verdicts:
+    """Confirmed stragglers not handed to the policy yet: filled by the thread that
+    runs the detectors, drained at a step boundary (``recovery.Session``)."""
+
+    def __init__(self) -> None:
+        self._new: deque[tuple[int, str, float]] = deque(maxlen=64)
+        # The job-wide rank of each position in the current epoch (after a shrink
+        # positions are renumbered); None: positions are ranks.
+        self.members: tuple[int, ...] | None = None
+
+    def add(self, pos: int, cause: str, relative: float) -> None:
+        members = self.members
+        self._new.append((members[pos] if members else pos, cause, relative))
+
+    def take(self) -> list[tuple[int, str, float]]:
+        """``(rank, cause, relative)`` of each confirmation since the last take."""
+        out = []
+        while self._new:
+            out.append(self._new.popleft())
+        return out
+
+
 class StragglerWatch:
     """One rank's view of every rank's exchange clock; see the module docstring."""
 
-    def __init__(self, rank: int, epoch: int = 0) -> None:
+    def __init__(self, rank: int, epoch: int = 0, sink: Verdicts | None = None) -> None:
+        """``sink``: told of every confirmation (rank, cause, relative), for the
+        policy (see :class:`Verdicts`)."""
         self.rank, self.epoch = rank, epoch
+        self.sink = sink
         self.stalled = StragglerDetector(STALL_CONFIG)
         self.compute = StragglerDetector()
         self._stall_sampler = _Sampler(STALL_SAMPLE_S)
@@ -108,6 +134,8 @@ class StragglerWatch:
             self._report(t, signal)
 
     def _report(self, t: Transition, signal: str) -> None:
+        if t.kind == "confirmed" and self.sink is not None:
+            self.sink.add(t.rank, signal, t.relative)
         what = (
             "took {:.2f}x its peers' median time: it could not run part of the time "
             "(stopped, throttled or starved)"

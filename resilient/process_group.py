@@ -40,7 +40,7 @@ from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
-from resilient._stragglers import StragglerWatch
+from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._weights import DOWN, WeightLearner
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import RingEngine, fold_rows
@@ -117,7 +117,9 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._slow_vote: SlowRankVote | None = None
         self._send_rates: SendRates | None = None
         self._loss = RailLoss(self._retransmissions)
-        self._stragglers = StragglerWatch(rank, epoch)
+        # Confirmed stragglers for the policy (recovery.Session reads them).
+        self.verdicts = Verdicts()
+        self._stragglers = StragglerWatch(rank, epoch, self.verdicts)
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
         self.nics = NicMonitor(rank, self.rails)
         self.nics.on_change(lambda rail, up: self.board.nic_changed(rail, up))

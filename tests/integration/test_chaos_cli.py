@@ -294,6 +294,13 @@ straggler_confirmed_within_steps = 20
               for line in f.read_text().splitlines()]  # fmt: skip
     confirmed = {e["rank"] for e in events if e["kind"] == "straggler.confirmed"}
     assert confirmed == {2}, confirmed
+    # Each rank asked the policy at its next step boundary, and logged why.
+    judged = [
+        e for e in events
+        if e["kind"] == "policy.decision" and e.get("fault") == "straggler.confirmed"
+    ]  # fmt: skip
+    assert {e["straggler"] for e in judged} == {2}, judged
+    assert {e["action"] for e in judged} <= {"tolerate", "reroute"}, judged
 
 
 @needs_root

@@ -83,3 +83,14 @@ def test_a_rank_its_peers_wait_for_is_a_compute_straggler() -> None:
     assert watch.compute.state(1) == "confirmed"
     assert watch.stalled.state(1) == "ok"
     assert [watch.state(r) for r in (0, 2, 3)] == ["ok"] * 3
+
+
+def test_verdicts_name_job_wide_ranks_and_are_taken_once() -> None:
+    from resilient._stragglers import Verdicts
+
+    verdicts = Verdicts()
+    verdicts.add(2, "stalled", 0.7)
+    verdicts.members = (0, 1, 3)  # after rank 2 left, position 2 is rank 3
+    verdicts.add(2, "link", 0.4)
+    assert verdicts.take() == [(2, "stalled", 0.7), (3, "link", 0.4)]
+    assert verdicts.take() == []
