@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from torch._C._distributed_c10d import Store
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 # How long ops of an abandoned epoch may still finish before their links are cut.
 ABANDON_GRACE_S = 0.3
+LOSS_GRACE_S = 1.0
 
 
 class EpochControl:
@@ -211,6 +213,21 @@ class EpochControl:
         if peer is None:
             return None
         return self._declare_lost(peer, f"its connections closed on all {len(self.rails)} rail(s)")
+
+    def _await_lost(self) -> PeerLost | None:
+        """After a failed call: the lost peer, if one is known within LOSS_GRACE_S.
+
+        A survivor's own link error often comes a few milliseconds before the loss
+        is established (the dead peer's other rails close, or another rank's report
+        reaches the health board); raising the bare LinkError then would end a job
+        that can recover (seen in CI: a survivor failed 20 ms after the kill, 40 ms
+        before a peer declared the loss). A link error with no loss behind it is
+        raised LOSS_GRACE_S later.
+        """
+        deadline = time.monotonic() + LOSS_GRACE_S
+        while (lost := self._check_lost()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return lost
 
     def _peer_reported_lost(self, peer: int, reporter: int) -> None:
         """Health board callback: ``reporter`` saw ``peer`` gone (both positions)."""

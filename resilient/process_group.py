@@ -205,7 +205,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 return fn(exchange.inline)
             except CommunicationError as exc:
-                if isinstance(exc, PeerLost) or (lost := self._check_lost()) is None:
+                if isinstance(exc, PeerLost) or (lost := self._await_lost()) is None:
                     raise
                 raise lost from exc
             finally:
