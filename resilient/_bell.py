@@ -118,10 +118,9 @@ class WatchBell:
 
         self.safety_s: float | None = safety_s
         self._rung = threading.Event()
-        self._closed = False
         self._watch = PrefixWatch(
             store.client(), store.prefix + prefix, lambda _e: self._rung.set(),
-            name=f"health:{prefix}",
+            name=f"bell:{prefix}",
         )  # fmt: skip
         self._watch.start()
 
@@ -133,7 +132,6 @@ class WatchBell:
         self._rung.clear()
 
     def close(self) -> None:
-        self._closed = True
         self._rung.set()
         self._watch.stop(timeout_s=2.0)
 
