@@ -95,6 +95,9 @@ class MeshRail:
         own = self.subs[self.rank]
         own_n = len(self.peers) * sum(s.size for s in own)
         early = early and then_gather
+        if early and own_n == 0:
+            self._send_once_receive_once()
+            return
         gather_n = sum(s.size for p in self.peers for s in self.subs[p]) if early else 0
         pool = self._scratch(own_n + gather_n)
         scratch: dict[tuple[int, int], torch.Tensor] = {}
@@ -123,6 +126,26 @@ class MeshRail:
             self._wait_all(self.ag_sends)
         else:
             self._finish_gather(gathers)
+        self._close()
+
+    def _send_once_receive_once(self) -> None:
+        """The slow rank of the straggler-aware schedule owns nothing: it sends its
+        sub-chunks and receives the result, copying each part in as it lands while
+        later sends are still going out (the general path waits for all its sends
+        first). A part overwrites the region its send read, so that send is waited
+        for first: it has finished, since the owner needed it to make the result.
+        """
+        landed = self._post_gather_into(self._scratch(sum(
+            s.size for p in self.peers for s in self.subs[p])))  # fmt: skip
+        for j in range(self.k):
+            for p in self.peers:
+                self._send(self.rs_sends, p, self.subs[p][j], j)
+        # Both lists run over the same non-empty spans subs[p][j], j-major.
+        for (tx, send_idx, nbytes), (p, idx, span, buf) in zip(self.rs_sends, landed, strict=True):
+            tx.wait(send_idx, nbytes)
+            self.rx[p].wait(idx, span.size * self.elem)
+            self._view(span).copy_(buf)
+        self.rs_sends.clear()
         self._close()
 
     def _post_gather_into(self, pool: torch.Tensor) -> list[tuple[int, int, Span, torch.Tensor]]:
