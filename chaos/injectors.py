@@ -8,7 +8,10 @@ network faults act on the host's namespaces of a :class:`~chaos.testbed.NetnsTes
 =========== ===================================================================
 kill        SIGKILL the rank
 hang        SIGSTOP the rank; SIGCONT on stop
-slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms
+slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms; it
+            follows the rank to a replacement (a slow node restarted in place)
+            unless ``pin`` (the process found at start only, as a slow node whose
+            rank is replaced elsewhere); a pinned process that is gone ends it
 nic-down    ``ip link set rJ down`` in the host; up again on stop
 nic-up      ``ip link set rJ up``
 flap        down/up every ``period_s`` (half each), ``count`` times or until stopped
@@ -188,25 +191,41 @@ class _Periodic(Injector):
 
 
 class _Slow(_Periodic):
+    _pinned: int | None = None
+
     def _check(self) -> None:
         # Checked before the thread starts: a bad factor or a gone rank must fail
         # start(), not only log a warning from the thread.
         factor = float(self.fault.param("factor"))
         if not 0.0 < factor < 1.0:
             raise ChaosError(f"slow: factor must be between 0 and 1, got {factor}")
-        self._signal(None)
+        pid = self._signal(None)
+        self._pinned = pid if self.fault.param("pin", False) else None
+
+    def _send(self, sig: signal.Signals) -> bool:
+        """Signal the rank (or the pinned process); False once a pinned one is gone."""
+        if self._pinned is None:
+            self._signal(sig)
+            return True
+        try:
+            os.killpg(self._pinned, sig)
+        except ProcessLookupError:
+            logger.info("%s: pid %d is gone; its replacement runs at full speed",
+                        self.description, self._pinned)  # fmt: skip
+            return False
+        return True
 
     def _tick(self) -> bool:
         factor = float(self.fault.param("factor"))
-        self._signal(signal.SIGCONT)
-        if self._halt.wait(SLOW_PERIOD_S * factor):
+        if not self._send(signal.SIGCONT) or self._halt.wait(SLOW_PERIOD_S * factor):
             return False
-        self._signal(signal.SIGSTOP)
+        if not self._send(signal.SIGSTOP):
+            return False
         return not self._halt.wait(SLOW_PERIOD_S * (1.0 - factor))
 
     def _undo(self) -> None:
         with contextlib.suppress(ChaosError):
-            self._signal(signal.SIGCONT)
+            self._send(signal.SIGCONT)
 
 
 def _link(host: Host, iface: str, state: str) -> None:

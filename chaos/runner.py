@@ -250,6 +250,7 @@ def _run_job(
         job=new_job_name(),
         max_restarts=job.max_restarts,
         warm_spares=job.warm_spares,
+        evict_stragglers=job.evict_stragglers,
         min_ranks=job.min_ranks,
         shrink_after_s=job.shrink_after_s,
         log_dir=str(out / "logs"),

@@ -68,7 +68,7 @@ class ScenarioError(ConfigError):
 FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "kill": (frozenset({"rank"}), frozenset()),
     "hang": (frozenset({"rank"}), frozenset()),
-    "slow": (frozenset({"rank", "factor"}), frozenset()),
+    "slow": (frozenset({"rank", "factor"}), frozenset({"pin"})),
     "nic-down": (frozenset({"rank", "rail"}), frozenset()),
     "nic-up": (frozenset({"rank", "rail"}), frozenset()),
     "flap": (frozenset({"rank", "rail", "period_s"}), frozenset({"count"})),
@@ -92,6 +92,7 @@ _PARAM_TYPES: dict[str, type] = {
     "factor": float,
     "rate_mbit": float,
     "percent": float,
+    "pin": bool,
 }
 _EXPECT_TYPES: dict[str, type] = {
     "completes": bool,
@@ -113,6 +114,7 @@ _JOB_TYPES: dict[str, type] = {
     "seed": int,
     "max_restarts": int,
     "warm_spares": bool,
+    "evict_stragglers": bool,
     "min_ranks": int,
     "shrink_after_s": float,
     "etcd_members": int,
@@ -131,6 +133,7 @@ class JobSpec:
     seed: int = 0
     max_restarts: int = 3
     warm_spares: bool = False
+    evict_stragglers: bool = False
     min_ranks: int | None = None
     shrink_after_s: float = 10.0
     etcd_members: int = 1
@@ -216,6 +219,11 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
             raise ScenarioError(source, f"job.{key}", f"must be >= 1, got {getattr(spec, key)}")
     if spec.max_restarts < 0:
         raise ScenarioError(source, "job.max_restarts", f"must be >= 0, got {spec.max_restarts}")
+    if spec.evict_stragglers and spec.max_restarts < 1 and spec.min_ranks is None:
+        raise ScenarioError(
+            source, "job.evict_stragglers", "an evicted rank must be replaced or left out: "
+            "set max_restarts >= 1 or min_ranks",
+        )  # fmt: skip
     if spec.min_ranks is not None and not 1 <= spec.min_ranks <= spec.nproc:
         raise ScenarioError(
             source, "job.min_ranks", f"must be 1..nproc ({spec.nproc}), got {spec.min_ranks}"

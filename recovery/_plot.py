@@ -14,15 +14,16 @@ _STYLE: Final = {
     "act": ("o", "tab:green", "action (reroute, repair, restore, replay, epoch)"),
 }
 _DETECT: Final = frozenset(
-    {"link.down", "link.degraded", "nic.down", "rank.lost", "straggler.suspected",
-     "straggler.confirmed"}
+    {"link.down", "link.degraded", "nic.down", "rank.lost", "rank.evicted",
+     "straggler.suspected", "straggler.confirmed"}
 )  # fmt: skip
 
 
 # Always labelled; other kinds only when no label is near in their lane (a flapping
 # straggler score or a burst of link.down would otherwise print over itself).
 _KEY: Final = frozenset(
-    {"fault.injected", "rank.lost", "rank.joined", "state.restored", "recovery.finished",
+    {"fault.injected", "rank.lost", "rank.evicted", "rank.joined", "state.restored",
+     "recovery.finished",
      "epoch.changed", "nic.down", "nic.up"}
 )  # fmt: skip
 _QUIET: Final = frozenset({"straggler.suspected", "straggler.cleared", "link.degraded"})

@@ -58,6 +58,7 @@ EVENT_KINDS: Final = frozenset(
         "gpu.degraded",
         "gpu.recovered",
         "rank.lost",
+        "rank.evicted",
         "rank.joined",
         "state.restored",
         "step.replayed",

@@ -18,10 +18,15 @@ event records every option with its estimate and the reason.
     *tolerate*: every step waits for it, (slowdown - 1) of a step each.
     *reroute*: when its links are what is slow, the straggler-aware all_reduce
     leaves it out of the reduction work (resilient._slowrank) and the remaining
-    cost is its own traffic. ``recovery.Session`` asks at the next step boundary
-    after each confirmation and logs the choice; the straggler-aware schedule
-    itself switches on the ranks' agreed link evidence in the data plane, and
-    evicting a live straggler is not built.
+    cost is its own traffic.
+    *evict* (only with ``evict_stragglers``): it leaves the job and is replaced
+    as if it had crashed: a replacement reports (a cold start is assumed, the
+    conservative case), receives the state, and one step is replayed; from then
+    on steps run at full speed. ``recovery.Session`` asks at the next step
+    boundary after each confirmation and logs the choice on every rank; the
+    straggler acts on its own choice (it exits with ``EXIT_EVICTED``), the
+    others recover from its loss as from a crash. The straggler-aware schedule
+    itself switches on the ranks' agreed link evidence in the data plane.
 
 Two preferences change the rank-loss choice. ``replace-first`` (the default)
 waits up to ``shrink_after_s`` for an announced replacement even where shrinking
@@ -181,13 +186,28 @@ class Policy:
             stalled = cause == "stalled"
             what = "it could not run part of the time" if stalled else "its compute is slow"
             reroute = Option("reroute", math.inf, f"{what}, not its links: rerouting cannot help")
-        options = (tolerate, reroute)
+        options = (tolerate, reroute, self._evict(job))
         best = _cheapest(options)
+        others = ", ".join(
+            f"{o.action} {'impossible' if math.isinf(o.cost_s) else f'~{o.cost_s:.2f} s'}"
+            for o in options
+            if o is not best
+        )
         return Choice(
             "straggler.confirmed", best.action,
-            f"{best.action} costs ~{best.cost_s:.2f} s; evicting a live rank is not built",
-            options,
+            f"{best.action} costs ~{best.cost_s:.2f} s ({others})", options,
         )  # fmt: skip
+
+    def _evict(self, job: JobView) -> Option:
+        if not self.config.evict_stragglers:
+            return Option("evict", math.inf, "not enabled (--evict-stragglers)")
+        eta = self.config.cold_eta_s
+        cost = eta + _transfer_s(job) + job.step_s
+        note = (
+            f"it leaves; a cold replacement reports in ~{eta:g} s and receives "
+            f"{job.state_bytes} B; one step of {job.step_s * 1e3:.0f} ms is replayed"
+        )
+        return Option("evict", cost, note)
 
     @staticmethod
     def record(

@@ -39,8 +39,11 @@ so gradients are averaged over the members, not over the original world size.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +57,7 @@ from recovery.policy import JobView, Policy
 from recovery.shards import Piece, pieces
 from recovery.state import StateHook, TrainState, average_over_members
 from resilient._solo import SoloEngine
-from resilient.config import RecoveryConfig
+from resilient.config import EXIT_EVICTED, RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError, ResilientError
 
 __all__ = ["Session", "StateHook", "TrainState"]
@@ -284,6 +287,34 @@ class Session:
             )  # fmt: skip
             choice = self.policy.straggler(job, slowdown=1 / max(relative, 1e-3), cause=cause)
             self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
+            if choice.action == "evict" and rank == self._rank:
+                self._leave(n, choice.reason)
+
+    def _leave(self, n: int, why: str) -> None:
+        """This rank is the straggler the policy evicts: leave the job at once.
+
+        It exits like a crashed rank (``os._exit``), on purpose: the survivors'
+        recovery from a lost rank is the proven path, while a normal interpreter
+        exit would run the script's own cleanup, which may call collectives the
+        others no longer match. Its state lives on in the survivors; the launcher
+        replaces it (exit status ``EXIT_EVICTED``) and one step is replayed.
+        """
+        assert self.pg is not None
+        logger.warning(
+            "rank %d (epoch %d, step %d): evicted as a straggler (%s); exiting with %d",
+            self._rank, self.pg.epoch, n, why, EXIT_EVICTED,
+        )  # fmt: skip
+        events.emit(
+            "rank.evicted", epoch=self.pg.epoch, step=n, reason=why,
+            action=f"exit with code {EXIT_EVICTED}; the launcher replaces it",
+        )  # fmt: skip
+        log = events.default_log()
+        if log is not None:
+            log.close(2.0)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_EVICTED)
 
     def _maybe_grow(self) -> None:
         """Take in replacements that asked to join (a shrunk group only), before the

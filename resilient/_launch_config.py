@@ -93,6 +93,8 @@ class LaunchConfig:
     min_ranks: int | None = None
     # How long survivors wait for a replacement before shrinking (with min_ranks).
     shrink_after_s: float = 10.0
+    # A confirmed straggler may leave the job, to be replaced (recovery.policy).
+    evict_stragglers: bool = False
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -103,6 +105,11 @@ class LaunchConfig:
         if self.min_ranks is not None:
             _check_int("min_ranks", self.min_ranks, 1, self.nproc)
         _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
+        if self.evict_stragglers and self.max_restarts < 1 and self.min_ranks is None:
+            raise ConfigError(
+                "evict_stragglers: an evicted rank must be replaced or left out; "
+                "set max_restarts >= 1 or min_ranks"
+            )
         # etcd leases are whole seconds and the keep-alive runs every ttl/3.
         _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)
         _check_seconds("grace_s", self.grace_s, minimum=0.0, inclusive=False)

@@ -35,6 +35,7 @@ class RankVar(StrEnum):
     FAULT_CONTROL = ENV_PREFIX + "FAULT_CONTROL"
     MIN_RANKS = ENV_PREFIX + "MIN_RANKS"
     SHRINK_AFTER_S = ENV_PREFIX + "SHRINK_AFTER_S"
+    EVICT_STRAGGLERS = ENV_PREFIX + "EVICT_STRAGGLERS"
     PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -60,6 +61,8 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.MIN_RANKS: "fewest ranks the job may shrink to (only with --min-ranks)",
         RankVar.SHRINK_AFTER_S: "seconds survivors wait for a replacement before they go "
         "on without it (--shrink-after; only with --min-ranks)",
+        RankVar.EVICT_STRAGGLERS: "1: a confirmed straggler may leave the job to be "
+        "replaced when the policy finds that cheaper (--evict-stragglers)",
         RankVar.PYTHONUNBUFFERED: "1, so that output reaches the launcher line by line",
         RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
             "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"

@@ -122,6 +122,14 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "process per rank; only while restarts are left)",
     )
     run.add_argument(
+        "--evict-stragglers",
+        action="store_true",
+        help="a rank confirmed as a straggler may leave the job (exit code 75) and be "
+        "replaced like a failed rank, when the recovery policy estimates that cheaper "
+        "than waiting for it every step; needs --max-restarts or --min-ranks "
+        "(default: off, stragglers are waited for or routed around)",
+    )
+    run.add_argument(
         "--min-ranks",
         type=int,
         metavar="M",
@@ -203,6 +211,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         warm_spares=args.warm_spares,
         min_ranks=args.min_ranks,
         shrink_after_s=args.shrink_after,
+        evict_stragglers=args.evict_stragglers,
         metrics_port=args.metrics_port,
         log_dir=args.log_dir,
         run_dir=args.run_dir,

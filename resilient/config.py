@@ -18,6 +18,7 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
+    "EXIT_EVICTED",
     "DataPlaneConfig",
     "EtcdConfig",
     "MembershipConfig",
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "RESILIENT_"
+# Exit status of a rank that left the job as a straggler (EX_TEMPFAIL: it may come
+# back, elsewhere); the launcher replaces it like any failed rank.
+EXIT_EVICTED = 75
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -278,6 +282,10 @@ class RecoveryConfig:
     shrinks at once when that is estimated cheaper (see :mod:`recovery.policy`,
     which also uses ``warm_eta_s``/``cold_eta_s``, when a warm spare / a cold
     restart reports after a loss).
+    ``evict_stragglers``: a confirmed straggler may leave the job when the policy
+    estimates that replacing it costs less than waiting for it (it exits with
+    :data:`EXIT_EVICTED`; the launcher replaces it like a crashed rank). Off by
+    default: only worth it where the replacement runs elsewhere (a spare node).
     """
 
     replace_timeout_s: float = 60.0
@@ -287,6 +295,7 @@ class RecoveryConfig:
     policy: str = "replace-first"
     warm_eta_s: float = 1.5
     cold_eta_s: float = 5.0
+    evict_stragglers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("replace_timeout_s", "quiesce_timeout_s"):
@@ -306,8 +315,8 @@ class RecoveryConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> RecoveryConfig:
         """Read ``RESILIENT_REPLACE_TIMEOUT_S``, ``RESILIENT_QUIESCE_TIMEOUT_S``,
         ``RESILIENT_SHRINK_AFTER_S`` (unset or empty: never shrink) and
-        ``RESILIENT_MIN_RANKS``, ``RESILIENT_POLICY``, ``RESILIENT_WARM_ETA_S`` and
-        ``RESILIENT_COLD_ETA_S``.
+        ``RESILIENT_MIN_RANKS``, ``RESILIENT_POLICY``, ``RESILIENT_WARM_ETA_S``,
+        ``RESILIENT_COLD_ETA_S`` and ``RESILIENT_EVICT_STRAGGLERS`` (0 or 1).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -323,6 +332,7 @@ class RecoveryConfig:
             policy=env.get(p + "POLICY", "").strip().lower() or "replace-first",
             warm_eta_s=_env_float(env, p + "WARM_ETA_S", 1.5),
             cold_eta_s=_env_float(env, p + "COLD_ETA_S", 5.0),
+            evict_stragglers=_env_flag(env, p + "EVICT_STRAGGLERS", False),
         )
 
 

@@ -46,6 +46,7 @@ from resilient._launch_io import (
 )
 from resilient._proc import free_port, spawn
 from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
+from resilient.config import EXIT_EVICTED
 from resilient.errors import LauncherError, MembershipError
 
 if TYPE_CHECKING:
@@ -240,6 +241,8 @@ class _Run:
         what = (
             f"rank {slot.rank} hung (its lease expired) and was killed"
             if slot.hung
+            else f"rank {slot.rank} left the job as a straggler (exit code {code})"
+            if code == EXIT_EVICTED
             else f"rank {slot.rank} exited with {describe_exit(code)}"
         )
         slot.hung = False
@@ -416,6 +419,8 @@ class _Run:
         if cfg.min_ranks is not None:
             values[RankVar.MIN_RANKS] = str(cfg.min_ranks)
             values[RankVar.SHRINK_AFTER_S] = repr(float(cfg.shrink_after_s))
+        if cfg.evict_stragglers:
+            values[RankVar.EVICT_STRAGGLERS] = "1"
         # Values inherited from an enclosing launch (a launcher run inside a rank)
         # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}

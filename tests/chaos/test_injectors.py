@@ -363,6 +363,33 @@ def test_slow_runs_the_rank_a_fraction_of_the_time_until_stopped(
     assert _net.tick_rate(ticks, 0.5) > 0.7 * free
 
 
+@pytest.mark.timeout(30)
+def test_a_pinned_slow_spares_the_process_that_replaces_the_rank(
+    loopback: LoopbackTestbed, procs: _net.Procs, injectors: Injectors, tmp_path: Path
+) -> None:
+    first, first_ticks = _net.start_ticker(procs, tmp_path / "first")
+    second, second_ticks = _net.start_ticker(procs, tmp_path / "second")
+    rank_pid = {"now": first.pid}
+    slow = injectors.make(
+        "slow", loopback, {"rank": 0, "factor": 0.25, "pin": True},
+        pid_of=lambda rank: rank_pid["now"],
+    )  # fmt: skip
+    slow.start()
+    rank_pid["now"] = second.pid  # the rank was handed to another process
+    full = _net.tick_rate(second_ticks, 1.0)
+    slowed = _net.tick_rate(first_ticks, 1.0)
+    assert slowed < 0.5 * full, (slowed, full)
+    # The pinned process ends: the injector ends with it, without an error, and
+    # never stopped the replacement.
+    first.kill()
+    first.wait(5.0)
+    assert slow._thread is not None
+    slow._thread.join(5.0)
+    assert not slow._thread.is_alive() and slow.error is None
+    assert _net.tick_rate(second_ticks, 0.5) > 0.7 * full
+    slow.stop()
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(
     ("kind", "params"),

@@ -66,6 +66,12 @@ def _with(old: str, new: str) -> str:
         (_with('script = "examples/train_ddp.py"\n', ""), "job.script", "missing"),
         (_with("nproc = 4", 'nproc = "four"'), "job.nproc", "expected int"),
         (_with("nproc = 4", "nproc = 0"), "job.nproc", ">= 1"),
+        (
+            _with("nproc = 4", "nproc = 4\nevict_stragglers = true\nmax_restarts = 0"),
+            "job.evict_stragglers",
+            "replaced or left out",
+        ),
+        (_with("rank = 1\nrail = 0", "rank = 1\nrail = 0\npin = true"), "fault[0].pin", "unknown"),
         (_with('topology = "netns"', 'topology = "k8s"'), "job.topology", "netns or loopback"),
         (_with('kind = "nic-down"', 'kind = "nic-explode"'), "fault[0].kind", "must be one of"),
         (_with("rank = 1\nrail = 0", "rank = 9\nrail = 0"), "fault[0].rank", "0..3"),

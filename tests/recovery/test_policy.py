@@ -76,6 +76,32 @@ def test_only_a_link_straggler_is_rerouted() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_straggler_is_evicted_only_when_enabled_and_cheaper_than_waiting() -> None:
+    # Off by default: never evicted, however slow.
+    off = Policy().straggler(JOB, slowdown=2.0, cause="stalled")
+    assert off.action == "tolerate" and math.isinf(_costs(off)["evict"])
+    policy = Policy(RecoveryConfig(evict_stragglers=True))
+    # 1000 steps each 100 ms late (100 s) against a cold replacement in 5 s, the
+    # state in 0.1 s and one step replayed.
+    slow = policy.straggler(JOB, slowdown=2.0, cause="compute")
+    assert slow.action == "evict"
+    assert _costs(slow)["evict"] == pytest.approx(5.0 + 0.1 + 0.1)
+    # Near the end of the job waiting is cheaper: 20 steps x 50 ms = 1 s.
+    ending = JobView(world=4, members=4, step_s=0.1, steps_left=20, state_bytes=0)
+    assert policy.straggler(ending, slowdown=1.5, cause="stalled").action == "tolerate"
+    # A slow link is routed around for less than a replacement costs.
+    assert policy.straggler(JOB, slowdown=1.2, cause="link").action == "reroute"
+
+
+@pytest.mark.timeout(10)
+def test_evict_stragglers_is_read_from_the_environment() -> None:
+    assert RecoveryConfig.from_env({"RESILIENT_EVICT_STRAGGLERS": "1"}).evict_stragglers
+    assert not RecoveryConfig.from_env({}).evict_stragglers
+    with pytest.raises(ConfigError):
+        RecoveryConfig.from_env({"RESILIENT_EVICT_STRAGGLERS": "maybe"})
+
+
+@pytest.mark.timeout(10)
 def test_bad_policy_settings_are_refused() -> None:
     with pytest.raises(ConfigError):
         RecoveryConfig(policy="fastest")

@@ -297,6 +297,7 @@ record("env", env=dict(os.environ), health=health)
                 RankVar.FAULT_CONTROL,
                 RankVar.MIN_RANKS,
                 RankVar.SHRINK_AFTER_S,
+                RankVar.EVICT_STRAGGLERS,
             )
         }
         assert {v.value for v in RankVar} - optional <= env.keys()
@@ -470,6 +471,7 @@ def test_unusable_run_dir_is_a_launcher_error(tmp_path: Path, etcd_url: str) -> 
         {"nproc": True},
         {"rails": 0},
         {"max_restarts": -1},
+        {"evict_stragglers": True},  # nothing would replace an evicted rank
         {"lease_ttl_s": 1.5},
         {"lease_ttl_s": float("nan")},
         {"grace_s": 0},
