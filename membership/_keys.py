@@ -54,6 +54,13 @@ class JobKeys:
     def replacements(self) -> str:
         return self.prefix + "replacement/"
 
+    @property
+    def supervisor(self) -> str:
+        """Written by the supervisor (the launcher) at start and after each restart:
+        restarts left and whether warm spares stand by, so a rank can weigh leaving
+        the job (straggler eviction) before anything is lost."""
+        return self.prefix + "supervisor"
+
     def replacement(self, rank: int) -> str:
         """Written by the supervisor when ``rank`` was lost: whether a replacement
         comes (warm, cold) or not (none), so survivors need not wait to find out."""

@@ -434,6 +434,12 @@ class Membership:
         kv = self.client.get(self.keys.replacement(rank))
         return json.loads(kv.value) if kv is not None else None
 
+    def supervisor(self) -> dict[str, Any] | None:
+        """What the supervisor publishes about replacing ranks (``restarts_left``,
+        ``warm_spares``, ``min_ranks``), or None without one (torchrun, Slurm)."""
+        kv = self.client.get(self.keys.supervisor)
+        return json.loads(kv.value) if kv is not None else None
+
     # -- health ---------------------------------------------------------------------------
     def _publisher(self) -> HealthPublisher:
         info = self._require_joined()

@@ -20,9 +20,10 @@ event records every option with its estimate and the reason.
     leaves it out of the reduction work (resilient._slowrank) and the remaining
     cost is its own traffic.
     *evict* (only with ``evict_stragglers``): it leaves the job and is replaced
-    as if it had crashed: a replacement reports (a cold start is assumed, the
-    conservative case), receives the state, and one step is replayed; from then
-    on steps run at full speed. ``recovery.Session`` asks at the next step
+    as if it had crashed: a replacement reports (a warm spare or a cold start,
+    as the launcher publishes; a cold start when nobody says), receives the
+    state, and one step is replayed; from then on steps run at full speed. With
+    no restart left it is not an option. ``recovery.Session`` asks at the next step
     boundary after each confirmation and logs the choice on every rank; the
     straggler acts on its own choice (it exits with ``EXIT_EVICTED``), the
     others recover from its loss as from a crash. The straggler-aware schedule
@@ -166,9 +167,13 @@ class Policy:
             f"{best.action} costs ~{best.cost_s:.2f} s, {other.action} {worse}", options,
         )  # fmt: skip
 
-    def straggler(self, job: JobView, *, slowdown: float, cause: str) -> Choice:
-        """Tolerate or reroute around a confirmed straggler (``slowdown``: its time
-        over its peers' median; ``cause``: stalled, compute or link)."""
+    def straggler(
+        self, job: JobView, *, slowdown: float, cause: str, replacement: str | None = None
+    ) -> Choice:
+        """Tolerate, reroute around or evict a confirmed straggler (``slowdown``: its
+        time over its peers' median; ``cause``: stalled, compute or link;
+        ``replacement``: what would replace it, warm, cold or none, or None when
+        not known: a cold start is assumed)."""
         per_step = max(slowdown - 1.0, 0.0) * job.step_s
         tolerate = Option(
             "tolerate", per_step * job.steps_left,
@@ -186,7 +191,7 @@ class Policy:
             stalled = cause == "stalled"
             what = "it could not run part of the time" if stalled else "its compute is slow"
             reroute = Option("reroute", math.inf, f"{what}, not its links: rerouting cannot help")
-        options = (tolerate, reroute, self._evict(job))
+        options = (tolerate, reroute, self._evict(job, replacement or "cold"))
         best = _cheapest(options)
         others = ", ".join(
             f"{o.action} {'impossible' if math.isinf(o.cost_s) else f'~{o.cost_s:.2f} s'}"
@@ -198,13 +203,15 @@ class Policy:
             f"{best.action} costs ~{best.cost_s:.2f} s ({others})", options,
         )  # fmt: skip
 
-    def _evict(self, job: JobView) -> Option:
+    def _evict(self, job: JobView, how: str) -> Option:
         if not self.config.evict_stragglers:
             return Option("evict", math.inf, "not enabled (--evict-stragglers)")
-        eta = self.config.cold_eta_s
+        if how not in ("warm", "cold"):
+            return Option("evict", math.inf, "no restart left to replace it")
+        eta = self.config.warm_eta_s if how == "warm" else self.config.cold_eta_s
         cost = eta + _transfer_s(job) + job.step_s
         note = (
-            f"it leaves; a cold replacement reports in ~{eta:g} s and receives "
+            f"it leaves; a {how} replacement reports in ~{eta:g} s and receives "
             f"{job.state_bytes} B; one step of {job.step_s * 1e3:.0f} ms is replayed"
         )
         return Option("evict", cost, note)

@@ -285,10 +285,35 @@ class Session:
                 steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
                 link_bytes_per_s=_link_rate(self.pg),
             )  # fmt: skip
-            choice = self.policy.straggler(job, slowdown=1 / max(relative, 1e-3), cause=cause)
+            choice = self.policy.straggler(
+                job, slowdown=1 / max(relative, 1e-3), cause=cause,
+                replacement=_budget(self.pg) if self.config.evict_stragglers else None,
+            )  # fmt: skip
             self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
-            if choice.action == "evict" and rank == self._rank:
+            if choice.action == "evict" and rank == self._rank and self._first_to_leave():
                 self._leave(n, choice.reason)
+
+    def _first_to_leave(self) -> bool:
+        """One eviction per epoch: two stragglers confirmed together would both leave,
+        and the launcher may have a restart for one only. The first to claim the
+        epoch's slot in the store leaves; the other keeps training (its straggling
+        is judged again in the next epoch)."""
+        assert self.pg is not None
+        key, me = f"recovery/e{self.pg.epoch}/evicted", str(self._rank)
+        try:
+            won = bytes(self.pg.store.compare_set(key, "", me)).decode() == me
+        except Exception as exc:  # the store unreachable: staying is the safe side
+            logger.warning(
+                "rank %d (epoch %d, step %d): cannot claim the eviction (%s); staying",
+                self._rank, self.pg.epoch, self._next, exc,
+            )  # fmt: skip
+            return False
+        if not won:
+            logger.info(
+                "rank %d (epoch %d, step %d): another straggler leaves this epoch; staying",
+                self._rank, self.pg.epoch, self._next,
+            )  # fmt: skip
+        return won
 
     def _leave(self, n: int, why: str) -> None:
         """This rank is the straggler the policy evicts: leave the job at once.
@@ -483,6 +508,24 @@ def _why(before: tuple[int, ...], plan: Plan) -> str:
     if back:
         parts.append(f"ranks {back} back")
     return "; ".join(parts) or "peer lost"
+
+
+def _budget(pg: Any) -> str | None:
+    """What would replace a rank that left now, from the launcher's published
+    budget: warm, cold or none; None without a launcher that says (torchrun)."""
+    membership = getattr(pg, "membership", None)
+    if membership is None:
+        return None
+    try:
+        record = membership.supervisor()
+    except ResilientError as exc:  # etcd unreachable: decide without it
+        logger.debug("reading the restart budget failed: %s", exc)
+        return None
+    if not record:
+        return None
+    if int(record.get("restarts_left", 0)) <= 0:
+        return "none"
+    return "warm" if record.get("warm_spares") else "cold"
 
 
 def _announced(pg: Any, rank: int | None) -> str | None:

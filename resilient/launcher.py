@@ -133,6 +133,7 @@ class _Run:
             from resilient._leases import LeaseWatch
 
             self._leases = LeaseWatch(self._etcd_url, cfg.job)
+            self._publish_budget()
         self._out.notice(
             f"job {cfg.job}: {cfg.nproc} rank(s) x {cfg.rails} rail(s), etcd {self._etcd_url}"
             f"{' (embedded)' if self._etcd else ''}, up to {cfg.max_restarts} restart(s)"
@@ -273,6 +274,7 @@ class _Run:
 
     def _restart(self, slot: _Slot, what: str) -> None:
         self._restarts += 1
+        self._publish_budget()
         slot.incarnation += 1
         warm = self._promote_spare(slot)
         self._announce(slot, "warm" if warm else "cold")
@@ -290,6 +292,12 @@ class _Run:
             incarnation=slot.incarnation,
             action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}",
         )
+
+    def _publish_budget(self) -> None:
+        if self._leases is not None:
+            cfg = self._cfg
+            left = cfg.max_restarts - self._restarts
+            self._leases.publish_budget(left, cfg.warm_spares and left > 0, cfg.min_ranks)
 
     def _announce(self, slot: _Slot, how: str) -> None:
         """Tell the survivors (through etcd) whether and how the rank is replaced."""

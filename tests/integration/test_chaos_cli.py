@@ -327,10 +327,10 @@ straggler_confirmed_within_steps = 20
     extra = "max_restarts = 1\nwarm_spares = true\nevict_stragglers = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
     out = tmp_path / "out"
-    # The policy prices a replacement at a cold start (5 s by default), about what
+    # The policy prices the warm spare at 1.5 s by default, not far under what
     # waiting for a half-speed rank costs over this short job on a busy 2-core
-    # machine; a 1 s estimate makes the choice clear-cut, so the test is stable.
-    env = {"RESILIENT_COLD_ETA_S": "1.0"}
+    # machine; 0.5 s makes the choice clear-cut, so the test is stable.
+    env = {"RESILIENT_WARM_ETA_S": "0.5"}
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json", env=env), 260)
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])

@@ -89,6 +89,11 @@ def test_a_straggler_is_evicted_only_when_enabled_and_cheaper_than_waiting() -> 
     # Near the end of the job waiting is cheaper: 20 steps x 50 ms = 1 s.
     ending = JobView(world=4, members=4, step_s=0.1, steps_left=20, state_bytes=0)
     assert policy.straggler(ending, slowdown=1.5, cause="stalled").action == "tolerate"
+    # A warm spare is priced at warm_eta_s; with no restart left, no eviction.
+    warm = policy.straggler(JOB, slowdown=2.0, cause="compute", replacement="warm")
+    assert _costs(warm)["evict"] == pytest.approx(1.5 + 0.1 + 0.1)
+    spent = policy.straggler(JOB, slowdown=2.0, cause="compute", replacement="none")
+    assert spent.action == "tolerate" and math.isinf(_costs(spent)["evict"])
     # A slow link is routed around for less than a replacement costs.
     assert policy.straggler(JOB, slowdown=1.2, cause="link").action == "reroute"
 

@@ -43,3 +43,32 @@ def test_a_step_outside_the_context_is_an_error_not_an_endless_loop() -> None:
     with pytest.raises(RecoveryError):
         for _ in session.steps(3):
             pass
+
+
+def _claimant(store: object, rank: int, epoch: int) -> Session:
+    """A session of ``rank`` at ``epoch`` with only what claiming an eviction reads."""
+    from types import SimpleNamespace
+
+    s = Session.__new__(Session)
+    s.pg = SimpleNamespace(store=store, epoch=epoch)
+    s._rank, s._next = rank, 0
+    return s
+
+
+@pytest.mark.timeout(30)
+def test_only_the_first_straggler_of_an_epoch_may_leave(etcd_store: object) -> None:
+    # Two stragglers confirmed together both choose to leave; the launcher may have
+    # a restart for one only, so the first claim in the store wins the epoch.
+    assert _claimant(etcd_store, 3, epoch=0)._first_to_leave()
+    assert not _claimant(etcd_store, 1, epoch=0)._first_to_leave()
+    assert _claimant(etcd_store, 3, epoch=0)._first_to_leave()  # asking again is fine
+    assert _claimant(etcd_store, 1, epoch=1)._first_to_leave()
+
+
+@pytest.mark.timeout(30)
+def test_a_store_that_cannot_be_reached_keeps_the_straggler_in() -> None:
+    class Down:
+        def compare_set(self, *args: object) -> bytes:
+            raise ConnectionError("store down")
+
+    assert not _claimant(Down(), 2, epoch=0)._first_to_leave()

@@ -541,6 +541,30 @@ record("done", warm="torch" in sys.modules)
     assert "restarting as incarnation 1 (warm spare)" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+def test_the_restart_budget_is_published_for_the_ranks(tmp_path: Path, etcd_url: str) -> None:
+    # A straggler weighs leaving by what would replace it (recovery.policy).
+    script, out = make_script(
+        tmp_path,
+        """
+from membership.members import Membership
+from resilient.config import RankEnv
+
+env = RankEnv.from_env()
+record("budget", **Membership(env.etcd, env.membership()).supervisor())
+if INC == 0:
+    sys.exit(3)
+""",
+    )
+    cfg = config(script, out, nproc=1, etcd=etcd_url, max_restarts=1, warm_spares=True)
+
+    assert Launcher(cfg).run() == 0
+
+    before, after = read(out, "budget", 0, 0), read(out, "budget", 0, 1)
+    assert (before["restarts_left"], before["warm_spares"]) == (1, True)
+    assert (after["restarts_left"], after["warm_spares"]) == (0, False)
+
+
 @pytest.mark.timeout(90)
 def test_a_rank_whose_lease_expires_while_it_runs_is_killed_and_restarted(
     tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
