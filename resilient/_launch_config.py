@@ -105,10 +105,9 @@ class LaunchConfig:
         if self.min_ranks is not None:
             _check_int("min_ranks", self.min_ranks, 1, self.nproc)
         _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
-        if self.evict_stragglers and self.max_restarts < 1 and self.min_ranks is None:
+        if self.evict_stragglers and self.max_restarts < 1:
             raise ConfigError(
-                "evict_stragglers: an evicted rank must be replaced or left out; "
-                "set max_restarts >= 1 or min_ranks"
+                "evict_stragglers: an evicted rank must be replaced; set max_restarts >= 1"
             )
         # etcd leases are whole seconds and the keep-alive runs every ttl/3.
         _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)

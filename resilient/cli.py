@@ -126,7 +126,7 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a rank confirmed as a straggler may leave the job (exit code 75) and be "
         "replaced like a failed rank, when the recovery policy estimates that cheaper "
-        "than waiting for it every step; needs --max-restarts or --min-ranks "
+        "than waiting for it every step and a restart is left; needs --max-restarts "
         "(default: off, stragglers are waited for or routed around)",
     )
     run.add_argument(
