@@ -77,23 +77,36 @@ class SendRates:
 
     def measure(self, links: LinkTable, peers: Sequence[int]) -> None:
         """Read each peer's send rate since the last call and keep the slowest:
-        ``(peer, permille of the other peers' median, measurements so far)``."""
+        ``(peer, permille of the other peers' median, measurements so far)``.
+
+        A rank with a peer it reaches on no rail (the pair goes through the store)
+        abstains, ``(-1, 1000, n + 1)``: its call was paced by the relay, and its
+        other links' rates then say nothing about its peers (seen in the
+        ``partition-pair`` scenario: the two cut-off ranks named a healthy third).
+        """
         rates: dict[int, float] = {}
         table = links.links()
+        cut_off = bool(links.relayed)
         for peer in peers:
             acked = busy = 0
+            reached = False
             for rail in range(len(links.rails)):
                 link = table.get((peer, rail))
                 now = link.sent() if link is not None else None
                 if link is None or now is None:
                     continue
+                reached = True
                 before = self._sent.get((peer, rail))
                 self._sent[(peer, rail)] = (link, now[0], now[1])
                 if before is not None and before[0] is link:
                     acked, busy = acked + now[0] - before[1], busy + now[1] - before[2]
+            cut_off = cut_off or not reached
             if busy >= MIN_BUSY_US:
                 old, new = self._rates.get(peer), acked / busy
                 rates[peer] = self._rates[peer] = new if old is None else old + _ALPHA * (new - old)
+        if cut_off:
+            self.lagging = (-1, 1000, self.lagging[2] + 1)
+            return
         if len(rates) < 2:
             return
         slowest = min(rates, key=lambda p: rates[p])

@@ -133,3 +133,46 @@ def test_a_rank_the_clocks_already_show_slow_is_not_also_a_link_straggler(
     kinds = [e["kind"] for e in ev_mod.read_events(tmp_path)]
     assert not [k for k in kinds if k.startswith("straggler.")], kinds
     assert "link.rerouted" in kinds
+
+
+class _Link:
+    """A link whose kernel counters grow by ``rate`` bytes per busy microsecond."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.busy = rate, 0
+
+    def sent(self) -> tuple[int, int]:
+        self.busy += 10_000
+        return int(self.rate * self.busy), self.busy
+
+
+class _Table:
+    def __init__(self, links: dict[tuple[int, int], _Link]) -> None:
+        self._links, self.rails, self.relayed = links, ["r0"], set()
+
+    def links(self) -> dict[tuple[int, int], _Link]:
+        return dict(self._links)
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_cut_off_from_a_peer_abstains_instead_of_naming_another() -> None:
+    from resilient._slowrank import SendRates
+
+    # Rank 1 of 4: rank 3 reads slow, but rank 2 is reachable on no rail (the pair
+    # goes through the store), so the call's pace says nothing about rank 3.
+    cut_off = _Table({(0, 0): _Link(100.0), (3, 0): _Link(30.0)})
+    meter = SendRates()
+    for _ in range(3):
+        meter.measure(cut_off, [0, 2, 3])  # type: ignore[arg-type]
+    assert meter.lagging == (-1, 1000, 3)
+    # With every peer reached, the same rates name rank 3 (30 % of the others).
+    whole = _Table({(0, 0): _Link(100.0), (2, 0): _Link(100.0), (3, 0): _Link(30.0)})
+    meter = SendRates()
+    for _ in range(3):
+        meter.measure(whole, [0, 2, 3])  # type: ignore[arg-type]
+    peer, share, count = meter.lagging
+    assert (peer, count) == (3, 2) and 280 <= share <= 320
+    # A relayed pair anywhere in the table also means abstaining.
+    whole.relayed.add((2, 0))
+    meter.measure(whole, [0, 2, 3])  # type: ignore[arg-type]
+    assert meter.lagging == (-1, 1000, 3)
