@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from resilient.errors import ResilientError
@@ -39,23 +40,70 @@ def _family(kind: str) -> str:
     return "detect" if kind in _DETECT else "act"
 
 
+# Vertical offsets (points) of the label levels around an event's lane, nearest
+# first; a lane is 72 points tall, so the top and bottom levels of two
+# neighbouring lanes do not meet.
+_LEVELS: Final = (7, 17, 27, -15, -25)
+# Width of one label character at fontsize 7, in points, and of the axes (13 in).
+_CHAR_PT: Final = 4.3
+_AXES_PT: Final = 700.0
+
+
+@dataclass(slots=True)
+class _Label:
+    t: float
+    lane: int
+    level: int
+    parts: list[list[Any]]  # [kind, how many] in order
+
+    def text(self) -> str:
+        return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in self.parts)
+
+
 def _labels(
     events: Sequence[dict[str, Any]], lanes: dict[str, int], t0: float, span: float
 ) -> list[tuple[float, int, str, int]]:
-    """(t, lane, text, level) of the labels to draw: key kinds always, on up to
-    three levels; others only where their lane has no label within 4 % of the span."""
-    out: list[tuple[float, int, str, int]] = []
-    last: dict[int, tuple[float, int]] = {}
+    """(t, lane, text, level) of the labels to draw.
+
+    Each lane has :data:`_LEVELS` rows of labels; a label goes to the nearest row
+    where it does not overlap the label before it (its width estimated from its
+    length). Key kinds are always labelled: with every row taken, joined to the
+    label that ends first ("rank.lost, state.restored"). Others only where a row
+    is free. A kind already labelled in its lane within 4 % of the span is not
+    labelled again (every rank reports the same straggler, say): that label
+    counts them instead ("straggler.confirmed x4").
+    """
+    labels: list[_Label] = []
+    ends: dict[int, list[float]] = {}  # lane -> where each row's last label ends
+    said: dict[tuple[int, str], tuple[float, list[Any]]] = {}  # -> (t, its [kind, n])
+    per_char = _CHAR_PT / _AXES_PT * span * 1.13  # the x-axis shows 1.13 spans
+
+    def width(parts: list[list[Any]]) -> float:
+        return sum(len(k) + 5 for k, _ in parts) * per_char
+
     for ev in events:
         kind, t, lane = str(ev.get("kind")), float(ev["ts"]) - t0, lanes[_lane(ev)]
-        prev_t, level = last.get(lane, (-1e9, -1))
-        near = t - prev_t < 0.04 * span
-        if kind in _QUIET or (near and kind not in _KEY):
+        before = said.get((lane, kind))
+        if before is not None and t - before[0] < 0.04 * span:
+            before[1][1] += 1
             continue
-        level = (level + 1) % 3 if near else 0
-        last[lane] = (t, level)
-        out.append((t, lane, kind, level))
-    return out
+        if kind in _QUIET:
+            continue
+        rows = ends.setdefault(lane, [-1e9] * len(_LEVELS))
+        free = [i for i, end in enumerate(rows) if end <= t]
+        if not free and kind not in _KEY:
+            continue
+        part: list[Any] = [kind, 1]
+        if free:
+            label = _Label(t, lane, free[0], [part])
+            labels.append(label)
+        else:
+            level = min(range(len(rows)), key=lambda i: rows[i])
+            label = next(lb for lb in reversed(labels) if lb.lane == lane and lb.level == level)
+            label.parts.append(part)
+        rows[label.level] = label.t + width(label.parts)
+        said[(lane, kind)] = (t, part)
+    return [(lb.t, lb.lane, lb.text(), lb.level) for lb in labels]
 
 
 def _lane(ev: dict[str, Any]) -> str:
@@ -86,7 +134,7 @@ def plot_timeline(
     t0 = start if start is not None else (float(events[0]["ts"]) if events else 0.0)
     lanes = sorted({_lane(ev) for ev in events}, key=lambda n: (n.startswith("rank"), n))
     y = {name: i for i, name in enumerate(lanes)}
-    fig, ax = plt.subplots(figsize=(13, 1.4 + 0.75 * max(1, len(lanes))))
+    fig, ax = plt.subplots(figsize=(13, 1.4 + 1.0 * max(1, len(lanes))))
     seen: set[str] = set()
     span = max(1e-3, (float(events[-1]["ts"]) - t0) if events else 1.0)
     for ev in events:
@@ -103,7 +151,7 @@ def plot_timeline(
         seen.add(fam)
     for t, lane, text, level in _labels(events, y, t0, span):
         ax.annotate(text, (t, lane), textcoords="offset points",
-                    xytext=(3, (8, 17, -14)[level]), fontsize=7)  # fmt: skip
+                    xytext=(3, _LEVELS[level]), fontsize=7)  # fmt: skip
     ax.set_xlim(-0.03 * span, span * 1.1)  # room for the last labels
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(-0.7, len(lanes) - 0.3)

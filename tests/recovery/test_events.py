@@ -115,3 +115,31 @@ def test_the_command_prints_json_and_draws_a_plot(
     assert doc["schema_version"] == SCHEMA_VERSION and len(doc["events"]) == 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["events", str(tmp_path / "nowhere")]) == 2
+
+
+@pytest.mark.timeout(10)
+def test_plot_labels_count_repeats_and_never_print_over_each_other() -> None:
+    from recovery._plot import _CHAR_PT, _LEVELS, _labels
+
+    # Four ranks confirm the same straggler, then eight key events land within
+    # 0.4 s in the lane of a 10 s run: more than its rows can hold side by side.
+    ts = [1.00, 1.01, 1.02, 1.03]
+    events = [{"ts": t, "kind": "straggler.confirmed", "rank": 3} for t in ts]
+    kinds = ["rank.lost", "rank.joined", "state.restored", "epoch.changed",
+             "recovery.finished", "rank.evicted", "nic.down", "nic.up"]  # fmt: skip
+    events += [{"ts": 1.1 + 0.05 * i, "kind": k, "rank": 3} for i, k in enumerate(kinds)]
+    events.append({"ts": 10.0, "kind": "fault.cleared", "rank": -1})
+    labels = _labels(events, {"rank 3": 0, "chaos": 1}, t0=0.0, span=10.0)
+    texts = [text for _, _, text, _ in labels]
+    assert "straggler.confirmed x4" in texts
+    # Every key kind is named once, and no two labels share a row where they overlap.
+    named = [k.split(" x")[0] for text in texts for k in text.split(", ")]
+    assert sorted(named) == sorted(["straggler.confirmed", *kinds, "fault.cleared"])
+    per_char = _CHAR_PT / 700.0 * 10.0 * 1.13
+    rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for t, lane, text, level in labels:
+        assert 0 <= level < len(_LEVELS)
+        rows.setdefault((lane, level), []).append((t, t + len(text) * per_char))
+    for spans in rows.values():
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
