@@ -260,6 +260,8 @@ def _run_job(
         master_addr=hosts[0].mgmt_addr,
         echo=False,
         fault_control=testbed.kind == "loopback",
+        # Faults fire at a step: the ranks report each one (the default is 4/s).
+        rank_env=(("RESILIENT_PROGRESS_INTERVAL_S", "0.02"),),
     )
     launcher = Launcher(config)
     watch = ProgressWatch(etcd.endpoints, config.job).start()

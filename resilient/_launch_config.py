@@ -8,7 +8,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Final
 
-from resilient.config import parse_endpoints, validate_job_name
+from resilient._rankvars import _RANK_VAR_NAMES
+from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
 from resilient.errors import ConfigError
 
 __all__ = ["MAX_LOCAL_RANKS", "MAX_RAILS", "LaunchConfig", "loopback_rails", "new_job_name"]
@@ -95,6 +96,9 @@ class LaunchConfig:
     shrink_after_s: float = 10.0
     # A confirmed straggler may leave the job, to be replaced (recovery.policy).
     evict_stragglers: bool = False
+    # More RESILIENT_* variables for every rank, over the launcher's own
+    # environment (the chaos runner asks for frequent progress records).
+    rank_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
@@ -105,6 +109,11 @@ class LaunchConfig:
         if self.min_ranks is not None:
             _check_int("min_ranks", self.min_ranks, 1, self.nproc)
         _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
+        for name, _ in self.rank_env:
+            if not name.startswith(ENV_PREFIX) or name in _RANK_VAR_NAMES:
+                raise ConfigError(
+                    f"rank_env: {name!r}: only {ENV_PREFIX}* variables the launcher does not set"
+                )
         if self.evict_stragglers and self.max_restarts < 1:
             raise ConfigError(
                 "evict_stragglers: an evicted rank must be replaced; set max_restarts >= 1"

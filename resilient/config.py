@@ -393,8 +393,16 @@ class RankEnv:
     run_dir: str | None = None
     # Set by `resilient chaos` on loopback runs: apply link faults written to etcd.
     fault_control: bool = False
+    # How often a StepReporter writes the latest step to etcd, at most: one write
+    # per rank per interval, so hundreds of ranks stay well within what one etcd
+    # takes. `resilient chaos` asks for 0.02 s: it fires faults at a given step.
+    progress_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0 < self.progress_interval_s < math.inf:
+            raise ConfigError(
+                f"{ENV_PREFIX}PROGRESS_INTERVAL_S={self.progress_interval_s}: must be > 0 seconds"
+            )
         if self.world_size < 1:
             raise ConfigError(f"WORLD_SIZE={self.world_size}: must be >= 1")
         if not 0 <= self.rank < self.world_size:
@@ -440,4 +448,5 @@ class RankEnv:
             lease_ttl_s=_env_float(env, p + "LEASE_TTL_S", 5.0),
             run_dir=env.get(p + "RUN_DIR") or None,
             fault_control=_env_flag(env, p + "FAULT_CONTROL", False),
+            progress_interval_s=_env_float(env, p + "PROGRESS_INTERVAL_S", 0.25),
         )

@@ -432,6 +432,7 @@ class _Run:
         # Values inherited from an enclosing launch (a launcher run inside a rank)
         # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}
+        env.update(cfg.rank_env)
         env.update({var.value: value for var, value in values.items()})
         return env
 

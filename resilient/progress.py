@@ -4,7 +4,8 @@ A training loop calls ``reporter.step(n, loss=...)`` after each step and
 ``reporter.finish(params_sha256=...)`` at the end. ``step`` never blocks: it stores
 the latest record and a background thread writes it to
 ``/resilient/<job>/progress/<rank>`` at most every ``min_interval_s`` (only the
-newest record is written, so a slow etcd costs freshness, never training time).
+newest record is written, so a slow etcd costs freshness, never training time;
+from the environment: ``RESILIENT_PROGRESS_INTERVAL_S``, 0.25 s by default).
 Records are JSON: ``rank, incarnation, pid, step, ts`` plus the caller's fields;
 the final one has ``"done": true``.
 
@@ -50,7 +51,7 @@ class StepReporter:
         job: str,
         rank: int,
         incarnation: int = 0,
-        min_interval_s: float = 0.02,
+        min_interval_s: float = 0.25,
     ) -> None:
         self._client = client
         self._key = f"{progress_prefix(job)}{rank:06d}" if client is not None else ""
@@ -82,8 +83,9 @@ class StepReporter:
         from membership._etcd import EtcdClient
 
         return cls(
-            EtcdClient(renv.etcd), job=renv.job, rank=renv.rank, incarnation=renv.incarnation
-        )
+            EtcdClient(renv.etcd), job=renv.job, rank=renv.rank, incarnation=renv.incarnation,
+            min_interval_s=renv.progress_interval_s,
+        )  # fmt: skip
 
     @property
     def enabled(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -142,4 +143,4 @@ def test_plot_labels_count_repeats_and_never_print_over_each_other() -> None:
         rows.setdefault((lane, level), []).append((t, t + len(text) * per_char))
     for spans in rows.values():
         spans.sort()
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))

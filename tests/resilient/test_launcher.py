@@ -280,7 +280,10 @@ with urllib.request.urlopen(url, timeout=5) as resp:
 record("env", env=dict(os.environ), health=health)
 """,
     )
-    cfg = config(script, out, nproc=2, rails=3, job="envtest", lease_ttl_s=3.0)
+    cfg = config(
+        script, out, nproc=2, rails=3, job="envtest", lease_ttl_s=3.0,
+        rank_env=(("RESILIENT_PROGRESS_INTERVAL_S", "0.5"),),
+    )  # fmt: skip
 
     assert Launcher(cfg).run() == 0
 
@@ -303,6 +306,7 @@ record("env", env=dict(os.environ), health=health)
         assert {v.value for v in RankVar} - optional <= env.keys()
         assert not optional & env.keys()
         assert env["RESILIENT_TEST_PASSTHROUGH"] == "kept"
+        assert env["RESILIENT_PROGRESS_INTERVAL_S"] == "0.5"
         assert env["PYTHONUNBUFFERED"] == env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
         parsed = RankEnv.from_env(env)
         assert (parsed.rank, parsed.world_size) == (rank, 2)
@@ -472,6 +476,8 @@ def test_unusable_run_dir_is_a_launcher_error(tmp_path: Path, etcd_url: str) -> 
         {"rails": 0},
         {"max_restarts": -1},
         {"evict_stragglers": True},  # nothing would replace an evicted rank
+        {"rank_env": (("PATH", "/x"),)},  # not ours to set
+        {"rank_env": (("RESILIENT_RANK_NOT", "1"), ("RESILIENT_INCARNATION", "2"))},
         {"lease_ttl_s": 1.5},
         {"lease_ttl_s": float("nan")},
         {"grace_s": 0},
