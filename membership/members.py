@@ -436,7 +436,7 @@ class Membership:
 
     def supervisor(self) -> dict[str, Any] | None:
         """What the supervisor publishes about replacing ranks (``restarts_left``,
-        ``warm_spares``, ``min_ranks``), or None without one (torchrun, Slurm)."""
+        ``warm_spares``), or None without one (torchrun, Slurm)."""
         kv = self.client.get(self.keys.supervisor)
         return json.loads(kv.value) if kv is not None else None
 

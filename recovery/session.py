@@ -510,17 +510,24 @@ def _why(before: tuple[int, ...], plan: Plan) -> str:
     return "; ".join(parts) or "peer lost"
 
 
+def _launcher_says(pg: Any, read: Callable[[Any], dict[str, Any] | None]) -> dict[str, Any]:
+    """A record the launcher keeps in etcd, read through ``pg``'s membership; empty
+    without one (no etcd, no launcher that writes it) or while etcd is unreachable,
+    so the caller decides without it."""
+    membership = getattr(pg, "membership", None)
+    if membership is None:
+        return {}
+    try:
+        return read(membership) or {}
+    except ResilientError as exc:
+        logger.debug("reading the launcher's record failed: %s", exc)
+        return {}
+
+
 def _budget(pg: Any) -> str | None:
     """What would replace a rank that left now, from the launcher's published
     budget: warm, cold or none; None without a launcher that says (torchrun)."""
-    membership = getattr(pg, "membership", None)
-    if membership is None:
-        return None
-    try:
-        record = membership.supervisor()
-    except ResilientError as exc:  # etcd unreachable: decide without it
-        logger.debug("reading the restart budget failed: %s", exc)
-        return None
+    record = _launcher_says(pg, lambda m: m.supervisor())
     if not record:
         return None
     if int(record.get("restarts_left", 0)) <= 0:
@@ -530,14 +537,9 @@ def _budget(pg: Any) -> str | None:
 
 def _announced(pg: Any, rank: int | None) -> str | None:
     """What the launcher announced for lost ``rank`` (warm, cold, none), if anything."""
-    membership = getattr(pg, "membership", None)
-    if membership is None or rank is None:
+    if rank is None:
         return None
-    try:
-        record = membership.replacement(rank)
-    except ResilientError as exc:  # etcd unreachable: decide without it
-        logger.debug("reading rank %d's replacement failed: %s", rank, exc)
-        return None
+    record = _launcher_says(pg, lambda m: m.replacement(rank))
     return str(record["how"]) if record else None
 
 

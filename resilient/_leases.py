@@ -66,11 +66,9 @@ class LeaseWatch:
         except MembershipError as exc:
             logger.warning("announcing rank %d's replacement failed: %s", rank, exc)
 
-    def publish_budget(self, restarts_left: int, warm_spares: bool, min_ranks: int | None) -> None:
+    def publish_budget(self, restarts_left: int, warm_spares: bool) -> None:
         """Tell the ranks what would replace one that leaves now (never raises)."""
-        record = json.dumps(
-            {"restarts_left": restarts_left, "warm_spares": warm_spares, "min_ranks": min_ranks}
-        )
+        record = json.dumps({"restarts_left": restarts_left, "warm_spares": warm_spares})
         try:
             self._client.put(self._keys.supervisor, record)
         except MembershipError as exc:

@@ -297,7 +297,7 @@ class _Run:
         if self._leases is not None:
             cfg = self._cfg
             left = cfg.max_restarts - self._restarts
-            self._leases.publish_budget(left, cfg.warm_spares and left > 0, cfg.min_ranks)
+            self._leases.publish_budget(left, cfg.warm_spares and left > 0)
 
     def _announce(self, slot: _Slot, how: str) -> None:
         """Tell the survivors (through etcd) whether and how the rank is replaced."""
