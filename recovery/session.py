@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,6 +66,7 @@ __all__ = ["Session", "StateHook", "TrainState"]
 logger = logging.getLogger(__name__)
 
 _WARMUP_PASSES = 2
+_RECENT_STEPS = 64
 
 
 class Session:
@@ -102,6 +104,10 @@ class Session:
         self.policy = Policy(self.config)
         self._total = 0  # steps() target: the policy weighs the steps left
         self._step_s = 0.0  # smoothed time between commits
+        # The last steps' times: a straggler's verdict comes some steps after it
+        # began to slow every step, so the smoothed time already carries it; the
+        # policy prices waiting for it against the step time without it.
+        self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._last_commit: float | None = None
         if ddp is not None and self.pg is not None:
             average_over_members(ddp, self.pg)
@@ -174,6 +180,7 @@ class Session:
         if self._last_commit is not None:
             took = now - self._last_commit
             self._step_s = took if self._step_s == 0 else 0.8 * self._step_s + 0.2 * took
+            self._recent.append(took)
         self._last_commit = now
 
     # -- recovery --------------------------------------------------------------------
@@ -281,7 +288,7 @@ class Session:
             return
         for rank, cause, relative in verdicts.take():
             job = JobView(
-                world=self._world, members=len(self.pg.members), step_s=self._step_s,
+                world=self._world, members=len(self.pg.members), step_s=self._unslowed_step_s(),
                 steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
                 link_bytes_per_s=_link_rate(self.pg),
             )  # fmt: skip
@@ -292,6 +299,15 @@ class Session:
             self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
             if choice.action == "evict" and rank == self._rank and self._first_to_leave():
                 self._leave(n, choice.reason)
+
+    def _unslowed_step_s(self) -> float:
+        """The step time without the straggler: the lower quartile of the last
+        steps (a verdict comes 4-20 steps after the slowing began, so most of the
+        window is still unslowed); the smoothed time before enough steps ran."""
+        if len(self._recent) < 8:
+            return self._step_s
+        ordered = sorted(self._recent)
+        return ordered[len(ordered) // 4]
 
     def _first_to_leave(self) -> bool:
         """One eviction per epoch: two stragglers confirmed together would both leave,

@@ -45,6 +45,19 @@ def test_a_step_outside_the_context_is_an_error_not_an_endless_loop() -> None:
             pass
 
 
+def test_the_policy_prices_a_straggler_against_the_step_time_without_it() -> None:
+    import time
+
+    session = Session(None, _state())
+    for step in session.steps(40):
+        with session.step(step):
+            # 30 steps of ~10 ms, then every step waits ~30 ms for a straggler.
+            time.sleep(0.01 if step < 30 else 0.03)
+    smoothed, unslowed = session._step_s, session._unslowed_step_s()
+    assert smoothed > 0.02, smoothed  # mostly the slowed steps by now
+    assert 0.008 < unslowed < 0.025 < smoothed, (unslowed, smoothed)
+
+
 def _claimant(store: object, rank: int, epoch: int) -> Session:
     """A session of ``rank`` at ``epoch`` with only what claiming an eviction reads."""
     from types import SimpleNamespace
