@@ -21,13 +21,15 @@ event records every option with its estimate and the reason.
     cost is its own traffic.
     *evict* (only with ``evict_stragglers``): it leaves the job and is replaced
     as if it had crashed: a replacement reports (a warm spare or a cold start,
-    as the launcher publishes; a cold start when nobody says), receives the
-    state, and one step is replayed; from then on steps run at full speed. With
-    no restart left it is not an option. ``recovery.Session`` asks at the next step
-    boundary after each confirmation and logs the choice on every rank; the
-    straggler acts on its own choice (it exits with ``EXIT_EVICTED``), the
-    others recover from its loss as from a crash. The straggler-aware schedule
-    itself switches on the ranks' agreed link evidence in the data plane.
+    as the launcher publishes), receives the state, and one step is replayed;
+    from then on steps run at full speed. With no restart left, or no launcher
+    that publishes its budget (``recovery.Session`` then says none: under
+    torchrun an exit restarts every worker), it is not an option.
+    ``recovery.Session`` asks at the next step boundary after each confirmation
+    and logs the choice on every rank; the straggler acts on its own choice (it
+    exits with ``EXIT_EVICTED``), the others recover from its loss as from a
+    crash. The straggler-aware schedule itself switches on the ranks' agreed
+    link evidence in the data plane.
 
 Two preferences change the rank-loss choice. ``replace-first`` (the default)
 waits up to ``shrink_after_s`` for an announced replacement even where shrinking

@@ -294,7 +294,9 @@ class Session:
             )  # fmt: skip
             choice = self.policy.straggler(
                 job, slowdown=1 / max(relative, 1e-3), cause=cause,
-                replacement=_budget(self.pg) if self.config.evict_stragglers else None,
+                # Nobody publishing a budget (torchrun, Slurm): no eviction, as
+                # an exit there restarts every worker, or none.
+                replacement=(_budget(self.pg) or "none") if self.config.evict_stragglers else None,
             )  # fmt: skip
             self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
             if choice.action == "evict" and rank == self._rank and self._first_to_leave():

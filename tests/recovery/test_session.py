@@ -85,3 +85,33 @@ def test_a_store_that_cannot_be_reached_keeps_the_straggler_in() -> None:
             raise ConnectionError("store down")
 
     assert not _claimant(Down(), 2, epoch=0)._first_to_leave()
+
+
+def test_a_straggler_leaves_only_where_a_launcher_publishes_a_restart_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from resilient._stragglers import Verdicts
+    from resilient.config import RecoveryConfig
+
+    left: list[int] = []
+    monkeypatch.setattr(Session, "_leave", lambda self, n, why: left.append(n))
+    monkeypatch.setattr(Session, "_first_to_leave", lambda self: True)
+    session = Session(None, _state(), config=RecoveryConfig(evict_stragglers=True))
+    decisions: list[object] = []
+    monkeypatch.setattr(session.policy, "record", lambda choice, **kw: decisions.append(choice))
+    verdicts = Verdicts()
+    # No membership: as under torchrun, where an exit would restart every worker.
+    engine = SimpleNamespace(rail_rates=())
+    session.pg = SimpleNamespace(verdicts=verdicts, members=(0, 1, 2, 3), epoch=0, engine=engine)
+    session._rank, session._step_s, session._total = 2, 0.1, 1000
+    verdicts.add(2, "compute", 0.5)  # rank 2 at half speed: 99 s of waiting ahead
+    session._judge_stragglers(10)
+    assert [c.action for c in decisions] == ["tolerate"] and not left  # type: ignore[attr-defined]
+    # A launcher that publishes a restart left and a warm spare: the same verdict evicts.
+    budget = {"restarts_left": 1, "warm_spares": True}
+    session.pg.membership = SimpleNamespace(supervisor=lambda: budget)
+    verdicts.add(2, "compute", 0.5)
+    session._judge_stragglers(11)
+    assert decisions[-1].action == "evict" and left == [11]  # type: ignore[attr-defined]
