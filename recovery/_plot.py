@@ -47,6 +47,14 @@ _LEVELS: Final = (7, 17, 27, -15, -25)
 # Width of one label character at fontsize 7, in points, and of the axes (13 in).
 _CHAR_PT: Final = 4.3
 _AXES_PT: Final = 700.0
+# The x-axis, in spans of the events: a little room before the first, room for
+# the last labels after the last.
+_X_FROM, _X_TO = -0.03, 1.1
+
+
+def _seconds_per_char(span: float) -> float:
+    """How many seconds of the x-axis one label character covers."""
+    return _CHAR_PT / _AXES_PT * span * (_X_TO - _X_FROM)
 
 
 @dataclass(slots=True)
@@ -76,7 +84,7 @@ def _labels(
     labels: list[_Label] = []
     ends: dict[int, list[float]] = {}  # lane -> where each row's last label ends
     said: dict[tuple[int, str], tuple[float, list[Any]]] = {}  # -> (t, its [kind, n])
-    per_char = _CHAR_PT / _AXES_PT * span * 1.13  # the x-axis shows 1.13 spans
+    per_char = _seconds_per_char(span)
 
     def width(parts: list[list[Any]]) -> float:
         return sum(len(k) + 5 for k, _ in parts) * per_char
@@ -152,7 +160,7 @@ def plot_timeline(
     for t, lane, text, level in _labels(events, y, t0, span):
         ax.annotate(text, (t, lane), textcoords="offset points",
                     xytext=(3, _LEVELS[level]), fontsize=7)  # fmt: skip
-    ax.set_xlim(-0.03 * span, span * 1.1)  # room for the last labels
+    ax.set_xlim(_X_FROM * span, _X_TO * span)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(-0.7, len(lanes) - 0.3)
     ax.set_xlabel("seconds since the first event")

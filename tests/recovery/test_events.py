@@ -120,7 +120,7 @@ def test_the_command_prints_json_and_draws_a_plot(
 
 @pytest.mark.timeout(10)
 def test_plot_labels_count_repeats_and_never_print_over_each_other() -> None:
-    from recovery._plot import _CHAR_PT, _LEVELS, _labels
+    from recovery._plot import _LEVELS, _labels, _seconds_per_char
 
     # Four ranks confirm the same straggler, then eight key events land within
     # 0.4 s in the lane of a 10 s run: more than its rows can hold side by side.
@@ -136,7 +136,7 @@ def test_plot_labels_count_repeats_and_never_print_over_each_other() -> None:
     # Every key kind is named once, and no two labels share a row where they overlap.
     named = [k.split(" x")[0] for text in texts for k in text.split(", ")]
     assert sorted(named) == sorted(["straggler.confirmed", *kinds, "fault.cleared"])
-    per_char = _CHAR_PT / 700.0 * 10.0 * 1.13
+    per_char = _seconds_per_char(10.0)
     rows: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for t, lane, text, level in labels:
         assert 0 <= level < len(_LEVELS)
