@@ -187,6 +187,10 @@ def _final_hashes(progress: Mapping[int, RankTrack]) -> dict[int, str | None]:
     return {r: t.last.get("params_sha256") if t.done else None for r, t in progress.items()}
 
 
+def _final_stats(progress: Mapping[int, RankTrack]) -> dict[int, list[float] | None]:
+    return {r: t.last.get("params_stats") if t.done else None for r, t in progress.items()}
+
+
 def left_out(events: Sequence[Mapping[str, Any]]) -> set[int]:
     """Ranks the launcher left out after a loss (the job shrank without them)."""
     return {int(e["rank"]) for e in events if e.get("kind") == "rank.lost" and e.get("left")}
@@ -255,8 +259,31 @@ def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list
                 note,
             )
         )
+    if exp.params_close_fault_free is not None:
+        rows.append(_close_row(exp.params_close_fault_free, facts, summary, left))
     rows.extend(_timing_rows(scenario, summary))
     return rows
+
+
+def _close_row(
+    tol: float, facts: RunFacts, summary: dict[str, Any], left: set[int]
+) -> dict[str, Any]:
+    """Every finishing rank's parameter sums and norms within ``tol`` (relative) of
+    the fault-free run's; measured: the largest relative difference."""
+    ref = (facts.reference or {}).get("params_stats")
+    stats = [s for r, s in summary["params_stats"].items() if r not in left]
+    worst: float | None = None
+    note = ""
+    if not ref:
+        note = "no fault-free reference result"
+    elif not stats or any(s is None or len(s) != len(ref) for s in stats):
+        note = "a rank reported no parameter statistics"
+    else:
+        worst = max(
+            abs(a - b) / max(abs(b), 1e-12) for s in stats for a, b in zip(s, ref, strict=True)
+        )
+    passed = worst is not None and worst <= tol
+    return _row("params_close_fault_free", tol, worst, passed, note)
 
 
 def _timing_rows(scenario: Scenario, summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -327,6 +354,7 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
         "completes": _completes(facts, scenario.job.steps, scenario.job.nproc),
         "steps_replayed": max(steps_replayed(facts.progress), replayed_by_survivors(facts.events)),
         "params_sha256": _final_hashes(facts.progress),
+        "params_stats": _final_stats(facts.progress),
         "left_out": sorted(left_out(facts.events)),
         "step_ms": step_times(facts),
         "events": len(facts.events),

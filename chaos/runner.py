@@ -340,10 +340,12 @@ def _reference(
     facts = _run_job(scenario, testbed, etcd, out / "reference", (), display, source)
     hashes = {t.last.get("params_sha256") for t in facts.progress.values() if t.done}
     ok = facts.exit_code == 0 and len(hashes) == 1 and len(facts.progress) == scenario.job.nproc
+    first = facts.progress.get(0)
     ref = {
         "key": key,
         "completes": ok,
         "params_sha256": hashes.pop() if ok else None,
+        "params_stats": first.last.get("params_stats") if ok and first is not None else None,
         "duration_s": round(facts.duration_s, 3),
         "cached": False,
     }
@@ -386,7 +388,7 @@ def run_scenario(
     with testbed, _control_plane(scenario, testbed) as etcd:
         display.notice(f"testbed {testbed.describe()}; etcd {etcd.url}")
         reference = None
-        if scenario.expect.params_equal_fault_free:
+        if scenario.expect.params_equal_fault_free or scenario.expect.params_close_fault_free:
             reference = _reference(scenario, testbed, etcd, out, display, source, use_cache)
         facts = _run_job(scenario, testbed, etcd, out, scenario.faults, display, source)
     facts.reference = reference

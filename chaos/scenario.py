@@ -99,6 +99,7 @@ _EXPECT_TYPES: dict[str, type] = {
     "max_steps_replayed": int,
     "params_equal_across_ranks": bool,
     "params_equal_fault_free": bool,
+    "params_close_fault_free": float,
     "max_recovery_s": float,
     "max_detect_ms": float,
     "max_slowdown": float,
@@ -166,6 +167,9 @@ class Expectations:
     max_steps_replayed: int | None = None
     params_equal_across_ranks: bool | None = None
     params_equal_fault_free: bool | None = None
+    # Relative tolerance on every rank's final parameter sums and norms against the
+    # fault-free run's (for faults that change the schedule, hence the rounding).
+    params_close_fault_free: float | None = None
     max_recovery_s: float | None = None
     max_detect_ms: float | None = None
     max_slowdown: float | None = None
@@ -290,6 +294,11 @@ def _parse_expect(source: str, raw: Any) -> Expectations:
     expect = _table(source, "expect", raw)
     _no_unknown(source, "expect.", expect, frozenset(_EXPECT_TYPES))
     values = {k: _typed(source, f"expect.{k}", v, _EXPECT_TYPES[k]) for k, v in expect.items()}
+    tol = values.get("params_close_fault_free")
+    if tol is not None and not 0 < tol < 1:
+        raise ScenarioError(
+            source, "expect.params_close_fault_free", f"a relative tolerance in (0, 1), got {tol}"
+        )
     return Expectations(**values)
 
 

@@ -72,6 +72,17 @@ def batch(
     return x, y
 
 
+def params_stats(model: nn.Module) -> list[float]:
+    """Per parameter tensor, its L1 and L2 norms in float64: what a run whose
+    schedule changed (summation order) is compared on, within a relative tolerance
+    (norms, not sums: a sum near zero makes any relative difference look large)."""
+    out: list[float] = []
+    for p in model.parameters():
+        wide = p.detach().to(torch.float64)
+        out += [float(wide.abs().sum()), float(wide.norm())]
+    return out
+
+
 def params_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             save_checkpoint(args.checkpoint_dir, state, step)
     digest = params_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
-    reporter.finish(params_sha256=digest, steps=args.steps)
+    reporter.finish(params_sha256=digest, params_stats=params_stats(model), steps=args.steps)
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import torch
 from torch._C._distributed_c10d import Store
 
+from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
 from resilient._signature import Exchange, Signature, check_signatures
 from resilient._stolen import StolenTime
@@ -62,12 +63,14 @@ class SignatureChannel:
         staged: Callable[[], list[tuple[int, int, int, int]]] | None = None,
         on_install: Callable[[], None] | None = None,
         links: LinkTable | None = None,
+        cut: Callable[[], Sequence[int]] | None = None,
     ) -> None:
         self.rank = rank
         self._rates = rates
         self._lagging = lagging
         self._staged = staged
         self._on_install = on_install
+        self._cut = cut
         # ``links``: the control links kept from the last epoch, after a rank was lost.
         links = links or LinkTable(
             rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
@@ -183,13 +186,17 @@ class SignatureChannel:
                 )
                 lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
                 staged = self._staged() if self._staged is not None else []
+                cut = self._cut() if self._cut is not None else ()
                 try:
                     exchange = check_signatures(
-                        self.engine, sig, self.rank, data, rates, clock, lag, staged
+                        self.engine, sig, self.rank, data, rates, clock, lag, staged, cut
                     )
                 finally:
                     self._waited_us += int((time.monotonic() - began) * 1e6)
                 self._install(exchange)
+                # The next exchange avoids a cut-off pair too (the data call's
+                # engine follows the same rows: resilient._reorder).
+                follow_cuts(self.engine, exchange)
                 if self._rates is not None:
                     self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
                 fut.set_result(exchange)

@@ -9,11 +9,13 @@ carries it: moving bytes between rails never changes the result bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 __all__ = [
     "Span",
+    "avoiding_ring",
     "even_bounds",
     "rail_pieces",
     "rail_sizes",
@@ -122,3 +124,45 @@ def send_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
 def recv_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
     """Chunk that ``rank`` receives from its left neighbour at ring ``step``."""
     return (rank - step - 1 + shift) % world
+
+
+# Search budget of :func:`avoiding_ring` (vertices tried): with a few cut pairs the
+# first path found almost always closes; many cuts may leave no ring at all.
+_RING_SEARCH_LIMIT: Final = 20_000
+
+
+def avoiding_ring(world: int, cut: Collection[tuple[int, int]]) -> tuple[int, ...] | None:
+    """A ring order of ``world`` ranks in which no two neighbours are a ``cut`` pair.
+
+    Deterministic (every rank computes the same order from the same pairs): a depth
+    first search from rank 0 that tries the lowest rank first, so it stays as close
+    to ``0, 1, ..., world-1`` as the cuts allow. None when nothing is cut (the
+    natural order), or when no such ring exists or was found within the search
+    budget (three ranks with one cut pair have none).
+    """
+    pairs = {(min(a, b), max(a, b)) for a, b in cut if a != b and 0 <= a < world and 0 <= b < world}
+    if not pairs or world < 4:
+        return None
+
+    def ok(a: int, b: int) -> bool:
+        return (min(a, b), max(a, b)) not in pairs
+
+    path, used, budget = [0], [False] * world, _RING_SEARCH_LIMIT
+    used[0] = True
+    stack = [iter(range(1, world))]
+    while stack and budget > 0:
+        nxt = next((v for v in stack[-1] if not used[v] and ok(path[-1], v)), None)
+        if nxt is None:
+            stack.pop()
+            used[path.pop()] = False
+            continue
+        budget -= 1
+        path.append(nxt)
+        used[nxt] = True
+        if len(path) == world:
+            if ok(nxt, 0):
+                return tuple(path)
+            used[path.pop()] = False
+            continue
+        stack.append(iter(range(1, world)))
+    return None

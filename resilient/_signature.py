@@ -63,8 +63,12 @@ _LAG = _CLOCK + 3
 # code, peer, rail, generation), peer -1 where unused (see resilient._repair).
 _STAGED = _LAG + 3
 MAX_STAGED = 4
+# Then up to MAX_CUT peers the rank reaches on no rail (their traffic goes through
+# the store), -1 where unused: every rank orders its rings around those pairs.
+_CUT = _STAGED + 4 * MAX_STAGED
+MAX_CUT = 4
 INLINE_BYTES = 2048
-_BODY = _STAGED + 4 * MAX_STAGED
+_BODY = _CUT + MAX_CUT
 _WIDTH = _BODY + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
@@ -169,7 +173,8 @@ class Exchange:
     exchange (see :class:`~resilient._precheck.SignatureChannel`); ``lagging``:
     every rank's ``(peer, permille, count)``: who held its latest measured reduction
     up, and how many it measured; ``staged``: every rank's staged rebuilt links as
-    ``(table code, peer, rail, generation)``.
+    ``(table code, peer, rail, generation)``; ``cut``: every rank's peers it
+    reaches on no rail.
     """
 
     seq: int
@@ -178,6 +183,11 @@ class Exchange:
     clocks: list[tuple[int, int, int]] = field(default_factory=list)
     lagging: list[tuple[int, int, int]] = field(default_factory=list)
     staged: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
+    cut: list[list[int]] = field(default_factory=list)
+
+    def cut_pairs(self) -> frozenset[tuple[int, int]]:
+        """Pairs (low, high) that one of their ends reaches on no rail."""
+        return frozenset((min(r, p), max(r, p)) for r, peers in enumerate(self.cut) for p in peers)
 
 
 def check_signatures(
@@ -189,9 +199,11 @@ def check_signatures(
     clock: tuple[int, int, int] = (0, 0, 0),
     lagging: tuple[int, int, int] = (-1, 0, 0),
     staged: Sequence[tuple[int, int, int, int]] = (),
+    cut: Sequence[int] = (),
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
     ``payload``. Raises on all ranks if signatures differ, before any data moved.
+    ``cut``: the peers this rank reaches on no rail (the first MAX_CUT are sent).
 
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.
@@ -204,10 +216,13 @@ def check_signatures(
         table[rank, _HEADER + rail] = int(rate)
     table[rank, _CLOCK:_LAG] = torch.tensor(clock, dtype=torch.int64)
     table[rank, _LAG:_STAGED] = torch.tensor(lagging, dtype=torch.int64)
-    slots = table[rank, _STAGED:_BODY].view(MAX_STAGED, 4)
+    slots = table[rank, _STAGED:_CUT].view(MAX_STAGED, 4)
     slots[:, 1] = -1
     for i, entry in enumerate(staged[:MAX_STAGED]):
         slots[i] = torch.tensor(entry, dtype=torch.int64)
+    table[rank, _CUT:_BODY] = -1
+    for i, peer in enumerate(list(cut)[:MAX_CUT]):
+        table[rank, _CUT + i] = peer
     body = _BODY
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
@@ -225,8 +240,9 @@ def check_signatures(
             lagging=[(int(p), int(m), int(c)) for p, m, c in table[:, _LAG:_STAGED].tolist()],
             staged=[
                 [(c, p, r, g) for c, p, r, g in row if p >= 0]
-                for row in table[:, _STAGED:_BODY].view(world, MAX_STAGED, 4).tolist()
+                for row in table[:, _STAGED:_CUT].view(world, MAX_STAGED, 4).tolist()
             ],
+            cut=[[p for p in row if p >= 0] for row in table[:, _CUT:_BODY].tolist()],
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):

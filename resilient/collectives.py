@@ -172,6 +172,10 @@ class RingEngine:
         # Measures the links' send rates after mesh reductions (set by whoever
         # reads it: resilient._slowrank).
         self.lag_meter: SendRates | None = None
+        # The ring order while some pair has no rail left (agreed by every rank, see
+        # resilient._ring.avoiding_ring); None: 0, 1, ..., world-1. With an order
+        # every schedule is a ring in it, so no data goes through the store.
+        self.order: tuple[int, ...] | None = None
 
     def _route(self) -> Route:
         self._calls += 1
@@ -187,12 +191,22 @@ class RingEngine:
         )
 
     @property
+    def pos(self) -> int:
+        """This rank's position in the ring order."""
+        return self.rank if self.order is None else self.order.index(self.rank)
+
+    def _at(self, pos: int) -> int:
+        """The rank at ring position ``pos`` (also the chunk that position owns)."""
+        pos %= self.world
+        return pos if self.order is None else self.order[pos]
+
+    @property
     def left(self) -> int:
-        return (self.rank - 1) % self.world
+        return self._at(self.pos - 1)
 
     @property
     def right(self) -> int:
-        return (self.rank + 1) % self.world
+        return self._at(self.pos + 1)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the rail threads; ``wait=False`` leaves one still blocked in an op of
@@ -204,13 +218,14 @@ class RingEngine:
         records and acknowledgement tags carry the call number."""
         self._calls = 0
         self.slow_rank = None
+        self.order = None
 
     # -- public collectives ------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            if self.slow_rank is not None and self.world > 2:
+            if self.slow_rank is not None and self.world > 2 and self.order is None:
                 # Straggler-aware: the slow rank owns no chunk, so it sends its N
                 # bytes once and receives the N-byte result once, while the others
                 # reduce among themselves (DESIGN.md). Still the mesh's rank-order
@@ -285,8 +300,10 @@ class RingEngine:
         """Mesh (2 hops) while hops dominate; the ring's locality wins on large tensors.
 
         Every rank decides alike: the inputs are the same numel and dtype everywhere.
+        Never while a ring order avoids a pair with no rail: a mesh needs every pair.
         """
-        return self.mesh and flat.numel() * flat.element_size() < self.mesh_below_bytes
+        small = flat.numel() * flat.element_size() < self.mesh_below_bytes
+        return self.mesh and self.order is None and small
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""
@@ -435,9 +452,13 @@ class RingEngine:
         sends: list[list[tuple[int, int]]] = [[] for _ in range(plan.steps)]
         recvs: list[list[tuple[int | None, Span]]] = [[] for _ in range(plan.steps)]
 
+        pos = self.pos
+
         def post(step: int, j: int) -> None:
-            r = subs[recv_chunk(self.rank, step, self.world, plan.shift)][j]
-            s = subs[send_chunk(self.rank, step, self.world, plan.shift)][j]
+            # Positions, not ranks: in a re-ordered ring the chunk a position owns is
+            # its rank's, so reduce_scatter and all_gather keep their meaning.
+            r = subs[self._at(recv_chunk(pos, step, self.world, plan.shift))][j]
+            s = subs[self._at(send_chunk(pos, step, self.world, plan.shift))][j]
             tag = step * k + j
             idx = None
             if r.size:
@@ -466,7 +487,7 @@ class RingEngine:
         _close(tx, rx)
 
     def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int, route: Route) -> None:
-        pos = (self.rank - root) % self.world
+        pos = (self.pos - (root if self.order is None else self.order.index(root))) % self.world
         elem = flat.element_size()
         subs = sub_spans(piece, self._subs_for([piece], elem))
         tx = Tx(route, self.right, rail) if pos < self.world - 1 else None

@@ -36,6 +36,7 @@ from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
 from resilient._peerwatch import PeerWatch
 from resilient._precheck import Payload, SignatureChannel
+from resilient._reorder import cut_off_peers, follow_cuts
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
@@ -201,6 +202,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                     engine.weights = self._learner.weights_for(exchange)
                 self._stragglers.observe(exchange)
                 self._install(exchange)
+                follow_cuts(engine, exchange, announce=True)
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 return fn(exchange.inline)
@@ -229,6 +231,14 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         if self._channel is not None:
             tables[CTL_TABLE] = self._channel.engine.links
         return staged_rows(tables)
+
+    def _cut_off(self) -> list[int]:
+        """Peers reached on no rail now (data or control links): the exchange's rows
+        say so, and every rank's rings avoid those pairs (resilient._reorder)."""
+        tables = [self.links]
+        if self._channel is not None:
+            tables.append(self._channel.engine.links)
+        return cut_off_peers(tables, self.board.usable)
 
     def _install(self, exchange: Exchange) -> None:
         """Put data links staged at both ends in service before this call's data."""

@@ -215,3 +215,27 @@ def test_ranks_the_launcher_left_out_do_not_count_against_completion() -> None:
     # Without the launcher's word, a rank that stopped early fails the run.
     report = build_report(_scenario("completes = true", nproc=3), _facts(tracks, events=[]))
     assert report["passed"] is False
+
+
+@pytest.mark.timeout(10)
+def test_params_close_fault_free_passes_within_the_tolerance_and_fails_beyond_it() -> None:
+    ref = {"params_sha256": "other", "params_stats": [100.0, 10.0, 4.0, 2.0]}
+
+    def verdict(stats: list[list[float] | None]) -> dict[str, Any]:
+        tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+        for r, s in enumerate(stats):
+            tracks[r].last["params_stats"] = s
+        report = build_report(
+            _scenario("params_close_fault_free = 1e-3"), _facts(tracks, reference=ref)
+        )
+        (row,) = [r for r in report["expectations"] if r["name"] == "params_close_fault_free"]
+        return row
+
+    close = verdict([[100.01, 10.0, 4.0, 2.0], [100.0, 10.0, 4.0, 2.0001]])
+    assert close["passed"] is True
+    assert close["measured"] == pytest.approx(1e-4)
+    far = verdict([[100.0, 10.0, 4.0, 2.0], [100.0, 10.0, 4.1, 2.0]])
+    assert far["passed"] is False
+    assert far["measured"] == pytest.approx(0.025)
+    missing = verdict([[100.0, 10.0, 4.0, 2.0], None])
+    assert missing["passed"] is False and missing["note"]

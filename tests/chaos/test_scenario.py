@@ -85,6 +85,11 @@ def _with(old: str, new: str) -> str:
             "integer",
         ),
         (_with("completes = true", "completes = 1"), "expect.completes", "expected bool"),
+        (
+            _with("completes = true", "completes = true\nparams_close_fault_free = 2"),
+            "expect.params_close_fault_free",
+            "relative tolerance",
+        ),
         (_with("[expect]", "[expectations]"), "expectations", "unknown key"),
     ],
 )

@@ -25,7 +25,9 @@ SCRIPT = ROOT / "examples" / "train_ddp.py"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the netns testbed needs root")
 
 
-def _scenario(tmp: Path, body: str, *, topology: str, steps: int, job_extra: str = "") -> Path:
+def _scenario(
+    tmp: Path, body: str, *, topology: str, steps: int, job_extra: str = "", nproc: int = 3
+) -> Path:
     path = tmp / "scenario.toml"
     path.write_text(
         f"""
@@ -33,7 +35,7 @@ name = "test"
 [job]
 script = "{SCRIPT}"
 args = ["--width", "256", "--quiet"]
-nproc = 3
+nproc = {nproc}
 rails = 2
 steps = {steps}
 topology = "{topology}"
@@ -413,3 +415,48 @@ max_recovery_s = 10.0
     assert {r for r, _ in decisions} <= {0, 2} and any(a == "shrink" for _, a in decisions)
     changed = [e for e in events if e["kind"] == "epoch.changed"]
     assert {tuple(e["members"]) for e in changed} == {(0, 2)}, changed
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_pair_no_rail_connects_is_kept_apart_in_the_rings_until_repaired(tmp_path: Path) -> None:
+    faults = "".join(
+        f"""
+[[fault]]
+kind = "partition"
+rank = 1
+peer = 2
+rail = {rail}
+at_step = 40
+duration_s = 3.0
+"""
+        for rail in (0, 1)
+    )
+    body = (
+        faults
+        + """
+[expect]
+completes = true
+max_steps_replayed = 0
+params_equal_across_ranks = true
+params_close_fault_free = 1e-3
+"""
+    )
+    scenario = _scenario(tmp_path, body, topology="netns", steps=250, nproc=4)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
+              for line in f.read_text().splitlines()]  # fmt: skip
+    orders = [
+        e for e in events if e["kind"] == "link.rerouted" and "rings in the order" in e["action"]
+    ]
+    natural = [e for e in events if e["kind"] == "link.rerouted" and "natural" in e["action"]]
+    # Every rank leaves the pair (1, 2) out of its rings, then takes the natural
+    # order back once a link between them is in service again.
+    assert {e["rank"] for e in orders} == {0, 1, 2, 3}, orders
+    assert all("0-1-3-2" in e["action"] and e["links"] == [[1, 2, -1]] for e in orders), orders
+    assert {e["rank"] for e in natural} == {0, 1, 2, 3}, natural
+    assert min(e["ts"] for e in natural) > max(e["ts"] for e in orders)
+    assert any(e["kind"] == "link.repaired" for e in events)

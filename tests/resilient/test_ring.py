@@ -8,6 +8,7 @@ import pytest
 
 from resilient._ring import (
     Span,
+    avoiding_ring,
     even_bounds,
     rail_pieces,
     rail_sizes,
@@ -89,3 +90,36 @@ def test_skip_bounds_leaves_one_part_empty_and_shares_the_rest() -> None:
         assert all(a.stop == b.start for a, b in itertools.pairwise(spans))
     with pytest.raises(ValueError):
         skip_bounds(10, 4, 4)
+
+
+def _ring_pairs(order: tuple[int, ...]) -> set[tuple[int, int]]:
+    n = len(order)
+    return {
+        (min(order[i], order[(i + 1) % n]), max(order[i], order[(i + 1) % n])) for i in range(n)
+    }
+
+
+def _ring_exists(world: int, cut: set[tuple[int, int]]) -> bool:
+    return any(
+        not _ring_pairs((0, *rest)) & cut for rest in itertools.permutations(range(1, world))
+    )
+
+
+@pytest.mark.parametrize("world", [4, 5, 6, 7])
+def test_avoiding_ring_finds_a_ring_without_the_cut_pairs_whenever_one_exists(world: int) -> None:
+    pairs = list(itertools.combinations(range(world), 2))
+    for k in (1, 2, 3):
+        for cut in itertools.islice(itertools.combinations(pairs, k), 200):
+            order = avoiding_ring(world, cut)
+            assert (order is not None) == _ring_exists(world, set(cut)), (world, cut, order)
+            if order is not None:
+                assert sorted(order) == list(range(world))
+                assert not _ring_pairs(order) & set(cut), (cut, order)
+                assert avoiding_ring(world, [(b, a) for a, b in reversed(cut)]) == order
+
+
+def test_avoiding_ring_keeps_the_natural_order_without_cuts_and_has_none_for_three() -> None:
+    assert avoiding_ring(4, []) is None
+    assert avoiding_ring(3, [(0, 1)]) is None  # every ring of three uses every pair
+    assert avoiding_ring(4, [(1, 2)]) == (0, 1, 3, 2)
+    assert avoiding_ring(4, [(0, 1), (0, 2)]) is None  # rank 0 would have one neighbour

@@ -30,3 +30,11 @@ def test_shapes_with_equal_numel_differ() -> None:
 def test_barrier_has_no_tensors() -> None:
     sig = Signature.of("barrier", [])
     assert Signature.decode([int(v) for v in sig.encode().tolist()]).op == "barrier"
+
+
+def test_exchange_names_the_pairs_any_row_reports_cut_off() -> None:
+    from resilient._signature import Exchange
+
+    ex = Exchange(seq=3, inline=torch.zeros(0), rates=[], cut=[[2], [], [0], [1, 0]])
+    assert ex.cut_pairs() == frozenset({(0, 2), (1, 3), (0, 3)})
+    assert Exchange(seq=1, inline=torch.zeros(0), rates=[]).cut_pairs() == frozenset()
