@@ -33,16 +33,23 @@ logger = logging.getLogger(__name__)
 def cut_off_peers(
     tables: Iterable[LinkTable], usable: Callable[[int, int, LinkTable], bool] | None
 ) -> list[int]:
-    """Peers some table relays through the store and reaches on no rail now.
+    """Peers that some table reaches on no rail now: each rail's link to them is
+    broken or its NIC is down at either end (``usable`` is the health board's
+    ``usable(peer, rail, table)``; None: a peer counts while its traffic goes
+    through the store).
 
-    ``usable`` is the health board's ``usable(peer, rail, table)`` (None: a relayed
-    peer counts as cut off until its link is back in service).
+    Every table counts: a control link the rings kept off the pair carries nothing,
+    and takes the store (and makes the pair cut again) the moment the order goes
+    back to natural while it is still broken.
     """
     out: set[int] = set()
     for table in tables:
-        for peer in {p for p, _ in set(table.relayed)}:
-            rails = range(len(table.rails))
-            if usable is None or not any(usable(peer, r, table) for r in rails):
+        if usable is None:
+            out.update(p for p, _ in set(table.relayed))
+            continue
+        rails = range(len(table.rails))
+        for peer in {p for p, _ in table.links()}:
+            if not any(usable(peer, r, table) for r in rails):
                 out.add(peer)
     return sorted(out)
 
