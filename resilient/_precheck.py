@@ -81,7 +81,6 @@ class SignatureChannel:
         # weights, so the next exchange leaves a degraded rail too (every rank sees
         # the same table, so every rank picks the same rail). Links are made lazily.
         self.engine = RingEngine(rank=rank, world=world, links=links, mesh=True)
-        self.engine.star = True
         self._static = self.engine.weights
         self._submitted = 0
         self._done = 0

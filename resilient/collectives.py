@@ -36,7 +36,6 @@ from resilient._ring import (
     sub_spans,
 )
 from resilient._slowrank import SendRates
-from resilient._star import STAR_MAX_WORLD, star_all_gather
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -177,9 +176,6 @@ class RingEngine:
         # resilient._ring.avoiding_ring); None: 0, 1, ..., world-1. With an order
         # every schedule is a ring in it, so no data goes through the store.
         self.order: tuple[int, ...] | None = None
-        # All-gathers through rank 0 (resilient._star): the signature exchange's
-        # engine sets it; small worlds in the natural order only.
-        self.star = False
 
     def _route(self) -> Route:
         self._calls += 1
@@ -266,9 +262,7 @@ class RingEngine:
         """``flat`` holds ``world`` equal blocks, block ``rank`` filled; fill the others."""
         if self.world > 1:
             chunks = even_bounds(flat.numel(), self.world)
-            if self.star and self.order is None and 2 < self.world <= STAR_MAX_WORLD:
-                self._star(flat, chunks)
-            elif self._use_mesh(flat):
+            if self._use_mesh(flat):
                 self._mesh(flat, chunks, None, gather=True)
             else:
                 self._ring(
@@ -310,17 +304,6 @@ class RingEngine:
         """
         small = flat.numel() * flat.element_size() < self.mesh_below_bytes
         return self.mesh and self.order is None and small
-
-    def _star(self, flat: torch.Tensor, chunks: list[Span]) -> None:
-        weights = self._weights_for(flat)
-        rail = max(range(self.num_rails), key=lambda r: weights[r])
-        peers = range(1, self.world) if self.rank == 0 else (0,)
-        # Every rail: a failover must find its backup link built.
-        self.links.ensure((p, r) for r in range(self.num_rails) for p in peers)
-        star_all_gather(
-            rank=self.rank, world=self.world, rail=rail, route=self._route(), flat=flat,
-            chunks=chunks,
-        )  # fmt: skip
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""

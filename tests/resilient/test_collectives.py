@@ -283,33 +283,3 @@ def test_a_reordered_ring_keeps_every_collective_right_and_avoids_the_skipped_pa
     for rank, res in enumerate(results):
         pos = order.index(rank)
         assert res["peers"] == sorted({order[pos - 1], order[(pos + 1) % 4]}), (rank, res)
-
-
-def _star_gather(pg: Any, rank: int, world: int) -> list[str]:
-    from resilient.collectives import RingEngine
-
-    engine = pg.engine
-    assert isinstance(engine, RingEngine)
-    engine.star = True
-    out = []
-    for n in (world, 7 * world, 300 * world):
-        t = torch.zeros(n, dtype=torch.int64)
-        block = n // world
-        t[rank * block : (rank + 1) * block] = torch.arange(block) + 1000 * rank
-        engine.all_gather(t)
-        want = torch.cat([torch.arange(block) + 1000 * r for r in range(world)])
-        assert torch.equal(t, want), (n, t)
-        out.append(_digest(t))
-    # Only rank 0 talks to everyone; the others built links to rank 0 alone.
-    peers = sorted({p for p, _ in pg.links.links()})
-    assert peers == ([p for p in range(world) if p != rank] if rank == 0 else [0]), peers
-    return out
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [3, 4])
-def test_the_star_all_gather_fills_every_block_through_rank_0(world: int) -> None:
-    results = run_world(
-        _star_gather, world, rails=2, config={"check_mismatch": False, "topology": "mesh"}
-    )
-    assert all(r == results[0] for r in results)
