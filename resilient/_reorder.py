@@ -31,12 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 def cut_off_peers(
-    tables: Iterable[LinkTable], usable: Callable[[int, int, LinkTable], bool] | None
+    tables: Iterable[LinkTable], usable: Callable[[int, int, LinkTable], bool]
 ) -> list[int]:
     """Peers that some table reaches on no rail now: each rail's link to them is
     broken or its NIC is down at either end (``usable`` is the health board's
-    ``usable(peer, rail, table)``; None: a peer counts while its traffic goes
-    through the store).
+    ``usable(peer, rail, table)``).
 
     Every table counts: a control link the rings kept off the pair carries nothing,
     and takes the store (and makes the pair cut again) the moment the order goes
@@ -44,9 +43,6 @@ def cut_off_peers(
     """
     out: set[int] = set()
     for table in tables:
-        if usable is None:
-            out.update(p for p, _ in set(table.relayed))
-            continue
         rails = range(len(table.rails))
         for peer in {p for p, _ in table.links()}:
             if not any(usable(peer, r, table) for r in rails):

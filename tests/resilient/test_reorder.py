@@ -3,7 +3,7 @@ in test_collectives.py and, with a real partition, in tests/integration)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,7 +16,6 @@ class _Table:
     rails: tuple[str, ...]
     broken: set[tuple[int, int]]
     peers: tuple[int, ...]
-    relayed: set[tuple[int, int]] = field(default_factory=set)
 
     def links(self) -> dict[tuple[int, int], Any]:
         return {(p, r): None for p in self.peers for r in range(len(self.rails))}
@@ -38,9 +37,3 @@ def test_a_peer_is_cut_off_only_when_every_rail_to_it_is_unusable_in_some_table(
     assert cut_off_peers([data, ctl], _usable) == [2]
     data.broken.clear()
     assert cut_off_peers([data, ctl], _usable) == []
-
-
-@pytest.mark.timeout(10)
-def test_without_a_health_board_the_relayed_pairs_count() -> None:
-    table = _Table(rails=("a",), broken=set(), peers=(1, 2), relayed={(2, 0)})
-    assert cut_off_peers([table], None) == [2]
