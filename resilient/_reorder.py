@@ -39,12 +39,13 @@ def cut_off_peers(
 
     Every table counts: a control link the rings kept off the pair carries nothing,
     and takes the store (and makes the pair cut again) the moment the order goes
-    back to natural while it is still broken.
+    back to natural while it is still broken. Only peers with a broken link are
+    looked at: this runs before every exchange, and a healthy table has none.
     """
     out: set[int] = set()
     for table in tables:
         rails = range(len(table.rails))
-        for peer in {p for p, _ in table.links()}:
+        for peer in {p for (p, _), link in table.links().items() if link.broken}:
             if not any(usable(peer, r, table) for r in rails):
                 out.add(peer)
     return sorted(out)

@@ -63,8 +63,8 @@ _LAG = _CLOCK + 3
 # code, peer, rail, generation), peer -1 where unused (see resilient._repair).
 _STAGED = _LAG + 3
 MAX_STAGED = 4
-# Then up to MAX_CUT peers the rank reaches on no rail (their traffic goes through
-# the store), -1 where unused: every rank orders its rings around those pairs.
+# Then up to MAX_CUT peers the rank reaches on no rail now (resilient._reorder), -1
+# where unused: every rank orders its rings around those pairs.
 _CUT = _STAGED + 4 * MAX_STAGED
 MAX_CUT = 4
 INLINE_BYTES = 2048

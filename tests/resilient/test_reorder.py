@@ -4,6 +4,7 @@ in test_collectives.py and, with a real partition, in tests/integration)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +19,11 @@ class _Table:
     peers: tuple[int, ...]
 
     def links(self) -> dict[tuple[int, int], Any]:
-        return {(p, r): None for p in self.peers for r in range(len(self.rails))}
+        return {
+            (p, r): SimpleNamespace(broken=(p, r) in self.broken)
+            for p in self.peers
+            for r in range(len(self.rails))
+        }
 
 
 def _usable(peer: int, rail: int, table: Any) -> bool:
