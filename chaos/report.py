@@ -268,8 +268,8 @@ def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list
 def _close_row(
     tol: float, facts: RunFacts, summary: dict[str, Any], left: set[int]
 ) -> dict[str, Any]:
-    """Every finishing rank's parameter sums and norms within ``tol`` (relative) of
-    the fault-free run's; measured: the largest relative difference."""
+    """Every finishing rank's per-tensor parameter norms (L1, L2) within ``tol``
+    (relative) of the fault-free run's; measured: the largest relative difference."""
     ref = (facts.reference or {}).get("params_stats")
     stats = [s for r, s in summary["params_stats"].items() if r not in left]
     worst: float | None = None

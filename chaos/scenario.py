@@ -167,7 +167,7 @@ class Expectations:
     max_steps_replayed: int | None = None
     params_equal_across_ranks: bool | None = None
     params_equal_fault_free: bool | None = None
-    # Relative tolerance on every rank's final parameter sums and norms against the
+    # Relative tolerance on every rank's final per-tensor parameter norms against the
     # fault-free run's (for faults that change the schedule, hence the rounding).
     params_close_fault_free: float | None = None
     max_recovery_s: float | None = None

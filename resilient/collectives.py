@@ -190,10 +190,14 @@ class RingEngine:
             epoch=self.links.epoch,
         )
 
+    def _pos_of(self, rank: int) -> int:
+        """``rank``'s position in the ring order."""
+        return rank if self.order is None else self.order.index(rank)
+
     @property
     def pos(self) -> int:
         """This rank's position in the ring order."""
-        return self.rank if self.order is None else self.order.index(self.rank)
+        return self._pos_of(self.rank)
 
     def _at(self, pos: int) -> int:
         """The rank at ring position ``pos`` (also the chunk that position owns)."""
@@ -487,7 +491,7 @@ class RingEngine:
         _close(tx, rx)
 
     def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int, route: Route) -> None:
-        pos = (self.pos - (root if self.order is None else self.order.index(root))) % self.world
+        pos = (self.pos - self._pos_of(root)) % self.world
         elem = flat.element_size()
         subs = sub_spans(piece, self._subs_for([piece], elem))
         tx = Tx(route, self.right, rail) if pos < self.world - 1 else None

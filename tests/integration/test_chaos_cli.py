@@ -54,6 +54,11 @@ timeout_s = 150.0
     return path
 
 
+def _on_both_rails(keys: str) -> str:
+    """One ``[[fault]]`` per rail (0 and 1) with ``keys``, a fault's TOML lines but ``rail``."""
+    return "".join(f"\n[[fault]]\n{keys}\nrail = {rail}\n" for rail in (0, 1))
+
+
 def _chaos(
     scenario: Path, out: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
@@ -121,17 +126,8 @@ def _wait_for_steps(out: Path, proc: subprocess.Popen[str], timeout_s: float) ->
 @pytest.mark.timeout(240)
 def test_throttle_report_shows_the_measured_slowdown(tmp_path: Path) -> None:
     # Both rails of rank 1 are throttled: whatever the schedule, the job must slow down.
-    body = "".join(
-        f"""
-[[fault]]
-kind = "throttle"
-rank = 1
-rail = {rail}
-rate_mbit = 40
-at_step = 30
-duration_s = 3.0
-"""
-        for rail in (0, 1)
+    body = _on_both_rails(
+        'kind = "throttle"\nrank = 1\nrate_mbit = 40\nat_step = 30\nduration_s = 3.0'
     )
     body += "[expect]\ncompletes = true\nparams_equal_across_ranks = true\nmax_slowdown = 1.2\n"
     scenario = _scenario(tmp_path, body, topology="netns", steps=150)
@@ -432,17 +428,8 @@ max_recovery_s = 10.0
 @needs_root
 @pytest.mark.timeout(300)
 def test_a_pair_no_rail_connects_is_kept_apart_in_the_rings_until_repaired(tmp_path: Path) -> None:
-    faults = "".join(
-        f"""
-[[fault]]
-kind = "partition"
-rank = 1
-peer = 2
-rail = {rail}
-at_step = 40
-duration_s = 3.0
-"""
-        for rail in (0, 1)
+    faults = _on_both_rails(
+        'kind = "partition"\nrank = 1\npeer = 2\nat_step = 40\nduration_s = 3.0'
     )
     body = (
         faults
