@@ -387,7 +387,11 @@ max_recovery_s = 5.0
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
     restored = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "state.restored"]
-    assert restored == [(1, 1)], restored
+    # The replacement restores once. A survivor restores too when the kill came
+    # between two survivors' commits of a step (it is behind the donor: by design,
+    # see recovery.agree); it is never the lost rank's old incarnation.
+    assert restored.count((1, 1)) == 1, restored
+    assert all(inc == 0 and rank != 1 for rank, inc in restored if (rank, inc) != (1, 1)), restored
     survivors = {e["rank"] for e in events if e["kind"] == "rank.lost"}
     assert survivors == {0, 2}, survivors
     assert not _namespaces(_testbed_of(stderr))
