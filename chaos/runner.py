@@ -257,7 +257,9 @@ def _run_job(
         run_dir=str(out / "run"),
         rank_rails=tuple(h.rails for h in hosts),
         rank_wrap=tuple(tuple(h.wrap([])) for h in hosts),
-        master_addr=hosts[0].mgmt_addr,
+        # The launcher hosts torch's rendezvous store: the ranks reach it where
+        # they reach etcd, on the control plane.
+        master_addr=testbed.control_addr,
         echo=False,
         fault_control=testbed.kind == "loopback",
         # Faults fire at a step: the ranks report each one (the default is 4/s).

@@ -57,6 +57,7 @@ from recovery.agree import Plan, Record, agree, current_epoch, join_requested, r
 from recovery.policy import JobView, Policy
 from recovery.shards import Piece, pieces
 from recovery.state import StateHook, TrainState, average_over_members
+from resilient import _standby as standby
 from resilient._solo import SoloEngine
 from resilient.config import EXIT_EVICTED, RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError, ResilientError
@@ -138,6 +139,8 @@ class Session:
         Raises:
             RecoveryError: a step was not run under :meth:`step` (it would repeat
                 forever), or joining the job failed (a replacement).
+            MembershipError: a replacement could not take its member key in etcd.
+            SystemExit: a warm spare the launcher no longer needs (code 0).
         """
         self._total = total
         if start > self._next:
@@ -219,7 +222,8 @@ class Session:
         )  # fmt: skip
 
     def _join(self) -> None:
-        """A replacement: warm DDP up alone, report, receive the state."""
+        """A replacement: warm DDP up alone (a warm spare then waits for its rank to
+        be lost), take the member key, report, receive the state."""
         assert self.pg is not None
         pg, began = self.pg, time.monotonic()
         engine = pg.engine
@@ -231,6 +235,13 @@ class Session:
         finally:
             if isinstance(engine, SoloEngine):
                 engine.warming = False
+        if standby.standing_by():
+            # A warm spare stops here, ready, until its rank is lost; what it does
+            # from now on is what the job waits for.
+            logger.info("rank %d (epoch -, step -): warm spare ready", self._rank)
+            standby.wait_for_go()
+            began = time.monotonic()
+        pg.join_members()
         plan = self._admission()
         self._restore(plan)
         events.emit(

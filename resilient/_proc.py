@@ -17,9 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from datetime import timedelta
+from typing import IO, TYPE_CHECKING, Any
 
-__all__ = ["free_port", "spawn", "stop_process"]
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
+__all__ = ["free_port", "host_store", "spawn", "stop_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,26 @@ def _pdeathsig_preexec() -> Callable[[], None] | None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
     return _set
+
+
+def host_store(host: str, *, timeout_s: float = 60.0) -> TCPStore:
+    """A TCPStore server on a free port, on every interface (``host`` only names it
+    in errors); ranks started with ``TORCHELASTIC_USE_AGENT_STORE=True`` connect to it
+    as clients, as under torchrun's agent. ``timeout_s`` bounds this object's own calls.
+
+    Raises:
+        LauncherError: the server could not be started.
+    """
+    from torch._C._distributed_c10d import TCPStore
+
+    from resilient.errors import LauncherError
+
+    try:
+        return TCPStore(
+            host, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        raise LauncherError(f"could not host the rendezvous store for {host}: {exc}") from exc
 
 
 def free_port(host: str = "127.0.0.1") -> int:

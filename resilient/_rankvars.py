@@ -38,6 +38,7 @@ class RankVar(StrEnum):
     EVICT_STRAGGLERS = ENV_PREFIX + "EVICT_STRAGGLERS"
     PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
@@ -67,6 +68,8 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
             "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"
         ),
+        RankVar.TORCHELASTIC_USE_AGENT_STORE: "True: the launcher hosts the TCPStore at "
+        "MASTER_ADDR:MASTER_PORT, so it outlives every rank, rank 0 included (as torchrun)",
     }
 )
 

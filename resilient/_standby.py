@@ -1,37 +1,94 @@
 """A warm spare: ``python -m resilient._standby SCRIPT [ARGS...]``.
 
-Imports torch and the data plane (seconds on a cold machine: most of a cold
-replacement's start), then waits for one line on stdin. ``go`` runs SCRIPT as
-``__main__`` with ARGS, exactly as ``python SCRIPT ARGS`` would; anything else
-(end of file: the launcher closed the pipe) exits 0. The launcher started it with
-the environment of the rank's next incarnation.
+The launcher starts one per rank, with the environment of the rank's next
+incarnation, and keeps the write end of its stdin. The spare runs SCRIPT as
+``__main__`` with ARGS at once, exactly as ``python SCRIPT ARGS`` would, so it
+pays in advance for everything a replacement does before it can be admitted:
+importing torch, ``resilient.init()`` (as a joining rank: collectives run alone,
+see :mod:`resilient._solo`), building the model, DDP's constructor and
+:class:`recovery.Session`'s warm-up passes. Then the session calls
+:func:`wait_for_go`, which blocks until the launcher writes ``go`` (the rank was
+lost and this process takes it). Only after that does the spare join the job's
+membership and report for the next epoch, so a standby is never visible to the
+running ranks.
+
+End of file instead of ``go`` (the launcher closed the pipe: the job ended or the
+spare is not needed) makes the spare exit 0. SCRIPT gets ``/dev/null`` as stdin.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import select
 import sys
+import time
+from typing import Final
+
+__all__ = ["standing_by", "wait_for_go"]
+
+# How often the wait looks whether the launcher is still there (the pipe's EOF
+# normally says so; a parent-death signal kills the spare too).
+_POLL_S: Final = 1.0
+
+# The launcher's end of the pipe, duplicated away from fd 0; None outside a spare.
+_go_fd: int | None = None
+
+
+def standing_by() -> bool:
+    """Whether this process is a warm spare that was not handed its rank yet."""
+    return _go_fd is not None
+
+
+def wait_for_go() -> float:
+    """Block until the launcher hands this spare its rank; returns the seconds waited.
+
+    Unbounded by design: a spare waits as long as the job runs. It ends when the
+    launcher writes ``go`` (return), closes the pipe or dies (``SystemExit(0)``).
+
+    Raises:
+        SystemExit: with code 0, when the launcher no longer needs this spare.
+    """
+    global _go_fd
+    fd, began = _go_fd, time.monotonic()
+    if fd is None:
+        return 0.0
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], _POLL_S)
+        if not ready:
+            if os.getppid() == 1:  # orphaned: nobody will ever say go
+                raise SystemExit(0)
+            continue
+        chunk = os.read(fd, 64)
+        if not chunk:
+            raise SystemExit(0)
+        line += chunk
+    os.close(fd)
+    _go_fd = None
+    if line.strip() != b"go":
+        raise SystemExit(0)
+    return time.monotonic() - began
+
+
+def _detach_stdin() -> int:
+    """Move the launcher's pipe off fd 0 (the script must not read ``go`` by
+    accident); the script's stdin becomes /dev/null."""
+    fd = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0, kept for the process
+    return fd
 
 
 def main() -> int:
+    global _go_fd
     if len(sys.argv) < 2:
         print("usage: python -m resilient._standby SCRIPT [ARGS...]", file=sys.stderr)
         return 2
     script, *args = sys.argv[1:]
-    # The slow part, paid up front: torch, and torch._dynamo, which DDP's
-    # constructor imports on first use (measured: 1.4 s and 1.8 s here).
-    import torch._dynamo
-    import torch.distributed
-    import torch.nn.parallel
-
-    import recovery.session
-    import resilient.backend
-
-    del torch, recovery, resilient  # imported for their cost only
-
-    if sys.stdin.readline().strip() != "go":
-        return 0
+    _go_fd = _detach_stdin()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
@@ -39,4 +96,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Run as ``-m``, this file is ``__main__``; the session imports
+    # ``resilient._standby``, a second module object. Make them one, so the gate
+    # set here is the gate the session sees.
+    sys.modules["resilient._standby"] = sys.modules[__name__]
     sys.exit(main())

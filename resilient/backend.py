@@ -8,6 +8,7 @@ RESILIENT_RAILS (addresses or interface names, one per rail).
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Sequence
@@ -74,7 +75,14 @@ def create_backend(
         joining=env.incarnation > 0,
     )
     if env.etcd is not None and env.token:
-        pg.membership = _join(env, rails)
+        join = functools.partial(_join, env, rails)
+        if pg.joining:
+            # A replacement becomes a member when recovery.Session admits it: a warm
+            # spare built before its rank was lost must not take the member key
+            # (and with it the lease watch) from the incarnation still running.
+            pg.join_members_later(join)
+        else:
+            pg.membership = join()
     logger.info(
         "rank %d/%d: resilient process group over %d rail(s) %s (job %s, epoch 0, step 0)",
         rank,

@@ -44,12 +44,14 @@ from resilient._launch_io import (
     shell_exit_code,
     signal_group,
 )
-from resilient._proc import free_port, spawn
+from resilient._proc import host_store, spawn
 from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
 from resilient.config import EXIT_EVICTED
 from resilient.errors import LauncherError, MembershipError
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
     from membership.server import EmbeddedEtcd
     from recovery.events import EventLog
     from resilient._leases import LeaseWatch
@@ -73,6 +75,9 @@ _POLL_S: Final = 0.05
 _LEASE_POLL_S: Final = 0.25
 # How long to wait for a dead rank's last output before announcing its exit.
 _DRAIN_S: Final = 1.0
+# After a spare took its rank, the next one starts this much later: it builds the
+# whole job (torch, the model, DDP) and would take CPU from the recovery under way.
+_NEXT_SPARE_S: Final = 5.0
 
 
 @dataclass(slots=True)
@@ -86,6 +91,7 @@ class _Slot:
     left: bool = False  # lost with no restart left; the job went on without it
     hung: bool = False  # killed by us after its lease expired
     spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
+    spare_at: float | None = None  # when to start the next standby (monotonic)
 
 
 def _slot_state(slot: _Slot) -> str:
@@ -107,6 +113,9 @@ class _Run:
         self._slots = [_Slot(rank) for rank in range(config.nproc)]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
+        # torch's rendezvous store, hosted here rather than by rank 0: a rank 0
+        # that a replacement takes over would otherwise take the store with it.
+        self._store: TCPStore | None = None
         self._master_port = 0
         self._restarts = 0
         self._leases: LeaseWatch | None = None
@@ -127,7 +136,8 @@ class _Run:
         """
         self._make_dirs()
         self._start_etcd()
-        self._master_port = free_port()
+        self._store = host_store(self._cfg.master_addr)
+        self._master_port = self._store.port
         cfg = self._cfg
         if self._etcd_url:
             from resilient._leases import LeaseWatch
@@ -164,6 +174,7 @@ class _Run:
             if self._etcd is not None:
                 self._etcd.stop()
                 self._etcd = None
+            self._store = None  # closes the server
 
     def _supervise(self) -> int:
         while True:
@@ -173,6 +184,7 @@ class _Run:
             for slot in self._slots:
                 if (code := self._check(slot)) is not None:
                     return code
+                self._tend_spare(slot)
             if all(slot.done for slot in self._slots):
                 left = [s.rank for s in self._slots if s.left]
                 finished = len(self._slots) - len(left)
@@ -285,7 +297,7 @@ class _Run:
         )
         if not warm:
             self._start(slot)
-        self._start_spare(slot)
+        slot.spare_at = time.monotonic() + _NEXT_SPARE_S
         self._event(
             "recovery.started",
             rank=slot.rank,
@@ -388,6 +400,22 @@ class _Run:
         except OSError as exc:
             logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
 
+    def _tend_spare(self, slot: _Slot) -> None:
+        """Start ``slot``'s next standby when due; report one that exited before it
+        was needed (its output goes to the rank's log; a loss then starts cold)."""
+        spare = slot.spare
+        if spare is not None and (code := reap(spare)) is not None:
+            slot.spare = None
+            self._out.notice(
+                f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
+                "needed; its output follows in the rank's log; a loss of the rank starts cold"
+            )
+            self._out.attach(slot.rank, slot.incarnation + 1, spare)
+        elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
+            slot.spare_at = None
+            if not slot.done:
+                self._start_spare(slot)
+
     def _promote_spare(self, slot: _Slot) -> bool:
         """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
         spare, slot.spare = slot.spare, None
@@ -419,6 +447,7 @@ class _Run:
             RankVar.LEASE_TTL_S: repr(float(cfg.lease_ttl_s)),
             RankVar.PYTHONUNBUFFERED: "1",
             RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+            RankVar.TORCHELASTIC_USE_AGENT_STORE: "True",
         }
         if cfg.run_dir is not None:
             values[RankVar.RUN_DIR] = cfg.run_dir

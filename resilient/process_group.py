@@ -140,6 +140,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # This rank's member lease in etcd, when the backend joined one (closed at
         # shutdown: a departure, not an expiry).
         self.membership: Any = None
+        self._join_members: Callable[[], Any] | None = None
         if not joining:
             self._setup_epoch(epoch, None)
         self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
@@ -274,6 +275,20 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
     def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         nbytes = buf.numel() * buf.element_size()
         return table[:, :nbytes].contiguous().view(buf.dtype)
+
+    def join_members_later(self, join: Callable[[], Any]) -> None:
+        """Defer taking the member key to :meth:`join_members` (a replacement)."""
+        self._join_members = join
+
+    def join_members(self) -> None:
+        """Take this rank's member key now, if that was deferred; once.
+
+        Raises:
+            MembershipError: etcd refused, or a newer incarnation holds the rank.
+        """
+        join, self._join_members = self._join_members, None
+        if join is not None:
+            self.membership = join()
 
     def shutdown(self) -> None:
         """Finish queued collectives, then close every link."""

@@ -529,22 +529,69 @@ def test_loopback_rails_and_exit_helpers() -> None:
 def test_a_warm_spare_takes_over_a_failed_rank(
     tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A standby imported torch before it was handed the rank; a cold start has not.
+    # The spare runs the script ahead, up to the gate recovery.Session waits at
+    # (here called directly): it records how far it got before it was handed the
+    # rank, which it is only once rank 1's first incarnation failed.
     script, out = make_script(
         tmp_path,
         """
+from resilient import _standby
+
+if _standby.standing_by():
+    record("ready")
+    _standby.wait_for_go()
+    record("go", first_gone=(OUT / "failing-1-0.json").exists())
 if RANK == 1 and INC == 0:
+    wait_for("ready-1-1.json")
+    record("failing")
     sys.exit(3)
-record("done", warm="torch" in sys.modules)
+record("done")
 """,
     )
     cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, warm_spares=True)
 
     assert Launcher(cfg).run() == 0
 
-    assert read(out, "done", 1, 1)["warm"] is True
-    assert read(out, "done", 0, 0)["warm"] is False
+    assert read(out, "go", 1, 1)["first_gone"] is True
+    assert read(out, "done", 1, 1)["pid"] == read(out, "ready", 1, 1)["pid"]
+    assert records(out, "done") == ["done-0-0.json", "done-1-1.json"]
     assert "restarting as incarnation 1 (warm spare)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_spare_that_exits_before_it_is_needed_is_reported_and_the_rank_starts_cold(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A script that never reaches the gate runs to its end in the spare: the
+    # launcher says so, and the lost rank then gets a cold start.
+    script, out = make_script(
+        tmp_path,
+        """
+from resilient import _standby
+
+record("ran", standby=_standby.standing_by())
+if RANK == 1 and INC == 0:
+    wait_for("ran-1-1.json")
+    spare = json.loads((OUT / "ran-1-1.json").read_text())["pid"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the launcher reaped the spare
+        try:
+            os.kill(spare, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    sys.exit(3)
+""",
+    )
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, warm_spares=True)
+
+    assert Launcher(cfg).run() == 0
+
+    err = capsys.readouterr().err
+    assert "rank 1's warm spare exited (code 0) before it was needed" in err
+    assert "restarting as incarnation 1 (warm spare)" not in err
+    # The cold start overwrote the spare's record: it was not a standby.
+    assert read(out, "ran", 1, 1)["standby"] is False
 
 
 @pytest.mark.timeout(60)
