@@ -365,7 +365,7 @@ class EpochControl:
         self._setup_epoch(epoch, ctl_links)
         return dropped
 
-    def send_state(self, peer: int, payload: bytes, rail: int = 0) -> None:
+    def send_state(self, peer: int, payload: bytes | bytearray | memoryview, rail: int = 0) -> None:
         """Send ``payload`` to ``peer`` over the data link on ``rail`` (built if needed).
 
         Raises:
@@ -373,7 +373,7 @@ class EpochControl:
         """
         send_bytes(self.links.get(self._position(peer, "send_state"), rail), payload)
 
-    def recv_state(self, peer: int, rail: int = 0) -> bytes:
+    def recv_state(self, peer: int, rail: int = 0) -> bytearray:
         """Receive what ``peer`` sends with :meth:`send_state` (checksum verified).
 
         Raises:
