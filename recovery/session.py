@@ -40,7 +40,6 @@ so gradients are averaged over the members, not over the original world size.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import sys
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from recovery import events
+from recovery._wire import Packed, pack, size_of, unpack
 from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
 from recovery.policy import JobView, Policy
 from recovery.shards import Piece, pieces
@@ -99,7 +99,7 @@ class Session:
         self._next = 0
         self.recoveries = 0
         self.replayed = 0
-        self._payload: memoryview | None = None
+        self._payload: Packed | None = None
         self._rank = int(pg.rank()) if pg is not None else 0
         self._world = int(pg.size()) if pg is not None else 1
         self.policy = Policy(self.config)
@@ -300,7 +300,7 @@ class Session:
         for rank, cause, relative in verdicts.take():
             job = JobView(
                 world=self._world, members=len(self.pg.members), step_s=self._unslowed_step_s(),
-                steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
+                steps_left=max(self._total - n, 0), state_bytes=self._state_bytes(),
                 link_bytes_per_s=_link_rate(self.pg),
             )  # fmt: skip
             choice = self.policy.straggler(
@@ -413,9 +413,9 @@ class Session:
         pg = self.pg
         counters = pg.quiesce(self.config.quiesce_timeout_s)
         quiesced = time.monotonic()
-        # Serialized now, while a replacement may still be starting: if this rank
-        # is picked as the donor, it sends as soon as the epoch is agreed.
-        self._payload = self._serialize()
+        # Packed now (kilobytes: the tensors are sent from where they are), while a
+        # replacement may still be starting: a donor sends once the epoch is agreed.
+        self._payload = self._pack()
         record = Record(
             rank=self._rank, incarnation=pg.incarnation, step=self.committed,
             data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
@@ -442,7 +442,7 @@ class Session:
             how = _announced(pg, lost)
             job = JobView(
                 world=self._world, members=len(pg.members), step_s=self._step_s,
-                steps_left=max(self._total - n, 0), state_bytes=len(self._payload or b""),
+                steps_left=max(self._total - n, 0), state_bytes=self._state_bytes(),
                 link_bytes_per_s=_link_rate(pg),
             )  # fmt: skip
             choice = self.policy.rank_lost(job, replacement=how, shrink_allowed=allowed)
@@ -495,13 +495,19 @@ class Session:
         """The donor sends its state to every rank behind it; those load it."""
         assert self.pg is not None
         if self._rank == plan.donor:
-            sent = self._payload or self._serialize()
+            sent = self._payload or self._pack()
             for peer in plan.receivers:
-                self.pg.send_state(peer, sent)
+                self.pg.send_state(peer, sent.header, sent.tensors)
         elif self._rank in plan.receivers:
             began = time.monotonic()
-            payload = self.pg.recv_state(plan.donor)
-            got = torch.load(io.BytesIO(payload), weights_only=True)
+            got: dict[str, Any] = {}
+
+            def allocate(header: bytearray) -> list[torch.Tensor]:
+                state, into = unpack(header)
+                got.update(state)
+                return into
+
+            nbytes = self.pg.recv_state(plan.donor, allocate)
             if int(got["step"]) != plan.step:
                 raise RecoveryError(
                     f"rank {self._rank}: donor {plan.donor} sent step {got['step']}, "
@@ -511,19 +517,23 @@ class Session:
             events.emit(
                 "state.restored", epoch=plan.epoch, step=plan.step,
                 duration_ms=(time.monotonic() - began) * 1e3,
-                reason=f"{len(payload)} B from rank {plan.donor}",
+                reason=f"{nbytes} B from rank {plan.donor}",
                 action=f"loaded step {plan.step}",
             )  # fmt: skip
         self._payload = None
         self.committed = plan.step
         self._next = plan.step + 1
 
-    def _serialize(self) -> memoryview:
-        """This rank's committed step and state, as the bytes a donor sends (a view
-        of the buffer torch wrote: 100 MB of state is not copied once more)."""
-        buf = io.BytesIO()
-        torch.save({"step": self.committed, "state": self.state.state_dict()}, buf)
-        return buf.getbuffer()
+    def _state_bytes(self) -> int:
+        """What a rank behind would receive (for the policy's cost estimates)."""
+        if self._payload is not None:
+            return self._payload.nbytes
+        return size_of(self.state.state_dict())
+
+    def _pack(self) -> Packed:
+        """This rank's committed step and state, as a donor sends them: a small
+        header and the state's own tensors (not copied; see recovery._wire)."""
+        return pack({"step": self.committed, "state": self.state.state_dict()})
 
 
 def _why(before: tuple[int, ...], plan: Plan) -> str:

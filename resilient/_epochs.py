@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from recovery import events
+from resilient import _transfer
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._lost import dead_peer
@@ -26,7 +29,6 @@ from resilient._precheck import SignatureChannel
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
-from resilient._transfer import recv_bytes, send_bytes
 from resilient._weights import WeightLearner
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
@@ -365,20 +367,31 @@ class EpochControl:
         self._setup_epoch(epoch, ctl_links)
         return dropped
 
-    def send_state(self, peer: int, payload: bytes | bytearray | memoryview, rail: int = 0) -> None:
-        """Send ``payload`` to ``peer`` over the data link on ``rail`` (built if needed).
+    def send_state(
+        self,
+        peer: int,
+        header: bytes | bytearray | memoryview,
+        tensors: Sequence[torch.Tensor],
+        rail: int = 0,
+    ) -> None:
+        """Send a state (``header`` and ``tensors``, see :mod:`resilient._transfer`)
+        to ``peer`` over the data link on ``rail`` (built if needed).
 
         Raises:
+            ValueError: a tensor is not a contiguous CPU tensor.
             RecoveryError: the link failed or the peer did not take the bytes in time.
         """
-        send_bytes(self.links.get(self._position(peer, "send_state"), rail), payload)
+        link = self.links.get(self._position(peer, "send_state"), rail)
+        _transfer.send_state(link, header, tensors)
 
-    def recv_state(self, peer: int, rail: int = 0) -> bytearray:
-        """Receive what ``peer`` sends with :meth:`send_state` (checksum verified).
+    def recv_state(self, peer: int, allocate: _transfer.Allocate, rail: int = 0) -> int:
+        """Receive what ``peer`` sends with :meth:`send_state`: ``allocate`` gets the
+        header and returns the tensors to receive into. Returns the bytes received.
 
         Raises:
             RecoveryError: the link failed, or the bytes do not match their SHA-256.
         """
-        return recv_bytes(self.links.get(self._position(peer, "recv_state"), rail))
+        link = self.links.get(self._position(peer, "recv_state"), rail)
+        return _transfer.recv_state(link, allocate)
 
     # -- engines ------------------------------------------------------------------------

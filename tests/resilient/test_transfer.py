@@ -1,6 +1,7 @@
-"""Moving a state's bytes over one data-plane link (real processes, real gloo links):
-the bytes arrive whole, of any size (none, less than a chunk, several chunks and a
-tail), and a digest that does not match is an error, never a silent load."""
+"""Moving a state over one data-plane link (real processes, real gloo links): the
+header and the tensors arrive whole, whatever their sizes (empty, less than a
+chunk, several chunks and a tail), and a digest that does not match is an error,
+never a silent load."""
 
 from __future__ import annotations
 
@@ -17,53 +18,78 @@ from tests._dist import run_world
 pytestmark = pytest.mark.timeout(120)
 
 SIZES = (0, 1000, 3 * _transfer.CHUNK_BYTES + 12345)
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
 
 
-def _payload(size: int) -> bytes:
-    gen = torch.Generator().manual_seed(size)
-    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+def _tensors() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for size, dtype in zip(SIZES, DTYPES, strict=False):
+        numel = size // torch.empty(0, dtype=dtype).element_size()
+        out.append(torch.randint(0, 100, (numel,), generator=gen).to(dtype))
+    out.append(torch.tensor(2.5, dtype=torch.float64))  # 0-dim
+    return out
 
 
-def _move(pg: Any, rank: int, world: int) -> list[str]:
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _move(pg: Any, rank: int, world: int) -> dict[str, Any]:
     link = pg.links.get(1 - rank, 0)
-    digests = []
-    for size in SIZES:
-        if rank == 0:
-            # Every kind of buffer the session hands over: a writable view of
-            # torch.save's buffer, or plain bytes.
-            payload = _payload(size)
-            _transfer.send_bytes(link, memoryview(bytearray(payload)) if size else payload)
-        else:
-            got = _transfer.recv_bytes(link)
-            digests.append(f"{len(got)}:{hashlib.sha256(got).hexdigest()}")
-    return digests
+    header = b"shapes and dtypes of what follows"
+    if rank == 0:
+        _transfer.send_state(link, memoryview(bytearray(header)), _tensors())
+        return {}
+    seen: list[bytes] = []
+    into: list[torch.Tensor] = []
+
+    def allocate(got: bytearray) -> list[torch.Tensor]:
+        seen.append(bytes(got))
+        into.extend(torch.empty_like(t) for t in _tensors())
+        return into
+
+    nbytes = _transfer.recv_state(link, allocate)
+    return {"header": seen, "digest": _digest(into), "nbytes": nbytes}
 
 
-def test_bytes_of_any_size_arrive_whole() -> None:
+def test_a_header_and_tensors_of_any_size_arrive_whole() -> None:
     _, got = run_world(_move, 2)
-    assert got == [f"{n}:{hashlib.sha256(_payload(n)).hexdigest()}" for n in SIZES]
+    expected = _tensors()
+    assert got["header"] == [b"shapes and dtypes of what follows"]
+    assert got["digest"] == _digest(expected)
+    assert got["nbytes"] == 33 + sum(t.numel() * t.element_size() for t in expected)
 
 
 def _corrupt(pg: Any, rank: int, world: int) -> str:
     link = pg.links.get(1 - rank, 0)
-    payload = _payload(5000)
+    data = torch.arange(5000, dtype=torch.int32)
+    header = b"h"
     if rank == 0:
-        # What send_bytes puts on the wire, with one byte changed after hashing.
-        bad = bytearray(payload)
-        bad[17] ^= 0xFF
+        # What send_state puts on the wire, with one byte changed after hashing.
+        digest = hashlib.sha256(header)
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+        bad = data.clone()
+        bad[17] += 1
         works = [
-            link.isend(torch.tensor([len(payload)], dtype=torch.int64), _transfer._TAG),
-            link.isend(torch.frombuffer(bad, dtype=torch.uint8), _transfer._DATA_TAG),
+            link.isend(torch.tensor([1], dtype=torch.int64), _transfer._TAG),
             link.isend(
-                torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8),
+                torch.frombuffer(bytearray(header), dtype=torch.uint8), _transfer._HEADER_TAG
+            ),
+            link.isend(bad.view(torch.uint8), _transfer._DATA_TAG),
+            link.isend(
+                torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8),
                 _transfer._DIGEST_TAG,
             ),
         ]
         for work in works:
-            link.wait(work, len(payload))
+            link.wait(work, 20000)
         return "sent"
     try:
-        _transfer.recv_bytes(link)
+        _transfer.recv_state(link, lambda h: [torch.empty_like(data)])
     except RecoveryError:
         return "refused"
     return "loaded"
@@ -71,3 +97,9 @@ def _corrupt(pg: Any, rank: int, world: int) -> str:
 
 def test_bytes_that_do_not_match_their_digest_are_refused() -> None:
     assert run_world(_corrupt, 2) == ["sent", "refused"]
+
+
+def test_only_contiguous_cpu_tensors_are_sent() -> None:
+    # Checked before anything is posted: the link is not touched (None here).
+    with pytest.raises(ValueError):
+        _transfer.send_state(None, b"h", [torch.zeros(4, 4).t()])  # type: ignore[arg-type]
