@@ -235,11 +235,12 @@ class Session:
         finally:
             if isinstance(engine, SoloEngine):
                 engine.warming = False
+        ready_s = None
         if standby.standing_by():
             # A warm spare stops here, ready, until its rank is lost; what it does
             # from now on is what the job waits for.
             logger.info("rank %d (epoch -, step -): warm spare ready", self._rank)
-            standby.wait_for_go()
+            ready_s = round(standby.wait_for_go(), 3)
             began = time.monotonic()
         pg.join_members()
         plan = self._admission()
@@ -248,6 +249,7 @@ class Session:
             "rank.joined", epoch=plan.epoch, step=plan.step + 1,
             duration_ms=(time.monotonic() - began) * 1e3,
             action=f"incarnation {pg.incarnation} admitted; trains from step {plan.step + 1}",
+            standby_s=ready_s,
         )  # fmt: skip
 
     def _admission(self) -> Plan:

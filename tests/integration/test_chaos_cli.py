@@ -361,13 +361,13 @@ straggler_confirmed_within_steps = 20
 
 @needs_root
 @pytest.mark.timeout(300)
-def test_a_killed_rank_comes_back_from_a_warm_spare_with_the_fault_free_bits(
+def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     tmp_path: Path,
 ) -> None:
     body = """
 [[fault]]
 kind = "kill"
-rank = 1
+rank = 0
 at_step = 20
 
 [expect]
@@ -390,10 +390,16 @@ max_recovery_s = 5.0
     # The replacement restores once. A survivor restores too when the kill came
     # between two survivors' commits of a step (it is behind the donor: by design,
     # see recovery.agree); it is never the lost rank's old incarnation.
-    assert restored.count((1, 1)) == 1, restored
-    assert all(inc == 0 and rank != 1 for rank, inc in restored if (rank, inc) != (1, 1)), restored
+    assert restored.count((0, 1)) == 1, restored
+    assert all(inc == 0 and rank != 0 for rank, inc in restored if (rank, inc) != (0, 1)), restored
     survivors = {e["rank"] for e in events if e["kind"] == "rank.lost"}
-    assert survivors == {0, 2}, survivors
+    assert survivors == {1, 2}, survivors
+    # The spare had built the job (model, DDP, warm-up) and stood ready before
+    # rank 0 was lost; rank 0 hosted nothing the others needed (the launcher
+    # holds torch's store).
+    joined = [e for e in events if e["kind"] == "rank.joined"]
+    assert [(e["rank"], e["incarnation"]) for e in joined] == [(0, 1)], joined
+    assert joined[0]["standby_s"] > 0, joined
     assert not _namespaces(_testbed_of(stderr))
 
 
@@ -404,7 +410,7 @@ def test_with_no_restart_left_the_survivors_shrink_at_once_and_finish(tmp_path: 
     body = """
 [[fault]]
 kind = "kill"
-rank = 1
+rank = 0
 at_step = 20
 
 [expect]
