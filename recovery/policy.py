@@ -135,9 +135,10 @@ class Policy:
 
     def __init__(self, config: RecoveryConfig | None = None) -> None:
         """``config``: the preference (``policy``) and the replacement ETAs
-        (``warm_eta_s``, ``cold_eta_s``: measured here, 1.1 s for a warm spare and
-        about 4.4 s cold, which adds ``import torch`` and ``torch._dynamo``; see
-        docs/BENCHMARKS.md)."""
+        (``warm_eta_s``, ``cold_eta_s``: a warm spare has built the job already and
+        reports within ~0.1 s of the launcher's "go" (0.5 s leaves room for a busy
+        machine); a cold start reports after about 4 s here, importing torch and
+        torch._dynamo and building the job; see docs/BENCHMARKS.md)."""
         self.config = config or RecoveryConfig()
 
     def rank_lost(self, job: JobView, *, replacement: str | None, shrink_allowed: bool) -> Choice:

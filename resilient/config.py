@@ -293,7 +293,7 @@ class RecoveryConfig:
     shrink_after_s: float | None = None
     min_ranks: int = 1
     policy: str = "replace-first"
-    warm_eta_s: float = 1.5
+    warm_eta_s: float = 0.5
     cold_eta_s: float = 5.0
     evict_stragglers: bool = False
 
@@ -330,7 +330,7 @@ class RecoveryConfig:
             shrink_after_s=_env_float(env, p + "SHRINK_AFTER_S", 0.0) if shrink else None,
             min_ranks=_env_int(env, p + "MIN_RANKS", 1),
             policy=env.get(p + "POLICY", "").strip().lower() or "replace-first",
-            warm_eta_s=_env_float(env, p + "WARM_ETA_S", 1.5),
+            warm_eta_s=_env_float(env, p + "WARM_ETA_S", 0.5),
             cold_eta_s=_env_float(env, p + "COLD_ETA_S", 5.0),
             evict_stragglers=_env_flag(env, p + "EVICT_STRAGGLERS", False),
         )

@@ -43,11 +43,11 @@ def test_replace_first_waits_for_a_coming_replacement_cost_may_not() -> None:
     assert costs["shrink"] == pytest.approx(50 * 0.1 / 3 + 0.1)
     by_cost = Policy(RecoveryConfig(policy="cost"))
     assert by_cost.rank_lost(JOB, replacement="cold", shrink_allowed=True).action == "shrink"
-    # Three ranks, a warm spare in 1.5 s: two ranks do 1.5x their work for the
-    # 15 steps until it joins (0.75 s), cheaper than all waiting 1.5 s.
+    # Three ranks, a warm spare in 0.5 s: two ranks do 1.5x their work for the
+    # 5 steps until it joins (0.25 s), cheaper than all waiting 0.5 s.
     three = JobView(world=3, members=3, step_s=0.1, steps_left=1000, state_bytes=0)
     warm = by_cost.rank_lost(three, replacement="warm", shrink_allowed=True)
-    assert _costs(warm) == {"replace": pytest.approx(1.5), "shrink": pytest.approx(0.75)}
+    assert _costs(warm) == {"replace": pytest.approx(0.5), "shrink": pytest.approx(0.25)}
     assert warm.action == "shrink"
     # Two ranks: the survivor alone does twice the work while it waits: a tie, and
     # waiting wins ties (the run stays reproducible).
@@ -91,7 +91,7 @@ def test_a_straggler_is_evicted_only_when_enabled_and_cheaper_than_waiting() -> 
     assert policy.straggler(ending, slowdown=1.5, cause="stalled").action == "tolerate"
     # A warm spare is priced at warm_eta_s; with no restart left, no eviction.
     warm = policy.straggler(JOB, slowdown=2.0, cause="compute", replacement="warm")
-    assert _costs(warm)["evict"] == pytest.approx(1.5 + 0.1 + 0.1)
+    assert _costs(warm)["evict"] == pytest.approx(0.5 + 0.1 + 0.1)
     spent = policy.straggler(JOB, slowdown=2.0, cause="compute", replacement="none")
     assert spent.action == "tolerate" and math.isinf(_costs(spent)["evict"])
     # A slow link is routed around for less than a replacement costs.
