@@ -56,7 +56,7 @@ from recovery._wire import Packed, pack, size_of, unpack
 from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
 from recovery.policy import JobView, Policy
 from recovery.shards import Piece, pieces
-from recovery.state import StateHook, TrainState, average_over_members
+from recovery.state import StateHook, TrainState, average_over_members, reset_reducer
 from resilient import _standby as standby
 from resilient._solo import SoloEngine
 from resilient.config import EXIT_EVICTED, RecoveryConfig
@@ -110,7 +110,8 @@ class Session:
         # policy prices waiting for it against the step time without it.
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._last_commit: float | None = None
-        if ddp is not None and self.pg is not None:
+        self._ddp = ddp if self.pg is not None else None
+        if self._ddp is not None:
             average_over_members(ddp, self.pg)
 
     @property
@@ -482,6 +483,8 @@ class Session:
         dropped = self.pg.enter_epoch(
             plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members
         )
+        if self._ddp is not None:
+            reset_reducer(self._ddp)
         events.emit(
             "epoch.changed", epoch=plan.epoch, reason=_why(before, plan),
             action=f"kept {len(kept)} data link(s), dropped {dropped}",

@@ -8,7 +8,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StateHook", "TrainState", "average_over_members"]
+from resilient.errors import PeerLost
+
+__all__ = ["StateHook", "TrainState", "average_over_members", "reset_reducer"]
 
 
 @runtime_checkable
@@ -66,6 +68,12 @@ def average_over_members(ddp: Any, pg: Any) -> None:
     scales by 1/world, so while every rank takes part the bits are the same as
     without it.
 
+    Once the group knows a peer is lost, the hook raises :class:`PeerLost` for the
+    next bucket, which ends the backward pass there instead of computing the rest
+    of a step that is replayed anyway (DDP's reducer is then reset by
+    :func:`reset_reducer`, which the session calls on every member of the next
+    epoch).
+
     Raises:
         RuntimeError: (from DDP) a comm hook was already registered, or training
             already started.
@@ -73,6 +81,9 @@ def average_over_members(ddp: Any, pg: Any) -> None:
     import torch.distributed as dist
 
     def hook(_: Any, bucket: Any) -> Any:
+        lost = pg.lost
+        if lost is not None:
+            raise PeerLost(str(lost), peer=lost.peer, epoch=lost.epoch)
         buf = bucket.buffer()
         buf.mul_(1.0 / len(pg.members))
         work = dist.all_reduce(buf, group=pg, async_op=True)
@@ -82,3 +93,20 @@ def average_over_members(ddp: Any, pg: Any) -> None:
     # evaluation they are strings, so the hook shows none.
     hook.__annotations__.clear()
     ddp.register_comm_hook(None, hook)
+
+
+def reset_reducer(ddp: Any) -> None:
+    """Clear what DDP's reducer kept of an iteration that ended in an error.
+
+    A backward pass cut short by the comm hook leaves the reducer waiting for the
+    rest of its buckets, and DDP's next forward fails ("Expected to have finished
+    reduction in the prior iteration"). The reset (DDP's own, used when its process
+    group changes) also has the reducer rebuild its buckets after the next
+    iteration, with one broadcast of the bucket order; the bucket layout comes out
+    the same (the same parameters become ready in the same order), so the bits of
+    later steps do too. Every member must reset at the same step: the session
+    does it on entering an epoch.
+    """
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is not None:
+        reducer._reset_state()
