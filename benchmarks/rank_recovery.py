@@ -240,6 +240,7 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--skip-torchrun", action="store_true")
     p.add_argument("--skip-warm", action="store_true")
+    p.add_argument("--skip-cold", action="store_true")
     p.add_argument(
         "--with-shrink", action="store_true", help="also the shrink-then-grow run (policy cost)"
     )
@@ -248,7 +249,7 @@ def main() -> int:
     width = _width(args.state_mb)
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as d:
         tmp = Path(args.out or d)
-        results = [_resilient(args, width, False, tmp)]
+        results = [] if args.skip_cold else [_resilient(args, width, False, tmp)]
         if not args.skip_warm:
             results.append(_resilient(args, width, True, tmp))
         if not args.skip_torchrun:
