@@ -110,9 +110,14 @@ class Session:
         # policy prices waiting for it against the step time without it.
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._last_commit: float | None = None
-        self._ddp = ddp if self.pg is not None else None
-        if self._ddp is not None:
-            average_over_members(ddp, self.pg)
+        # A lost peer ends DDP's backward early, and every member resets DDP's
+        # reducer on entering the next epoch; the reset rebuilds DDP's buckets
+        # with a broadcast from rank 0, so not in a job that may shrink (rank 0
+        # may be the one gone).
+        self._cut_backward = ddp is not None and self.config.shrink_after_s is None
+        if ddp is not None and self.pg is not None:
+            average_over_members(ddp, self.pg, cut_backward=self._cut_backward)
+        self._ddp = ddp
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -483,7 +488,7 @@ class Session:
         dropped = self.pg.enter_epoch(
             plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members
         )
-        if self._ddp is not None:
+        if self._cut_backward:
             reset_reducer(self._ddp)
         events.emit(
             "epoch.changed", epoch=plan.epoch, reason=_why(before, plan),

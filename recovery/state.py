@@ -59,7 +59,7 @@ class TrainState:
         self.optimizer.step()
 
 
-def average_over_members(ddp: Any, pg: Any) -> None:
+def average_over_members(ddp: Any, pg: Any, *, cut_backward: bool = False) -> None:
     """Make ``ddp`` average gradients over the group's members of the moment.
 
     DDP divides by the world size it saw at construction; after a shrink that
@@ -68,11 +68,11 @@ def average_over_members(ddp: Any, pg: Any) -> None:
     scales by 1/world, so while every rank takes part the bits are the same as
     without it.
 
-    Once the group knows a peer is lost, the hook raises :class:`PeerLost` for the
-    next bucket, which ends the backward pass there instead of computing the rest
-    of a step that is replayed anyway (DDP's reducer is then reset by
-    :func:`reset_reducer`, which the session calls on every member of the next
-    epoch).
+    With ``cut_backward``, once the group knows a peer is lost, the hook raises
+    :class:`PeerLost` for the next bucket, which ends the backward pass there
+    instead of computing the rest of a step that is replayed anyway; DDP's reducer
+    must then be reset with :func:`reset_reducer` on every member of the next epoch
+    (the session does both, in jobs that cannot shrink).
 
     Raises:
         RuntimeError: (from DDP) a comm hook was already registered, or training
@@ -81,7 +81,7 @@ def average_over_members(ddp: Any, pg: Any) -> None:
     import torch.distributed as dist
 
     def hook(_: Any, bucket: Any) -> Any:
-        lost = pg.lost
+        lost = pg.lost if cut_backward else None
         if lost is not None:
             raise PeerLost(str(lost), peer=lost.peer, epoch=lost.epoch)
         buf = bucket.buffer()
@@ -102,10 +102,10 @@ def reset_reducer(ddp: Any) -> None:
     rest of its buckets, and DDP's next forward fails ("Expected to have finished
     reduction in the prior iteration"). The reset (DDP's own, used when its process
     group changes) also has the reducer rebuild its buckets after the next
-    iteration, with one broadcast of the bucket order; the bucket layout comes out
-    the same (the same parameters become ready in the same order), so the bits of
-    later steps do too. Every member must reset at the same step: the session
-    does it on entering an epoch.
+    iteration, with one broadcast of the bucket order from rank 0 (so rank 0 must
+    be a member); the bucket layout comes out the same (the same parameters become
+    ready in the same order), so the bits of later steps do too. Every member must
+    reset at the same step: the session does it on entering an epoch.
     """
     reducer = getattr(ddp, "reducer", None)
     if reducer is not None:

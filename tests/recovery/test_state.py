@@ -31,7 +31,7 @@ def _train(pg: Any, rank: int, world: int, abort_at: int | None) -> dict[str, An
     model = _model()
     # A small bucket cap: one bucket per layer, so the hook runs several times.
     ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=0.01)
-    average_over_members(ddp, pg)
+    average_over_members(ddp, pg, cut_backward=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: dict[str, Any] = {}
     step = 0
