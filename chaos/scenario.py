@@ -223,8 +223,8 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
             raise ScenarioError(source, f"job.{key}", f"must be >= 1, got {getattr(spec, key)}")
     if spec.max_restarts < 0:
         raise ScenarioError(source, "job.max_restarts", f"must be >= 0, got {spec.max_restarts}")
-    if spec.evict_stragglers and spec.max_restarts < 1:
-        why = "an evicted rank must be replaced: set max_restarts >= 1"
+    if spec.evict_stragglers and spec.max_restarts < 1 and spec.min_ranks is None:
+        why = "an evicted rank must be replaced or left out: set max_restarts >= 1 or min_ranks"
         raise ScenarioError(source, "job.evict_stragglers", why)
     if spec.min_ranks is not None and not 1 <= spec.min_ranks <= spec.nproc:
         raise ScenarioError(

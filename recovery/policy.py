@@ -171,12 +171,19 @@ class Policy:
         )  # fmt: skip
 
     def straggler(
-        self, job: JobView, *, slowdown: float, cause: str, replacement: str | None = None
+        self,
+        job: JobView,
+        *,
+        slowdown: float,
+        cause: str,
+        replacement: str | None = None,
+        shrink_allowed: bool = False,
     ) -> Choice:
         """Tolerate, reroute around or evict a confirmed straggler (``slowdown``: its
         time over its peers' median; ``cause``: stalled, compute or link;
         ``replacement``: what would replace it, warm, cold or none, or None when
-        not known: a cold start is assumed)."""
+        not known: a cold start is assumed; ``shrink_allowed``: with none, the
+        others may go on without it)."""
         per_step = max(slowdown - 1.0, 0.0) * job.step_s
         tolerate = Option(
             "tolerate", per_step * job.steps_left,
@@ -194,7 +201,7 @@ class Policy:
             stalled = cause == "stalled"
             what = "it could not run part of the time" if stalled else "its compute is slow"
             reroute = Option("reroute", math.inf, f"{what}, not its links: rerouting cannot help")
-        options = (tolerate, reroute, self._evict(job, replacement or "cold"))
+        options = (tolerate, reroute, self._evict(job, replacement or "cold", shrink_allowed))
         best = _cheapest(options)
         others = ", ".join(
             f"{o.action} {'impossible' if math.isinf(o.cost_s) else f'~{o.cost_s:.2f} s'}"
@@ -206,11 +213,19 @@ class Policy:
             f"{best.action} costs ~{best.cost_s:.2f} s ({others})", options,
         )  # fmt: skip
 
-    def _evict(self, job: JobView, how: str) -> Option:
+    def _evict(self, job: JobView, how: str, shrink_allowed: bool) -> Option:
         if not self.config.evict_stragglers:
             return Option("evict", math.inf, "not enabled (--evict-stragglers)")
         if how not in ("warm", "cold"):
-            return Option("evict", math.inf, "no restart left to replace it")
+            if not shrink_allowed:
+                return Option("evict", math.inf, "no restart left to replace it, and no shrink")
+            # No replacement comes: the others go on without it (a shrink), each
+            # doing a share of its work until the end; one step is replayed.
+            alone = _shrink(job, math.inf, True)
+            return Option(
+                "evict", alone.cost_s + job.step_s,
+                f"it leaves with no restart left; {alone.note}; one step is replayed",
+            )  # fmt: skip
         eta = self.config.warm_eta_s if how == "warm" else self.config.cold_eta_s
         cost = eta + _transfer_s(job) + job.step_s
         note = (

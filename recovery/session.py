@@ -316,10 +316,18 @@ class Session:
                 # Nobody publishing a budget (torchrun, Slurm): no eviction, as
                 # an exit there restarts every worker, or none.
                 replacement=(_budget(self.pg) or "none") if self.config.evict_stragglers else None,
+                shrink_allowed=self._may_shrink(),
             )  # fmt: skip
             self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
             if choice.action == "evict" and rank == self._rank and self._first_to_leave():
                 self._leave(n, choice.reason)
+
+    def _may_shrink(self) -> bool:
+        """Whether the members may go on without one of them (configured, and
+        ``min_ranks`` would still be met)."""
+        assert self.pg is not None
+        cfg = self.config
+        return cfg.shrink_after_s is not None and len(self.pg.members) - 1 >= cfg.min_ranks
 
     def _unslowed_step_s(self) -> float:
         """The step time without the straggler: the lower quartile of the last
@@ -359,7 +367,8 @@ class Session:
         recovery from a lost rank is the proven path, while a normal interpreter
         exit would run the script's own cleanup, which may call collectives the
         others no longer match. Its state lives on in the survivors; the launcher
-        replaces it (exit status ``EXIT_EVICTED``) and one step is replayed.
+        replaces it (exit status ``EXIT_EVICTED``), or with no restart left the
+        others shrink without it, and one step is replayed.
         """
         assert self.pg is not None
         logger.warning(
@@ -368,7 +377,8 @@ class Session:
         )  # fmt: skip
         events.emit(
             "rank.evicted", epoch=self.pg.epoch, step=n, reason=why,
-            action=f"exit with code {EXIT_EVICTED}; the launcher replaces it",
+            action=f"exit with code {EXIT_EVICTED}; the launcher replaces it, or the job "
+            "goes on without it",
         )  # fmt: skip
         log = events.default_log()
         if log is not None:
@@ -437,8 +447,7 @@ class Session:
         names the rank not to wait for; records each new choice as a
         ``policy.decision`` event."""
         assert self.pg is not None
-        pg, cfg = self.pg, self.config
-        allowed = cfg.shrink_after_s is not None and len(pg.members) - 1 >= cfg.min_ranks
+        pg, allowed = self.pg, self._may_shrink()
         due, last = 0.0, ""
 
         def check() -> set[int]:

@@ -114,9 +114,10 @@ class LaunchConfig:
                 raise ConfigError(
                     f"rank_env: {name!r}: only {ENV_PREFIX}* variables the launcher does not set"
                 )
-        if self.evict_stragglers and self.max_restarts < 1:
+        if self.evict_stragglers and self.max_restarts < 1 and self.min_ranks is None:
             raise ConfigError(
-                "evict_stragglers: an evicted rank must be replaced; set max_restarts >= 1"
+                "evict_stragglers: an evicted rank must be replaced or left out; "
+                "set max_restarts >= 1 or min_ranks"
             )
         # etcd leases are whole seconds and the keep-alive runs every ttl/3.
         _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)

@@ -117,17 +117,20 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--warm-spares",
         action="store_true",
-        help="keep one standby process per rank that has already imported torch; a "
-        "failed rank's standby takes over at once instead of a cold start (uses a "
-        "process per rank; only while restarts are left)",
+        help="keep one standby process per rank that has already run the script up to "
+        "recovery.Session's admission (torch, model, DDP, warm-up); a failed rank's "
+        "standby takes over at once instead of a cold start (uses a process and a "
+        "model's memory per rank; only while restarts are left; scripts that do not "
+        "train under recovery.Session get cold restarts)",
     )
     run.add_argument(
         "--evict-stragglers",
         action="store_true",
-        help="a rank confirmed as a straggler may leave the job (exit code 75) and be "
-        "replaced like a failed rank, when the recovery policy estimates that cheaper "
-        "than waiting for it every step and a restart is left; needs --max-restarts "
-        "(default: off, stragglers are waited for or routed around)",
+        help="a rank confirmed as a straggler may leave the job (exit code 75), when the "
+        "recovery policy estimates that cheaper than waiting for it every step: it is "
+        "replaced like a failed rank while restarts are left, else the others shrink "
+        "without it; needs --max-restarts or --min-ranks (default: off, stragglers "
+        "are waited for or routed around)",
     )
     run.add_argument(
         "--min-ranks",

@@ -69,7 +69,7 @@ def _with(old: str, new: str) -> str:
         (
             _with("nproc = 4", "nproc = 4\nevict_stragglers = true\nmax_restarts = 0"),
             "job.evict_stragglers",
-            "must be replaced",
+            "must be replaced or left out",
         ),
         (_with("rank = 1\nrail = 0", "rank = 1\nrail = 0\npin = true"), "fault[0].pin", "unknown"),
         (_with('topology = "netns"', 'topology = "k8s"'), "job.topology", "netns or loopback"),

@@ -361,6 +361,47 @@ straggler_confirmed_within_steps = 20
 
 @needs_root
 @pytest.mark.timeout(300)
+def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
+    tmp_path: Path,
+) -> None:
+    # Half speed costs every step as much again; going on without it costs the
+    # other two half a share each: the policy evicts, the launcher has no restart
+    # for it, and the two finish the job.
+    body = """
+[[fault]]
+kind = "slow"
+rank = 2
+factor = 0.5
+at_step = 30
+pin = true
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+straggler_confirmed_within_steps = 20
+"""
+    extra = "max_restarts = 0\nmin_ranks = 2\nshrink_after_s = 30.0\nevict_stragglers = true"
+    scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    assert report["steps"]["left_out"] == [2]
+    events = read_events(out / "run")
+    evicted = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "rank.evicted"]
+    assert evicted == [(2, 0)], evicted
+    judged = [
+        e for e in events
+        if e["kind"] == "policy.decision" and e.get("fault") == "straggler.confirmed"
+    ]  # fmt: skip
+    assert judged and all(e["action"] == "evict" and e["straggler"] == 2 for e in judged)
+    changed = [e for e in events if e["kind"] == "epoch.changed"]
+    assert {tuple(e["members"]) for e in changed} == {(0, 1)}, changed
+
+
+@needs_root
+@pytest.mark.timeout(300)
 def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     tmp_path: Path,
 ) -> None:

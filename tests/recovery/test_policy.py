@@ -94,6 +94,19 @@ def test_a_straggler_is_evicted_only_when_enabled_and_cheaper_than_waiting() -> 
     assert _costs(warm)["evict"] == pytest.approx(0.5 + 0.1 + 0.1)
     spent = policy.straggler(JOB, slowdown=2.0, cause="compute", replacement="none")
     assert spent.action == "tolerate" and math.isinf(_costs(spent)["evict"])
+    # Unless the others may go on without it: 3 ranks do 4's work (+1/3 of 100 ms
+    # per step) for the 1000 steps left, plus one replayed step, against 100 ms
+    # lost on every step.
+    alone = policy.straggler(
+        JOB, slowdown=2.0, cause="compute", replacement="none", shrink_allowed=True
+    )
+    assert alone.action == "evict"
+    assert _costs(alone)["evict"] == pytest.approx(1000 * 0.1 / 3 + 0.1)
+    # A mild straggler costs less than a shrink: it stays.
+    mild = policy.straggler(
+        JOB, slowdown=1.2, cause="compute", replacement="none", shrink_allowed=True
+    )
+    assert mild.action == "tolerate"
     # A slow link is routed around for less than a replacement costs.
     assert policy.straggler(JOB, slowdown=1.2, cause="link").action == "reroute"
 

@@ -475,7 +475,7 @@ def test_unusable_run_dir_is_a_launcher_error(tmp_path: Path, etcd_url: str) -> 
         {"nproc": True},
         {"rails": 0},
         {"max_restarts": -1},
-        {"evict_stragglers": True},  # nothing would replace an evicted rank
+        {"evict_stragglers": True},  # nothing would replace nor leave out an evicted rank
         {"rank_env": (("PATH", "/x"),)},  # not ours to set
         {"rank_env": (("RESILIENT_RANK_NOT", "1"), ("RESILIENT_INCARNATION", "2"))},
         {"lease_ttl_s": 1.5},
@@ -601,8 +601,10 @@ def test_the_restart_budget_is_published_for_the_ranks(tmp_path: Path, etcd_url:
         tmp_path,
         """
 from membership.members import Membership
+from resilient import _standby
 from resilient.config import RankEnv
 
+_standby.wait_for_go()  # a spare reads the budget once it takes the rank, as a session would
 env = RankEnv.from_env()
 record("budget", **Membership(env.etcd, env.membership()).supervisor())
 if INC == 0:
