@@ -28,6 +28,10 @@ state a replacement must receive). Measured per run, from the kill:
   steps after its last checkpoint);
 * ``restarted``: processes started again.
 
+With ``--repeat N`` each resilient launch runs N times (the kill lands at another
+point of a step each time, so single runs move by a few tenths of a second) and
+the JSON line adds ``median``: per launch, the median of each timing.
+
 Prints a table, then one JSON line.
 """
 
@@ -41,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,11 +186,29 @@ def _with_events(out: dict[str, Any], events: list[dict[str, Any]], kill_wall: f
     out["restarted"] = 1
 
 
+def _medians(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per launch name, the median of each timing over its repeats."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in dict.fromkeys(r["name"] for r in results):
+        runs = [r for r in results if r["name"] == name]
+        out[name] = {}
+        for key in ("back_s", "caught_up_s", "unblocked_s", "restore_ms"):
+            values = sorted(r[key] for r in runs if r.get(key) is not None)
+            out[name][key] = round(statistics.median(values), 3) if values else None
+    return out
+
+
 def _resilient(
-    args: argparse.Namespace, width: int, warm: bool, tmp: Path, *, shrink: bool = False
+    args: argparse.Namespace,
+    width: int,
+    warm: bool,
+    tmp: Path,
+    *,
+    shrink: bool = False,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     name = "shrink" if shrink else "warm" if warm else "cold"
-    run_dir = tmp / name
+    run_dir = tmp / (name if repeat == 1 else f"{name}-{repeat}")
     # A kept --out dir from an earlier run: its event logs would be read with ours.
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [
@@ -245,17 +268,29 @@ def main() -> int:
         "--with-shrink", action="store_true", help="also the shrink-then-grow run (policy cost)"
     )
     p.add_argument("--out", default=None, help="keep run dirs (event logs) here")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each resilient launch N times (the kill lands at another point of a "
+        "step each time; the JSON adds each one's median); torchrun runs once",
+    )
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: must be >= 1")
     width = _width(args.state_mb)
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as d:
         tmp = Path(args.out or d)
-        results = [] if args.skip_cold else [_resilient(args, width, False, tmp)]
-        if not args.skip_warm:
-            results.append(_resilient(args, width, True, tmp))
+        results: list[dict[str, Any]] = []
+        for n in range(1, args.repeat + 1):
+            if not args.skip_cold:
+                results.append(_resilient(args, width, False, tmp, repeat=n))
+            if not args.skip_warm:
+                results.append(_resilient(args, width, True, tmp, repeat=n))
+            if args.with_shrink:
+                results.append(_resilient(args, width, False, tmp, shrink=True, repeat=n))
         if not args.skip_torchrun:
             results.append(_torchrun(args, width, tmp))
-        if args.with_shrink:
-            results.append(_resilient(args, width, False, tmp, shrink=True))
     rows = [
         [r["name"], str(r.get("back_s")), str(r.get("caught_up_s")), str(r.get("unblocked_s", "-")),
          str(r.get("grown_s", "-")), str(r.get("replayed")), str(r.get("restarted")),
@@ -271,7 +306,7 @@ def main() -> int:
     print(json.dumps({
         "ranks": args.ranks, "state_mb": round(2 * width * width * 4 / 1e6, 1), "width": width,
         "steps": args.steps, "kill_at": args.kill_at, "ckpt_every": args.ckpt_every,
-        "runs": results,
+        "runs": results, "median": _medians(results),
     }))  # fmt: skip
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
