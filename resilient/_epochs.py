@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import queue
     from collections.abc import Callable
 
+    from resilient._nic import NicMonitor
+
 __all__ = ["ABANDON_GRACE_S", "EpochControl"]
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class EpochControl:
     rails: tuple[str, ...]
     engine: RingEngine | SoloEngine
     board: HealthBoard
+    nics: NicMonitor
     incarnation: int
     _epoch: int
     _members: tuple[int, ...]  # the ranks taking part in this epoch (all, or fewer)
@@ -364,6 +367,7 @@ class EpochControl:
             self._cuda = None
         self._joining = False
         self._lost = None
+        self.nics.start()  # a replacement's first epoch; no-op when already watching
         self._setup_epoch(epoch, ctl_links)
         return dropped
 

@@ -124,7 +124,11 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.
         self.nics = NicMonitor(rank, self.rails)
         self.nics.on_change(lambda rail, up: self.board.nic_changed(rail, up))
-        self.nics.start()
+        if not joining:
+            # A replacement watches from its admission (enter_epoch): a warm spare
+            # may stand by for hours beside the incarnation it would replace, and
+            # must not log that one's NIC events as its own.
+            self.nics.start()
         # GPU health (Xid errors, throttling, NVLink) when NVML and a GPU are here.
         self.gpu = (
             GpuHealth.open(torch.cuda.current_device(), rank=rank, epoch=epoch)
