@@ -316,10 +316,8 @@ straggler_confirmed_within_steps = 20
     assert {e["action"] for e in judged} <= {"tolerate", "reroute"}, judged
 
 
-@needs_root
-@pytest.mark.timeout(300)
-def test_an_evicted_straggler_is_replaced_and_the_bits_stay_fault_free(tmp_path: Path) -> None:
-    body = """
+# Rank 2's node at half speed from step 30, and what every eviction run expects.
+HALF_SPEED_RANK_2 = """
 [[fault]]
 kind = "slow"
 rank = 2
@@ -331,9 +329,25 @@ pin = true
 completes = true
 max_steps_replayed = 1
 params_equal_across_ranks = true
-params_equal_fault_free = true
 straggler_confirmed_within_steps = 20
 """
+
+
+def _evicted_by_all(events: list[dict[str, Any]], straggler: int) -> bool:
+    """Every rank's policy judged ``straggler`` and chose to evict it."""
+    judged = [
+        e for e in events
+        if e["kind"] == "policy.decision" and e.get("fault") == "straggler.confirmed"
+    ]  # fmt: skip
+    return bool(judged) and all(
+        e["action"] == "evict" and e["straggler"] == straggler for e in judged
+    )
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_an_evicted_straggler_is_replaced_and_the_bits_stay_fault_free(tmp_path: Path) -> None:
+    body = HALF_SPEED_RANK_2 + "params_equal_fault_free = true\n"
     extra = "max_restarts = 1\nwarm_spares = true\nevict_stragglers = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
     out = tmp_path / "out"
@@ -350,11 +364,7 @@ straggler_confirmed_within_steps = 20
     evicted = [e for e in events if e["kind"] == "rank.evicted"]
     # Only the straggler acts on the choice, once; its replacement is not slow.
     assert [(e["rank"], e["incarnation"]) for e in evicted] == [(2, 0)], evicted
-    judged = [
-        e for e in events
-        if e["kind"] == "policy.decision" and e.get("fault") == "straggler.confirmed"
-    ]  # fmt: skip
-    assert judged and all(e["action"] == "evict" and e["straggler"] == 2 for e in judged)
+    assert _evicted_by_all(events, 2), events
     joined = [e for e in events if e["kind"] == "rank.joined"]
     assert [(e["rank"], e["incarnation"]) for e in joined] == [(2, 1)], joined
 
@@ -367,20 +377,7 @@ def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
     # Half speed costs every step as much again; going on without it costs the
     # other two half a share each: the policy evicts, the launcher has no restart
     # for it, and the two finish the job.
-    body = """
-[[fault]]
-kind = "slow"
-rank = 2
-factor = 0.5
-at_step = 30
-pin = true
-
-[expect]
-completes = true
-max_steps_replayed = 1
-params_equal_across_ranks = true
-straggler_confirmed_within_steps = 20
-"""
+    body = HALF_SPEED_RANK_2
     extra = "max_restarts = 0\nmin_ranks = 2\nshrink_after_s = 30.0\nevict_stragglers = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
     out = tmp_path / "out"
@@ -391,11 +388,7 @@ straggler_confirmed_within_steps = 20
     events = read_events(out / "run")
     evicted = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "rank.evicted"]
     assert evicted == [(2, 0)], evicted
-    judged = [
-        e for e in events
-        if e["kind"] == "policy.decision" and e.get("fault") == "straggler.confirmed"
-    ]  # fmt: skip
-    assert judged and all(e["action"] == "evict" and e["straggler"] == 2 for e in judged)
+    assert _evicted_by_all(events, 2), events
     changed = [e for e in events if e["kind"] == "epoch.changed"]
     assert {tuple(e["members"]) for e in changed} == {(0, 1)}, changed
 
