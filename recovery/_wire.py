@@ -37,7 +37,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + sum(t.numel() * t.element_size() for t in self.tensors)
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -62,7 +62,7 @@ def size_of(state: Any) -> int:
     sizes: list[int] = []
 
     def count(t: torch.Tensor) -> torch.Tensor:
-        sizes.append(t.numel() * t.element_size())
+        sizes.append(t.nbytes)
         return t
 
     _map(state, count)

@@ -48,7 +48,11 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
 def _check_plain(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"state tensors must be contiguous CPU tensors, got {t.device} {t}")
+            raise ValueError(
+                "state tensors must be contiguous CPU tensors, got a "
+                f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.device.type} "
+                f"{t.dtype} tensor of shape {tuple(t.shape)}"
+            )
 
 
 def _u8(buf: bytes | bytearray | memoryview) -> torch.Tensor:
