@@ -32,8 +32,8 @@ from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._weights import WeightLearner
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
-from resilient.errors import MembershipError, PeerLost, RecoveryError
-from resilient.links import Counters, LinkTable
+from resilient.errors import LinkError, MembershipError, PeerLost, RecoveryError
+from resilient.links import Counters, Link, LinkTable
 
 if TYPE_CHECKING:
     import queue
@@ -139,6 +139,11 @@ class EpochControl:
             rank=rank, world=world_size, store=self._store, epoch=epoch,
             repair_timeout_s=self.config.repair_timeout_s if self.config.repair_links else None,
         )  # fmt: skip
+        # A NIC that went down in an earlier epoch is still down: this epoch's board
+        # must say so, and no link is built on it (see LinkTable.ensure).
+        self.board.seed_nic_down(r for r, up in enumerate(self.nics.up) if not up)
+        self.nics.epoch = epoch
+        self.links.refuse = self._refuse_link
         self.board.attach(self.links)
         self.board.on_lost = self._peer_reported_lost
         engine.board = self.board
@@ -161,10 +166,19 @@ class EpochControl:
             # exchange shows them staged at both ends; see resilient._repair).
             self.links.stage_installs = True
             self._channel.engine.links.stage_installs = True
+            self._channel.engine.links.refuse = self._refuse_link
             self.board.attach(self._channel.engine.links)
             self._channel.engine.board = self.board
             self._channel.engine.relay = relay
         self.board.start()
+
+    def _refuse_link(self, peer: int, rail: int) -> str | None:
+        """Why not to build a link to ``peer`` (a position) on ``rail`` now, or None."""
+        if not self.nics.up[rail]:
+            return f"the NIC of rail {rail} is down at rank {self.rank()}"
+        if not self.board.nic_up_both(peer, rail):
+            return f"rank {self._members[peer]} reported its NIC of rail {rail} down"
+        return None
 
     @property
     def epoch(self) -> int:
@@ -376,26 +390,49 @@ class EpochControl:
         peer: int,
         header: bytes | bytearray | memoryview,
         tensors: Sequence[torch.Tensor],
-        rail: int = 0,
+        rail: int | None = None,
     ) -> None:
         """Send a state (``header`` and ``tensors``, see :mod:`resilient._transfer`)
-        to ``peer`` over the data link on ``rail`` (built if needed).
+        to ``peer`` over the data link on ``rail`` (default: the first rail whose
+        link could be built; built if needed).
 
         Raises:
             ValueError: a tensor is not a contiguous CPU tensor.
-            RecoveryError: the link failed or the peer did not take the bytes in time.
+            RecoveryError: the link failed, no rail reaches the peer, or the peer did
+                not take the bytes in time.
         """
-        link = self.links.get(self._position(peer, "send_state"), rail)
+        link = self._transfer_link(self._position(peer, "send_state"), rail)
         _transfer.send_state(link, header, tensors)
 
-    def recv_state(self, peer: int, allocate: _transfer.Allocate, rail: int = 0) -> int:
-        """Receive what ``peer`` sends with :meth:`send_state`: ``allocate`` gets the
-        header and returns the tensors to receive into. Returns the bytes received.
+    def recv_state(self, peer: int, allocate: _transfer.Allocate, rail: int | None = None) -> int:
+        """Receive what ``peer`` sends with :meth:`send_state` (same ``rail``):
+        ``allocate`` gets the header and returns the tensors to receive into.
+        Returns the bytes received.
 
         Raises:
-            RecoveryError: the link failed, or the bytes do not match their SHA-256.
+            RecoveryError: the link failed, no rail reaches the peer, or the bytes do
+                not match their SHA-256.
         """
-        link = self.links.get(self._position(peer, "recv_state"), rail)
+        link = self._transfer_link(self._position(peer, "recv_state"), rail)
         return _transfer.recv_state(link, allocate)
+
+    def _transfer_link(self, pos: int, rail: int | None) -> Link:
+        """The link to ``pos`` on ``rail``, or on the first rail where it was built.
+
+        Both ends agree on which links were built (LinkTable.ensure), so both pick
+        the same rail.
+        """
+        rails = range(len(self.rails)) if rail is None else [rail]
+        try:
+            for r in rails:
+                link = self.links.get(pos, r)
+                if not link.broken:
+                    return link
+        except LinkError as exc:
+            raise RecoveryError(f"rank {self.rank()}: no link for the state: {exc}") from exc
+        raise RecoveryError(
+            f"rank {self.rank()} (epoch {self._epoch}): no rail reaches rank "
+            f"{self._members[pos]} for the state (tried {list(rails)})"
+        )
 
     # -- engines ------------------------------------------------------------------------

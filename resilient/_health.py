@@ -110,6 +110,15 @@ class HealthBoard:
         if self.repair is not None:
             self.repair.stop()
 
+    def seed_nic_down(self, rails: Iterable[int]) -> None:
+        """Start knowing these rails' NICs down here (they went down in an earlier
+        epoch); published at once, so peers never build links on them."""
+        down = set(rails)
+        if down:
+            with self._lock:
+                self._nic_down |= down
+            self.publish()
+
     def nic_changed(self, rail: int, up: bool) -> None:
         """NIC monitor callback: a dead NIC cuts every link of its rail, then is published."""
         with self._lock:

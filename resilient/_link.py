@@ -95,11 +95,12 @@ class Link:
         peer: int,
         rail: int,
         address: str,
-        store: Store,
+        store: Store | None,
         prefix: str,
         config: DataPlaneConfig,
         device_type: str = "cpu",
         salt: int = 0,
+        unbuilt: bool = False,
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
@@ -110,11 +111,34 @@ class Link:
         self._peer_index = 0 if peer < rank else 1
         index = 0 if rank < peer else 1
         start = time.monotonic()
+        self.pg: Any = None
+        self._conns: list[_sockets.Conn] = []
+        if not unbuilt:
+            if store is None:
+                raise ConfigError(f"link {rank}<->{peer} rail {rail}: no store to build it")
+            self._rendezvous(store, index, address)
+        self.connect_s = time.monotonic() - start
+        self._init_state(salt)
+
+    @classmethod
+    def unbuilt(
+        cls, *, rank: int, peer: int, rail: int, prefix: str, config: DataPlaneConfig,
+        device_type: str = "cpu", salt: int = 0,
+    ) -> Link:  # fmt: skip
+        """A link that was never built (its NIC is down at one end): every op on it
+        raises LinkError, so its traffic fails over at once; the caller marks it
+        broken (:meth:`abort`), and the repair thread builds it once both NICs are up."""
+        return cls(
+            rank=rank, peer=peer, rail=rail, address="", store=None,
+            prefix=prefix, config=config, device_type=device_type, salt=salt, unbuilt=True,
+        )  # fmt: skip
+
+    def _rendezvous(self, store: Store, index: int, address: str) -> None:
+        rank, peer, rail, config = self.rank, self.peer, self.rail, self.config
         try:
-            own = PrefixStore(prefix, store)
-            if device_type == "cuda":
-                self.pg: Any = _nccl_pair(own, index, config)
-                self._conns: list[_sockets.Conn] = []
+            own = PrefixStore(self.prefix, store)
+            if self.device_type == "cuda":
+                self.pg = _nccl_pair(own, index, config)
             else:
                 with _sockets.capture() as got:
                     self.pg = _gloo_pair(own, index, address, config)
@@ -123,12 +147,14 @@ class Link:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
             ) from exc
-        self.connect_s = time.monotonic() - start
-        if device_type != "cuda" and len(self._conns) != 1:
+        if self.device_type != "cuda" and len(self._conns) != 1:
             logger.warning(
                 "rank %d: %r has %d known connections (want 1): cutting it may not "
                 "interrupt its ops", rank, self, len(self._conns),
             )  # fmt: skip
+
+    def _init_state(self, salt: int) -> None:
+        self.epoch = 0  # for the events; the table sets it (resilient.links)
         self.broken = False
         self.cut_reason: str | None = None  # set when this rank cut it (abort)
         self.watch_stalls = True
@@ -195,7 +221,7 @@ class Link:
             if tx in self._senders:
                 self._senders.remove(tx)
 
-    def _failed(self, message: str, action: str = "raised LinkError") -> LinkError:
+    def _failed(self, message: str, action: str = "raised LinkError", **extra: object) -> LinkError:
         """Mark the link broken and log ``link.down`` once; returns the error to raise."""
         if self.cut_reason is None and any(m in message for m in _PEER_CLOSED):
             self.peer_closed = True
@@ -207,9 +233,11 @@ class Link:
         if first:
             events.emit(
                 "link.down",
+                epoch=self.epoch,
                 links=[(self.rank, self.peer, self.rail)],
                 reason=message,
                 action=action,
+                **extra,
             )
             logger.warning("rank %d: %s", self.rank, message)
             if self.on_broken is not None:
@@ -230,6 +258,16 @@ class Link:
             for tx in senders:
                 tx.cut(self)
         return LinkError(message)
+
+    def refused(self, reason: str) -> None:
+        """Mark an unbuilt link (:meth:`unbuilt`) broken: logged as ``link.down`` with
+        ``unbuilt`` set, published like any broken link, repaired like one."""
+        self.cut_reason = reason  # the peer is alive: it answered (resilient._relay)
+        self._failed(
+            f"{self}: not built: {reason}",
+            action="left unbuilt; its traffic goes over another rail until it is repaired",
+            unbuilt=True,
+        )
 
     def abort(self, reason: str) -> None:
         """Mark the link broken and cut its connection: pending ops fail at once.
@@ -297,6 +335,8 @@ class Link:
     def isend(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
         self._injected_failure("send")
+        if self.pg is None:
+            raise self._failed(f"{self}: send on a link that is not built or is closed")
         try:
             work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:
@@ -308,6 +348,8 @@ class Link:
     def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
         """Post a receive into a contiguous tensor."""
         self._injected_failure("recv")
+        if self.pg is None:
+            raise self._failed(f"{self}: recv on a link that is not built or is closed")
         try:
             work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:

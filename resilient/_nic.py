@@ -54,6 +54,7 @@ class NicMonitor:
         interfaces: Sequence[str | None] | None = None,
     ) -> None:
         self.rank = rank
+        self.epoch = 0  # the group's current epoch, for the events (set by the group)
         self.interfaces = list(interfaces) if interfaces is not None else [
             interface_of(a) for a in rails
         ]  # fmt: skip
@@ -105,6 +106,7 @@ class NicMonitor:
         name = self.interfaces[rail]
         events.emit(
             "nic.up" if up else "nic.down",
+            epoch=self.epoch,
             links=[(self.rank, -1, rail)],
             reason=f"interface {name} of rail {rail} is {'up' if up else 'down'}",
             action="reported",

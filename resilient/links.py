@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from torch._C._distributed_c10d import Store
+from torch.distributed import DistError
 
 from resilient._ledger import salt_of
 from resilient._link import Link
 from resilient.config import DataPlaneConfig
+from resilient.errors import LinkError
 
 __all__ = ["Counters", "Link", "LinkTable"]
 
@@ -62,6 +65,9 @@ class LinkTable:
         self.relayed: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self.on_broken: Callable[[Link], None] | None = None
+        # Why this rank will not build its link to (peer, rail) now (its NIC there is
+        # down, or the peer's), or None; see ensure.
+        self.refuse: Callable[[int, int], str | None] | None = None
         self.closed = False
         # Why this epoch's calls are being given up (a peer was lost), or None: then
         # no failover is attempted, since the peers stopped taking part too.
@@ -84,8 +90,12 @@ class LinkTable:
             device_type=self.device_type,
             salt=salt_of(self.epoch),
         )
+        return self._wire(link)
+
+    def _wire(self, link: Link) -> Link:
         # Waits of the signature exchange last as long as the latest rank takes to
         # arrive (a checkpoint, an evaluation): not a link stall.
+        link.epoch = self.epoch
         link.watch_stalls = self.name != "ctl"
         link.has_backup = len(self.rails) > 1
         link.on_broken = self._broken
@@ -109,9 +119,69 @@ class LinkTable:
             with self._lock:
                 if (peer, rail) in self._links:
                     continue
-                link = self._new_link(peer, rail)
+                link, why = self._build(peer, rail)
                 self._links[(peer, rail)] = link
-            logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
+            if why is None:
+                logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
+            else:  # outside the lock: marking it broken publishes the table's state
+                link.refused(why)
+
+    def _build(self, peer: int, rail: int) -> tuple[Link, str | None]:
+        """The link to ``peer`` on ``rail``, and None; or, with another rail to fail
+        over to, an unbuilt one and why, when either end refuses to build it (its NIC
+        is down) or the rendezvous fails. A failure with one rail raises LinkError.
+
+        Both ends first say whether they build (``build<rank>`` under the link's
+        prefix), so one end never waits out a rendezvous the other never starts.
+        """
+        if len(self.rails) == 1:
+            return self._new_link(peer, rail), None
+        why = self.refuse(peer, rail) if self.refuse is not None else None
+        prefix = self.prefix(peer, rail)
+        try:
+            self.store.set(f"{prefix}build{self.rank}", "" if why is None else why)
+            theirs = self._poll(f"{prefix}build{peer}", peer, rail)
+        except (RuntimeError, DistError) as exc:
+            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        if why is None and theirs:
+            why = f"rank {peer} does not build it: {theirs}"
+        if why is None:
+            # Both ends are at this rendezvous now, so it takes milliseconds; a
+            # failure (a NIC that just went down) must not stall the call for long.
+            bound = min(self.config.connect_timeout_s, self.config.repair_timeout_s)
+            config = dataclasses.replace(self.config, connect_timeout_s=bound)
+            try:
+                return self._new_link(peer, rail, config), None
+            except LinkError as exc:
+                why = f"its rendezvous failed: {exc}"
+        link = Link.unbuilt(
+            rank=self.rank, peer=peer, rail=rail, prefix=prefix, config=self.config,
+            device_type=self.device_type, salt=salt_of(self.epoch),
+        )  # fmt: skip
+        self._wire(link)
+        return link, why
+
+    def _poll(self, key: str, peer: int, rail: int) -> str:
+        """The value of ``key`` once the peer wrote it (a non-blocking poll: the
+        store client is shared with the health board).
+
+        Raises:
+            LinkError: not within ``connect_timeout_s``, or the table closed or its
+                epoch was given up meanwhile.
+        """
+        end = time.monotonic() + self.config.connect_timeout_s
+        nap = 0.0005
+        while not self.store.check([key]):
+            if self.closed or self.abandoned is not None:
+                raise LinkError(f"rank {self.rank}: link to rank {peer} on rail {rail} given up")
+            if time.monotonic() > end:
+                raise LinkError(
+                    f"rank {self.rank}: rank {peer} did not come to build the link on rail "
+                    f"{rail} within {self.config.connect_timeout_s:.1f} s"
+                )
+            time.sleep(nap)
+            nap = min(nap * 2, 0.02)
+        return bytes(self.store.get(key)).decode()
 
     def get(self, peer: int, rail: int) -> Link:
         link = self._links.get((peer, rail))
@@ -270,6 +340,7 @@ class LinkTable:
             self._staged = {}
             self.relayed = set()
         for link in kept.values():
+            link.epoch = epoch
             link.ledger.renew(salt_of(epoch))
         for link in drop:
             link.close(background=True)

@@ -114,3 +114,66 @@ def test_a_staged_link_goes_into_service_only_where_both_ends_list_it() -> None:
     assert agreed_installs(rows, 0, CTL_TABLE) == []  # generations differ: not yet
     assert agreed_installs(rows, 2, CTL_TABLE) == []
     assert agreed_installs(rows, 5, DATA_TABLE) == []
+
+
+def _start_with_a_rail_down(pg: Any, rank: int, world: int, n: int) -> dict[str, Any]:
+    if rank == VICTIM:  # down before any link exists: what a new epoch meets
+        pg.nics.up[0] = False
+        pg.board.nic_changed(0, False)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(11 + rank))
+    first = x.clone()
+    pg.allreduce([first]).wait()  # builds the links
+    unbuilt = sorted(
+        (t.name, p, r) for t in _tables(pg) for (p, r), lk in t.links().items() if lk.pg is None
+    )
+    built = sorted(
+        (t.name, p, r) for t in _tables(pg) for (p, r), lk in t.links().items() if lk.pg is not None
+    )
+    if rank == VICTIM:
+        pg.nics.up[0] = True
+        pg.board.nic_changed(0, True)
+    equal = []
+    for _ in range(400):  # every rank makes the same calls
+        got = x.clone()
+        pg.allreduce([got]).wait()
+        equal.append(torch.equal(got, first))
+        done = torch.tensor([1.0 if _healthy(pg) else 0.0])
+        pg.allreduce([done]).wait()
+        if done.item() == world:
+            break
+        time.sleep(0.02)
+    return {
+        "first": first.tolist(),  # a tensor would not outlive its process in the queue
+        "unbuilt": unbuilt,
+        "built": built,
+        "all_equal": all(equal),
+        "healthy": _healthy(pg),
+        "repaired": sorted((t, p, r) for t, p, r, _ in pg.board.repair.repaired),
+    }
+
+
+def test_a_link_whose_nic_is_down_is_left_unbuilt_at_both_ends_then_repaired() -> None:
+    # Both ends say whether they build before any rendezvous: the victim's peers
+    # never wait out a rendezvous it cannot make (before: LinkError out of the
+    # call, and a job that ended when a NIC was down across an epoch change).
+    world, n = 4, 1 << 16
+    out = run_world(
+        _start_with_a_rail_down,
+        world,
+        rails=2,
+        args=(n,),
+        config={"topology": "mesh", "single_rail_below_bytes": 0, "repair_timeout_s": 5.0},
+    )
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(11 + r)) for r in range(world)]
+    assert torch.allclose(torch.tensor(out[0]["first"]), sum(xs), atol=1e-5)
+    for rank, res in enumerate(out):
+        assert res["first"] == out[0]["first"], rank
+        for table, peer, rail in res["unbuilt"]:
+            assert rail == 0 and VICTIM in (rank, peer), (rank, table, peer)
+        for table, peer, rail in res["built"]:
+            assert rail == 1 or VICTIM not in (rank, peer), (rank, table, peer)
+        assert res["unbuilt"], rank  # a mesh: every rank has links to the victim
+        assert res["all_equal"] and res["healthy"], rank
+        assert set(res["unbuilt"]) <= set(res["repaired"]), rank
+    peers_unbuilt = {(r, p) for r, res in enumerate(out) for _, p, _ in res["unbuilt"]}
+    assert {(p, r) for r, p in peers_unbuilt} == peers_unbuilt  # both ends of each
