@@ -398,17 +398,17 @@ def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
 def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     tmp_path: Path,
 ) -> None:
-    # A NIC of rank 1 goes down for a while first: its spare stands by in the same
-    # namespace and must not log that as its own. (Over by the kill: a link to
-    # the replacement that cannot be built on a rail whose NIC is down still
-    # fails the job, a gap noted on issue 5.)
+    # A NIC of rank 1 goes down first and stays down across the kill: its spare
+    # stands by in the same namespace and must not log that as its own, and the
+    # new epoch's links on that rail are left unbuilt at both ends (before, the
+    # rendezvous there failed and the job ended), then repaired once it is back.
     body = """
 [[fault]]
 kind = "nic-down"
 rank = 1
 rail = 1
-at_step = 5
-duration_s = 0.5
+at_step = 50
+duration_s = 2.5
 
 [[fault]]
 kind = "kill"
@@ -423,7 +423,7 @@ params_equal_fault_free = true
 max_recovery_s = 5.0
 """
     extra = "max_restarts = 1\nwarm_spares = true"
-    scenario = _scenario(tmp_path, body, topology="netns", steps=100, job_extra=extra)
+    scenario = _scenario(tmp_path, body, topology="netns", steps=200, job_extra=extra)
     out = tmp_path / "out"
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
@@ -447,6 +447,14 @@ max_recovery_s = 5.0
     assert joined[0]["standby_s"] > 0, joined
     nic = {(e["rank"], e["incarnation"]) for e in events if e["kind"] in ("nic.down", "nic.up")}
     assert nic == {(1, 0)}, nic
+    unbuilt = {(e["links"][0][0], e["links"][0][1]) for e in events
+               if e["kind"] == "link.down" and e.get("unbuilt")}  # fmt: skip
+    assert (1, 0) in unbuilt and (0, 1) in unbuilt, unbuilt  # the replacement's, both ends
+    assert all(e["links"][0][2] == 1 and 1 in e["links"][0][:2] for e in events
+               if e["kind"] == "link.down" and e.get("unbuilt")), unbuilt  # fmt: skip
+    rebuilt = [e for e in events if e["kind"] == "link.repaired" and "generation" in e]
+    repaired = {(e["links"][0][0], e["links"][0][1]) for e in rebuilt if e["epoch"] == 1}
+    assert unbuilt <= repaired, (unbuilt, repaired)  # the NIC came back: rail 1 again
     assert not _namespaces(_testbed_of(stderr))
 
 
