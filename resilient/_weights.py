@@ -128,11 +128,7 @@ class WeightLearner:
                 "link.degraded" if slow else "link.repaired",
                 epoch=self.epoch,
                 links=[(self.rank, -1, rail)],
-                reason=(
-                    f"rail {rail} is down or has a broken link at some rank"
-                    if slowest == DOWN
-                    else f"rail {rail} measured at {slowest / 1e6:.1f} MB/s (slowest rank)"
-                ),
+                reason=_why(rail, slowest),
                 action=f"rail weights now {':'.join(f'{x:g}' for x in weights)}",
             )
             logger.warning(
@@ -140,3 +136,12 @@ class WeightLearner:
                 self.rank, self.epoch, exchange.seq, rail,
                 "degraded" if slow else "recovered", weights,
             )  # fmt: skip
+
+
+def _why(rail: int, slowest: float) -> str:
+    """What a rail's slowest proposed rate says, for a weight change's event."""
+    if slowest == DOWN:
+        return f"rail {rail} is down or has a broken link at some rank"
+    if slowest <= 0:  # a rank that has not timed a transfer on it yet (a new epoch)
+        return f"rail {rail} is up at every rank; not measured at every rank yet"
+    return f"rail {rail} measured at {slowest / 1e6:.1f} MB/s (slowest rank)"
