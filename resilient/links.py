@@ -146,10 +146,13 @@ class LinkTable:
         if why is None and theirs:
             why = f"rank {peer} does not build it: {theirs}"
         if why is None:
-            # Both ends are at this rendezvous now, so it takes milliseconds; a
-            # failure (a NIC that just went down) must not stall the call for long.
-            bound = min(self.config.connect_timeout_s, self.config.repair_timeout_s)
-            config = dataclasses.replace(self.config, connect_timeout_s=bound)
+            # Both ends are at this rendezvous now, so a gloo pair takes milliseconds;
+            # a failure (a NIC that just went down) must not stall the call for long.
+            # (An NCCL communicator's own setup can take seconds.)
+            config = self.config
+            if self.device_type == "cpu":
+                bound = min(config.connect_timeout_s, config.repair_timeout_s)
+                config = dataclasses.replace(config, connect_timeout_s=bound)
             try:
                 return self._new_link(peer, rail, config), None
             except LinkError as exc:
