@@ -28,10 +28,13 @@ blocked on one of its ops. Ops the given-up call left half done may stay pending
 (unmatched, unwaited): every epoch salts its tags (:mod:`resilient._ledger`), so a
 stale receive never swallows a message of the next epoch; a link whose leftovers
 were posted under the next epoch's salt (16 epochs ago) is not kept. The
-donor is a rank with the highest committed step; every rank behind it, the
-replacement included, receives its state. Among the ranks furthest ahead the
-donor is the one with the healthiest links: the most rails up, then the fastest
-measured rails, then the lowest rank (the joiner has no links yet to compare).
+donors are the ranks with the highest committed step; every rank behind them,
+the replacement included, receives the state from one of them. The ranks
+furthest ahead are ranked by the health of their links: the most rails up, then
+the fastest measured rails, then the lowest rank (the joiner has no links yet to
+compare). Replacements are served first, by the best donors, then the survivors
+that are behind (a kill between two ranks' commits of a step); each donor serves
+its own receivers, so two receivers are served at once when two ranks are ahead.
 """
 
 from __future__ import annotations
@@ -113,9 +116,11 @@ class Plan:
 
     epoch: int
     members: tuple[int, ...]  # the ranks of the next epoch (fewer than world: shrunk)
-    step: int  # the donor's committed step: training resumes at step + 1
-    donor: int
+    step: int  # the donors' committed step: training resumes at step + 1
+    donor: int  # the best placed donor
     receivers: tuple[int, ...]
+    # receiver -> the donor that sends it the state (every receiver is a key)
+    donors: Mapping[int, int] = field(default_factory=dict)
     joined: tuple[int, ...]  # ranks with a new incarnation (replacements)
     keep_data: Mapping[int, list[tuple[int, int]]]
     keep_ctl: Mapping[int, list[tuple[int, int]] | None]
@@ -164,14 +169,19 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     # then the fastest measured rails, then the lowest rank (every rank computes
     # the same from the same records).
     ahead = [r for r in survivors if r.step == step]
-    donor = max(ahead, key=lambda r: (r.rails_up, r.rate, -r.rank)).rank
+    ranked = [r.rank for r in sorted(ahead, key=lambda r: (-r.rails_up, -r.rate, r.rank))]
+    # Replacements (step -1) first: they get the best donors.
+    behind = sorted(
+        (r for r in records.values() if r.step < step), key=lambda r: (r.step >= 0, r.rank)
+    )
     data, ctl = _kept(records, "data", epoch + 1), _kept(records, "ctl", epoch + 1)
     return Plan(
         epoch=epoch + 1,
         members=tuple(sorted(records)),
         step=step,
-        donor=donor,
-        receivers=tuple(sorted(r.rank for r in records.values() if r.step < step)),
+        donor=ranked[0],
+        donors={r.rank: ranked[i % len(ranked)] for i, r in enumerate(behind)},
+        receivers=tuple(sorted(r.rank for r in behind)),
         joined=tuple(sorted(r.rank for r in records.values() if r.step < 0)),
         keep_data={r: keep or [] for r, keep in data.items()},
         keep_ctl=ctl,

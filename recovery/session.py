@@ -505,19 +505,22 @@ class Session:
             members=list(plan.members), kept=len(kept), dropped=dropped,
         )  # fmt: skip
         logger.info(
-            "rank %d (epoch %d, step %d): donor %d, receivers %s, %d link(s) dropped",
-            self._rank, plan.epoch, plan.step + 1, plan.donor, list(plan.receivers), dropped,
+            "rank %d (epoch %d, step %d): receiver <- donor %s, %d link(s) dropped",
+            self._rank, plan.epoch, plan.step + 1, dict(plan.donors), dropped,
         )  # fmt: skip
         return plan
 
     def _restore(self, plan: Plan) -> None:
-        """The donor sends its state to every rank behind it; those load it."""
+        """Each donor sends its state to the ranks behind it the plan gives it
+        (two donors serve two receivers at once); those load it."""
         assert self.pg is not None
-        if self._rank == plan.donor:
+        mine = [peer for peer in plan.receivers if plan.donors.get(peer) == self._rank]
+        if mine:
             sent = self._payload or self._pack()
-            for peer in plan.receivers:
+            for peer in mine:
                 self.pg.send_state(peer, sent.header, sent.tensors)
         elif self._rank in plan.receivers:
+            donor = plan.donors[self._rank]
             began = time.monotonic()
             got: dict[str, Any] = {}
 
@@ -526,17 +529,17 @@ class Session:
                 got.update(state)
                 return into
 
-            nbytes = self.pg.recv_state(plan.donor, allocate)
+            nbytes = self.pg.recv_state(donor, allocate)
             if int(got["step"]) != plan.step:
                 raise RecoveryError(
-                    f"rank {self._rank}: donor {plan.donor} sent step {got['step']}, "
-                    f"planned {plan.step}"
+                    f"rank {self._rank}: donor {donor} sent step {got['step']}, planned {plan.step}"
                 )
             self.state.load_state_dict(got["state"])
             events.emit(
                 "state.restored", epoch=plan.epoch, step=plan.step,
                 duration_ms=(time.monotonic() - began) * 1e3,
-                reason=f"{nbytes} B from rank {plan.donor}",
+                reason=f"{nbytes} B from rank {donor}",
+                donor=donor,
                 action=f"loaded step {plan.step}",
             )  # fmt: skip
         self._payload = None

@@ -170,6 +170,13 @@ def test_of_the_ranks_furthest_ahead_the_one_with_more_rails_up_then_faster_dona
     recs[2] = Record(rank=2, incarnation=0, step=8, rails_up=2, rate=2e8)  # behind
     plan = make_plan(0, recs)
     assert plan.donor == 1 and plan.receivers == (2, 3)
+    # Two ranks ahead serve the two behind at once; the replacement gets the best.
+    assert plan.donors == {3: 1, 2: 0}
+
+
+def test_with_one_rank_ahead_it_serves_every_rank_behind() -> None:
+    plan = make_plan(0, _records())
+    assert plan.donors == {1: 0, 2: 0}
 
 
 def test_through_etcd_a_record_written_while_waiting_wakes_the_agreement(
