@@ -127,7 +127,7 @@ class Link:
     ) -> Link:  # fmt: skip
         """A link that was never built (its NIC is down at one end): every op on it
         raises LinkError, so its traffic fails over at once; the caller marks it
-        broken (:meth:`abort`), and the repair thread builds it once both NICs are up."""
+        broken (:meth:`refused`), and the repair thread builds it once both NICs are up."""
         return cls(
             rank=rank, peer=peer, rail=rail, address="", store=None,
             prefix=prefix, config=config, device_type=device_type, salt=salt, unbuilt=True,
