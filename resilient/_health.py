@@ -153,18 +153,21 @@ class HealthBoard:
         """``peer``'s latest record lists its link to this rank on ``rail`` as broken."""
         return (self.rank, rail) in self._peers.get(peer, PeerState()).broken
 
-    def peer_cut(self, peer: int) -> bool:
-        """Whether ``peer``'s record, read from the store now, reports a link to this
-        rank broken or one of its NICs down (so it may have cut links on purpose)."""
+    def peer_cut_rails(self, peer: int) -> set[int]:
+        """The rails on which ``peer``'s record, read from the store now, says it may
+        have cut its link to this rank: a NIC of that rail down, or that link
+        reported broken. Empty when the record cannot be read (the links' own
+        evidence then stands)."""
         key = f"{self._prefix}/r{peer}"
         try:
             if not self._store.check([key]):
-                return False
+                return set()
             data = json.loads(bytes(self._store.get(key)).decode())
-        except Exception:  # store unreachable: the links' own evidence stands
+        except Exception:
             logger.warning("rank %d: reading rank %d's health record failed", self.rank, peer)
-            return False
-        return bool(data["nic_down"]) or any(int(p) == self.rank for p, _ in data["broken"])
+            return set()
+        mine = {int(r) for p, r in data["broken"] if int(p) == self.rank}
+        return {int(r) for r in data["nic_down"]} | mine
 
     def mark_lost(self, peer: int) -> None:
         """Publish that ``peer`` is gone (never raises)."""

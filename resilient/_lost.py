@@ -7,8 +7,9 @@ errors, 4 ranks, 2 rails). A broken cable, a NIC down or a DROP rule never close
 connection; they stall it. The one other way a link closes is a peer cutting its
 end on purpose (it saw the link dead; :mod:`resilient._health`), and such a peer
 first publishes that link as broken. So a peer is declared lost when links to it
-closed at its end on *every* rail and its own health record, read now, reports
-none of them. A hung peer keeps its sockets open: that needs a deadline or a
+closed at its end on *every* rail (rails whose links this rank had cut already,
+say a NIC down, aside) and its own health record, read now, does not explain at
+least one of those closes. A hung peer keeps its sockets open: that needs a deadline or a
 lease, not this.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from resilient._health import HealthBoard
 from resilient.links import LinkTable
 
-__all__ = ["closed_rails", "dead_peer", "gone_rails"]
+__all__ = ["closed_rails", "cut_rails", "dead_peer", "gone_rails"]
 
 
 def closed_rails(tables: Iterable[LinkTable]) -> dict[int, set[int]]:
@@ -45,15 +46,34 @@ def gone_rails(tables: Iterable[LinkTable]) -> dict[int, set[int]]:
     return gone
 
 
+def cut_rails(tables: Iterable[LinkTable]) -> dict[int, set[int]]:
+    """Per peer, the rails on which this rank cut its link (a NIC down at either
+    end, a link the peer reported broken, a link never built): no close can show
+    there, whatever happens to the peer."""
+    cut: dict[int, set[int]] = {}
+    for table in tables:
+        for (peer, rail), link in table.links().items():
+            if link.broken and not link.peer_closed and link.cut_reason is not None:
+                cut.setdefault(peer, set()).add(rail)
+    return cut
+
+
 def dead_peer(tables: Iterable[LinkTable], rails: int, board: HealthBoard) -> int | None:
     """The lowest peer whose links closed on every rail without it saying so, or None.
 
     A rail counts as closed when a link to the peer on it failed with the peer's
-    close, or (given one such rail) when its socket is gone (see gone_rails).
+    close, or (given one such rail) when its socket is gone (see gone_rails), or
+    when this rank had cut its link there before (cut_rails: a NIC down). At least
+    one close must be one the peer's own health record, read now, does not explain
+    (a NIC of that rail down, or that link reported broken): a peer that cut its
+    links on purpose said so first. A stalled link (a deadline) keeps the peer
+    alive: a hang needs a lease.
     """
     tables = list(tables)
-    gone = gone_rails(tables)
+    gone, cut = gone_rails(tables), cut_rails(tables)
     for peer, closed in sorted(closed_rails(tables).items()):
-        if len(closed | gone.get(peer, set())) >= rails and not board.peer_cut(peer):
+        if len(closed | gone.get(peer, set()) | cut.get(peer, set())) < rails:
+            continue
+        if closed - board.peer_cut_rails(peer):
             return peer
     return None

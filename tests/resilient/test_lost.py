@@ -15,6 +15,7 @@ class _Link:
     broken: bool = False
     peer_closed: bool = False
     socket_gone: bool = False
+    cut_reason: str | None = None
 
 
 class _Table:
@@ -26,17 +27,20 @@ class _Table:
 
 
 class _Board:
-    def __init__(self, cut: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        self.cut = cut
+    """What each peer's health record says it cut: ``{peer: rails}``."""
 
-    def peer_cut(self, peer: int) -> bool:
-        return peer in self.cut
+    def __init__(self, cut: dict[int, set[int]] | None = None) -> None:
+        self.cut = cut or {}
+
+    def peer_cut_rails(self, peer: int) -> set[int]:
+        return self.cut.get(peer, set())
 
 
 CLOSED = _Link(broken=True, peer_closed=True)
 GONE = _Link(socket_gone=True)
 OK = _Link()
 STALLED = _Link(broken=True)  # failed at a deadline: the peer may be alive
+CUT = _Link(broken=True, cut_reason="the NIC of rail 0 went down")  # cut here before
 
 
 def _dead(links: dict[tuple[int, int], _Link], board: Any = None) -> int | None:
@@ -59,4 +63,18 @@ def test_a_rail_whose_socket_gloo_already_closed_counts_with_one_closed_rail() -
 def test_a_stalled_rail_or_a_peer_that_cut_its_links_is_not_dead() -> None:
     assert _dead({(2, 0): CLOSED, (2, 1): STALLED}) is None
     assert _dead({(2, 0): CLOSED, (2, 1): OK}) is None
-    assert _dead({(2, 0): CLOSED, (2, 1): CLOSED}, _Board({2})) is None
+    assert _dead({(2, 0): CLOSED, (2, 1): CLOSED}, _Board({2: {0, 1}})) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_rail_cut_before_for_a_nic_down_leaves_the_other_rails_to_tell() -> None:
+    # Seen in a chaos run: the killed rank's rail-0 NIC was down, its rail-1 links
+    # closed, and the survivors, waiting for a close on rail 0 too, raised
+    # LinkError out of DDP instead of recovering.
+    assert _dead({(2, 0): CUT, (2, 1): CLOSED}) == 2
+    # Its record explains the rail-0 NIC; the rail-1 close it does not explain.
+    assert _dead({(2, 0): CLOSED, (2, 1): CLOSED}, _Board({2: {0}})) == 2
+    # A close it explains is not evidence, and a cut rail alone never is.
+    assert _dead({(2, 0): CUT, (2, 1): CLOSED}, _Board({2: {1}})) is None
+    assert _dead({(2, 0): CUT, (2, 1): GONE}) is None
+    assert _dead({(2, 0): CUT, (2, 1): STALLED}) is None
