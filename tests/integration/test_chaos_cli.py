@@ -458,6 +458,51 @@ max_recovery_s = 5.0
     assert not _namespaces(_testbed_of(stderr))
 
 
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_killed_rank_whose_nic_was_down_is_found_lost_and_restored_over_its_other_rail(
+    tmp_path: Path,
+) -> None:
+    # Rank 2's rail-0 NIC is down when it is killed: its survivors see its links
+    # close on rail 1 only (they had cut rail 0) and must still find it lost; its
+    # replacement comes up with that NIC still down, so its rail-0 links stay
+    # unbuilt and the state travels on rail 1.
+    body = """
+[[fault]]
+kind = "nic-down"
+rank = 2
+rail = 0
+at_step = 30
+duration_s = 5.0
+
+[[fault]]
+kind = "kill"
+rank = 2
+at_step = 40
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+params_equal_fault_free = true
+"""
+    scenario = _scenario(tmp_path, body, topology="netns", steps=160, job_extra="max_restarts = 1")
+    out = tmp_path / "out"
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    events = read_events(out / "run")
+    found = {e["rank"] for e in events if e["kind"] == "rank.lost" and e["incarnation"] == 0
+             and e["links"] and e["links"][0][1] == 2}  # fmt: skip
+    assert found and found <= {0, 1}, found  # a survivor saw it gone by itself
+    restored = [e for e in events if e["kind"] == "state.restored"]
+    assert [(e["rank"], e["incarnation"]) for e in restored if e["rank"] == 2] == [(2, 1)]
+    unbuilt = {tuple(e["links"][0]) for e in events if e["kind"] == "link.down"
+               and e.get("unbuilt") and e["incarnation"] == 1}  # fmt: skip
+    assert unbuilt and all(link[0] == 2 and link[2] == 0 for link in unbuilt), unbuilt
+    assert not _namespaces(_testbed_of(stderr))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_with_no_restart_left_the_survivors_shrink_at_once_and_finish(
