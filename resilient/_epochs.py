@@ -322,7 +322,7 @@ class EpochControl:
                 f"rank {self.rank()} (epoch {self._epoch}): calls of the failed step still "
                 f"running after {timeout_s:.1f} s"
             )
-        self.board.stop()
+        self.board.stop(wait_repair=False)
         ctl = None
         if self._channel is not None and self._channel.stop(timeout_s):
             ctl = self._named(self._channel.engine.links.counters())

@@ -101,14 +101,15 @@ class HealthBoard:
                 self.repair.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, wait_repair: bool = True) -> None:
+        """Stop watching and repairing (``wait_repair``: see LinkRepair.stop)."""
         self._halt.set()
         if self._bell is not None:
             self._bell.close()
         if self._thread is not None:
             self._thread.join(2.0)
         if self.repair is not None:
-            self.repair.stop()
+            self.repair.stop(wait=wait_repair)
 
     def seed_nic_down(self, rails: Iterable[int]) -> None:
         """Start knowing these rails' NICs down here (they went down in an earlier

@@ -123,9 +123,14 @@ class LinkRepair:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop repairing. ``wait=False`` (leaving an epoch) does not wait for an
+        attempt under way: its rendezvous may wait out ``timeout_s`` on a peer that
+        is gone, and the recovery must not (seen: a flapping NIC's repair toward the
+        killed rank held the epoch change for 16 s). Such an attempt ends on its
+        own and puts nothing in service (see _attempt)."""
         self._halt.set()
-        if self._thread is not None:
+        if self._thread is not None and wait:
             self._thread.join(self.timeout_s * 3 + 1.0)
 
     def _run(self) -> None:
@@ -182,7 +187,7 @@ class LinkRepair:
         gen = self._generation(table, link)
         if gen is None:
             return
-        start = time.monotonic()
+        start, epoch = time.monotonic(), table.epoch
         new: Link | None = None
         try:
             new = table.rebuild(link.peer, link.rail, gen, self.timeout_s)
@@ -193,7 +198,8 @@ class LinkRepair:
             if new is not None:
                 new.close(background=True)
             return
-        if not table.stage(new, gen):
+        if self._halt.is_set() or not table.stage(new, gen, epoch):  # stopped meanwhile
+            new.close(background=True)
             return
         ms = (time.monotonic() - start) * 1e3
         self._failures.pop(ident, None)

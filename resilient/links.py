@@ -132,7 +132,9 @@ class LinkTable:
         is down) or the rendezvous fails. A failure with one rail raises LinkError.
 
         Both ends first say whether they build (``build<rank>`` under the link's
-        prefix), so one end never waits out a rendezvous the other never starts.
+        prefix), so one end never waits out a rendezvous the other never starts, and
+        then whether it succeeded (``built<rank>``), so a link is in service at both
+        ends or at neither.
         """
         if len(self.rails) == 1:
             return self._new_link(peer, rail), None
@@ -153,16 +155,38 @@ class LinkTable:
             if self.device_type == "cpu":
                 bound = min(config.connect_timeout_s, config.repair_timeout_s)
                 config = dataclasses.replace(config, connect_timeout_s=bound)
+            built: Link | None = None
             try:
-                return self._new_link(peer, rail, config), None
+                built = self._new_link(peer, rail, config)
             except LinkError as exc:
                 why = f"its rendezvous failed: {exc}"
+            # One end may give up at the bound just as the other gets through (a
+            # flapping NIC): both say how it went, and only a link built at both
+            # ends goes into service (else one end would wait on it for a deadline).
+            agreed = self._agree_built(prefix, peer, rail, built is not None)
+            why = why or agreed
+            if why is None and built is not None:
+                return built, None
+            if built is not None:
+                built.close(background=True)
         link = Link.unbuilt(
             rank=self.rank, peer=peer, rail=rail, prefix=prefix, config=self.config,
             device_type=self.device_type, salt=salt_of(self.epoch),
         )  # fmt: skip
         self._wire(link)
         return link, why
+
+    def _agree_built(self, prefix: str, peer: int, rail: int, ok: bool) -> str | None:
+        """Tell the peer whether this end's rendezvous succeeded; why the link is not
+        usable (ours or the peer's failed), or None."""
+        try:
+            self.store.set(f"{prefix}built{self.rank}", "1" if ok else "0")
+            theirs = self._poll(f"{prefix}built{peer}", peer, rail)
+        except (RuntimeError, DistError, LinkError) as exc:
+            return f"its rendezvous could not be confirmed: {exc}"
+        if not ok:
+            return "its rendezvous failed here"
+        return None if theirs == "1" else f"its rendezvous failed at rank {peer}"
 
     def _poll(self, key: str, peer: int, rail: int) -> str:
         """The value of ``key`` once the peer wrote it (a non-blocking poll: the
@@ -228,20 +252,22 @@ class LinkTable:
             old.close(background=True)
         return True
 
-    def stage(self, link: Link, generation: int) -> bool:
+    def stage(self, link: Link, generation: int, epoch: int | None = None) -> bool:
         """Keep rebuilt ``link`` until :meth:`promote` (or install it now when
         ``stage_installs`` is off). Both ends must switch on the same call: one end
         sending on the new link while the other still fails over from the old one
-        would wait for each other until a deadline. False if the table is closed."""
-        if not self.stage_installs:
-            return self.install(link)
+        would wait for each other until a deadline. False (and ``link`` closed) if
+        the table is closed or has left ``epoch``, the one the link was built in."""
         with self._lock:
-            old = None if self.closed else self._staged.get((link.peer, link.rail))
-            if not self.closed:
+            refused = self.closed or (epoch is not None and epoch != self.epoch)
+            old = None if refused else self._staged.get((link.peer, link.rail))
+            if not refused and self.stage_installs:
                 self._staged[(link.peer, link.rail)] = (link, generation)
-        if self.closed:
+        if refused:
             link.close()
             return False
+        if not self.stage_installs:
+            return self.install(link)
         if old is not None:
             old[0].close(background=True)
         return True
