@@ -5,6 +5,7 @@ fault-free one (real processes, real gloo links and connections)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -177,3 +178,101 @@ def test_a_link_whose_nic_is_down_is_left_unbuilt_at_both_ends_then_repaired() -
         assert set(res["unbuilt"]) <= set(res["repaired"]), rank
     peers_unbuilt = {(r, p) for r, res in enumerate(out) for _, p, _ in res["unbuilt"]}
     assert {(p, r) for r, p in peers_unbuilt} == peers_unbuilt  # both ends of each
+
+
+@pytest.mark.timeout(30)
+def test_leaving_an_epoch_does_not_wait_for_a_repair_attempt_under_way() -> None:
+    # Seen in a chaos run: a flapping NIC's repair toward the killed rank sat in a
+    # rendezvous, and the epoch change waited for it (16 s, the old bound).
+    from resilient._repair import LinkRepair
+
+    repair = LinkRepair(rank=0, board=None, interval_s=0.01, timeout_s=5.0)
+    busy = threading.Event()
+
+    def stuck_round() -> None:
+        busy.set()
+        time.sleep(3.0)  # a rendezvous waiting on a peer that is gone
+
+    repair._round = stuck_round  # type: ignore[method-assign]
+    repair.start()
+    assert busy.wait(5.0)
+    began = time.monotonic()
+    repair.stop(wait=False)
+    assert time.monotonic() - began < 0.5
+
+
+@pytest.mark.timeout(30)
+def test_a_link_rebuilt_in_an_epoch_that_is_over_is_closed_not_staged() -> None:
+    from resilient.config import DataPlaneConfig
+    from resilient.links import LinkTable
+
+    table = LinkTable(
+        rank=0, rails=("127.0.0.1", "127.0.0.2"), store=None,  # type: ignore[arg-type]
+        config=DataPlaneConfig(), epoch=3,
+    )  # fmt: skip
+    table.stage_installs = True
+    closed: list[object] = []
+
+    class _Rebuilt:
+        peer, rail = 1, 0
+
+        def close(self, background: bool | None = None) -> None:
+            closed.append(self)
+
+    table.renew(4, [])
+    late = _Rebuilt()
+    assert not table.stage(late, 1, epoch=3)  # type: ignore[arg-type]
+    assert closed == [late] and table.staged() == []
+    assert table.stage(_Rebuilt(), 1, epoch=4)  # type: ignore[arg-type]
+    assert table.staged() == [(1, 0, 1)]
+
+
+@pytest.mark.timeout(60)
+def test_a_link_whose_rendezvous_failed_at_one_end_is_unbuilt_at_both() -> None:
+    # One end may give up at its bound just as the other gets through (seen with a
+    # flapping NIC): the end that got through must not keep a link the other
+    # lacks. A real store between two tables; the gloo part is stubbed per end.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from resilient.config import DataPlaneConfig
+    from resilient.errors import LinkError
+    from resilient.links import LinkTable
+    from tests._dist import free_port
+
+    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1", port, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False
+    )
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=20))
+    closed: list[int] = []
+
+    class _Got:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def close(self, background: bool | None = None) -> None:
+            closed.append(self.rank)
+
+    def table(rank: int, store: Any) -> LinkTable:
+        t = LinkTable(rank=rank, rails=("127.0.0.1", "127.0.0.2"), store=store,
+                      config=DataPlaneConfig(connect_timeout_s=10.0))  # fmt: skip
+
+        def new_link(peer: int, rail: int, config: Any = None) -> Any:
+            if rank == 1:
+                raise LinkError("connect: Network is unreachable")
+            return _Got(rank)
+
+        t._new_link = new_link  # type: ignore[method-assign]
+        return t
+
+    tables = [table(0, server), table(1, client)]
+    threads = [threading.Thread(target=t.ensure, args=([(1 - t.rank, 0)],)) for t in tables]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    links = [t.links()[(1 - t.rank, 0)] for t in tables]
+    assert all(lk.pg is None and lk.broken for lk in links), links
+    assert closed == [0]  # what rank 0 had built is dropped
