@@ -176,6 +176,8 @@ class EpochControl:
         """Why not to build a link to ``peer`` (a position) on ``rail`` now, or None."""
         if not self.nics.up[rail]:
             return f"the NIC of rail {rail} is down at rank {self.rank()}"
+        if not self.nics.steady(rail):
+            return f"the NIC of rail {rail} went down at rank {self.rank()} moments ago"
         if not self.board.nic_up_both(peer, rail):
             return f"rank {self._members[peer]} reported its NIC of rail {rail} down"
         return None

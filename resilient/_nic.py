@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 _DOWN: Final = frozenset({"down", "lowerlayerdown", "notpresent", "dormant"})
 SYSFS_NET: Final = Path("/sys/class/net")
+# No link is built on a NIC that went down less than this long ago. Seen: a
+# rendezvous on a NIC flapping every 0.1 s sat in gloo for 26 s, well past its
+# bound, holding up every link build behind it (they go in one global order).
+HOLD_DOWN_S: Final = 2.0
 
 
 def interface_of(address: str) -> str | None:
@@ -60,9 +65,16 @@ class NicMonitor:
         ]  # fmt: skip
         self._sysfs, self._interval = sysfs, interval_s
         self.up = [True] * len(self.interfaces)
+        # When each rail's NIC last went down (monotonic s; -inf: never seen down).
+        self.down_at = [float("-inf")] * len(self.interfaces)
         self._callbacks: list[Callable[[int, bool], None]] = []
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def steady(self, rail: int, hold_s: float = HOLD_DOWN_S) -> bool:
+        """``rail``'s NIC is up and has not gone down for ``hold_s``: a flapping NIC
+        is not, between two flaps."""
+        return self.up[rail] and time.monotonic() - self.down_at[rail] >= hold_s
 
     @property
     def watching(self) -> bool:
@@ -100,6 +112,8 @@ class NicMonitor:
                 up = self._is_up(rail)
                 if up != self.up[rail]:
                     self.up[rail] = up
+                    if not up:
+                        self.down_at[rail] = time.monotonic()
                     self._report(rail, up)
 
     def _report(self, rail: int, up: bool) -> None:

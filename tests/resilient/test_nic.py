@@ -38,6 +38,10 @@ def test_changes_of_operstate_reach_the_callbacks(tmp_path: Path) -> None:
         assert took < 0.5 and mon.up == [True, False]
         (tmp_path / "eth8" / "operstate").write_text("unknown\n")  # virtual NICs: up
         _wait_for(lambda: seen == [(1, False), (1, True)])
+        # Up again, but not steady yet: no link is built on it for a while (a
+        # flapping NIC); the other rail never went down.
+        assert mon.up[1] and not mon.steady(1) and mon.steady(1, hold_s=0.0)
+        assert mon.steady(0)
     finally:
         mon.stop()
 
