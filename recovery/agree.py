@@ -32,9 +32,9 @@ donors are the ranks with the highest committed step; every rank behind them,
 the replacement included, receives the state from one of them. The ranks
 furthest ahead are ranked by the health of their links: the most rails up, then
 the fastest measured rails, then the lowest rank (the joiner has no links yet to
-compare). Replacements are served first, by the best donors, then the survivors
-that are behind (a kill between two ranks' commits of a step); each donor serves
-its own receivers, so two receivers are served at once when two ranks are ahead.
+compare). Replacements are given the best ranked donors, then the survivors that
+are behind (a kill between two ranks' commits of a step); each donor serves its
+own receivers, so two receivers are served at once when two ranks are ahead.
 """
 
 from __future__ import annotations
