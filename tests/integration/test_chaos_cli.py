@@ -59,6 +59,35 @@ def _on_both_rails(keys: str) -> str:
     return "".join(f"\n[[fault]]\n{keys}\nrail = {rail}\n" for rail in (0, 1))
 
 
+def _nic_down_then_kill(
+    nic: tuple[int, int, int, float], victim: int, kill_at: int, extra_expect: str = ""
+) -> str:
+    """A scenario body: ``nic`` = (rank, rail, at_step, duration_s) of a NIC taken
+    down, then ``victim`` killed at step ``kill_at``; the job must end bitwise equal
+    to the fault-free run with at most one step replayed."""
+    rank, rail, at_step, duration_s = nic
+    return f"""
+[[fault]]
+kind = "nic-down"
+rank = {rank}
+rail = {rail}
+at_step = {at_step}
+duration_s = {duration_s}
+
+[[fault]]
+kind = "kill"
+rank = {victim}
+at_step = {kill_at}
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+params_equal_fault_free = true
+{extra_expect}
+"""
+
+
 def _chaos(
     scenario: Path, out: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
@@ -402,26 +431,7 @@ def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     # stands by in the same namespace and must not log that as its own, and the
     # new epoch's links on that rail are left unbuilt at both ends (before, the
     # rendezvous there failed and the job ended), then repaired once it is back.
-    body = """
-[[fault]]
-kind = "nic-down"
-rank = 1
-rail = 1
-at_step = 50
-duration_s = 2.5
-
-[[fault]]
-kind = "kill"
-rank = 0
-at_step = 60
-
-[expect]
-completes = true
-max_steps_replayed = 1
-params_equal_across_ranks = true
-params_equal_fault_free = true
-max_recovery_s = 5.0
-"""
+    body = _nic_down_then_kill((1, 1, 50, 2.5), 0, 60, "max_recovery_s = 5.0")
     extra = "max_restarts = 1\nwarm_spares = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=200, job_extra=extra)
     out = tmp_path / "out"
@@ -467,25 +477,7 @@ def test_a_killed_rank_whose_nic_was_down_is_found_lost_and_restored_over_its_ot
     # close on rail 1 only (they had cut rail 0) and must still find it lost; its
     # replacement comes up with that NIC still down, so its rail-0 links stay
     # unbuilt and the state travels on rail 1.
-    body = """
-[[fault]]
-kind = "nic-down"
-rank = 2
-rail = 0
-at_step = 30
-duration_s = 5.0
-
-[[fault]]
-kind = "kill"
-rank = 2
-at_step = 40
-
-[expect]
-completes = true
-max_steps_replayed = 1
-params_equal_across_ranks = true
-params_equal_fault_free = true
-"""
+    body = _nic_down_then_kill((2, 0, 30, 5.0), 2, 40)
     scenario = _scenario(tmp_path, body, topology="netns", steps=160, job_extra="max_restarts = 1")
     out = tmp_path / "out"
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
