@@ -59,6 +59,15 @@ def _on_both_rails(keys: str) -> str:
     return "".join(f"\n[[fault]]\n{keys}\nrail = {rail}\n" for rail in (0, 1))
 
 
+def _passing_run(scenario: Path, out: Path) -> tuple[dict[str, Any], str]:
+    """Run ``scenario`` with ``--json`` into ``out``; its report and stderr, once
+    the run exited 0 and the report says it passed (else the assertion shows why)."""
+    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    return report, stderr
+
+
 def _nic_down_then_kill(
     nic: tuple[int, int, int, float], victim: int, kill_at: int, extra_expect: str = ""
 ) -> str:
@@ -410,9 +419,7 @@ def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
     extra = "max_restarts = 0\nmin_ranks = 2\nshrink_after_s = 30.0\nevict_stragglers = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
     out = tmp_path / "out"
-    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
-    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    report, _ = _passing_run(scenario, out)
     assert report["steps"]["left_out"] == [2]
     events = read_events(out / "run")
     evicted = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "rank.evicted"]
@@ -435,9 +442,7 @@ def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     extra = "max_restarts = 1\nwarm_spares = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=200, job_extra=extra)
     out = tmp_path / "out"
-    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
-    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    _, stderr = _passing_run(scenario, out)
     assert "restarting as incarnation 1 (warm spare)" in stderr
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
@@ -480,9 +485,7 @@ def test_a_killed_rank_whose_nic_was_down_is_found_lost_and_restored_over_its_ot
     body = _nic_down_then_kill((2, 0, 30, 5.0), 2, 40)
     scenario = _scenario(tmp_path, body, topology="netns", steps=160, job_extra="max_restarts = 1")
     out = tmp_path / "out"
-    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
-    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    _, stderr = _passing_run(scenario, out)
     events = read_events(out / "run")
     found = {e["rank"] for e in events if e["kind"] == "rank.lost" and e["incarnation"] == 0
              and e["links"] and e["links"][0][1] == 2}  # fmt: skip
@@ -552,9 +555,7 @@ params_close_fault_free = 1e-3
     )
     scenario = _scenario(tmp_path, body, topology="netns", steps=250, nproc=4)
     out = tmp_path / "out"
-    code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
-    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    _passing_run(scenario, out)
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
     pair = [e for e in events if e["kind"] in ("link.degraded", "link.down")
