@@ -101,6 +101,7 @@ class Link:
         device_type: str = "cpu",
         salt: int = 0,
         unbuilt: bool = False,
+        over: Callable[[], bool] | None = None,
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
@@ -116,7 +117,7 @@ class Link:
         if not unbuilt:
             if store is None:
                 raise ConfigError(f"link {rank}<->{peer} rail {rail}: no store to build it")
-            self._rendezvous(store, index, address)
+            self._rendezvous(store, index, address, over)
         self.connect_s = time.monotonic() - start
         self._init_state(salt)
 
@@ -133,14 +134,16 @@ class Link:
             prefix=prefix, config=config, device_type=device_type, salt=salt, unbuilt=True,
         )  # fmt: skip
 
-    def _rendezvous(self, store: Store, index: int, address: str) -> None:
+    def _rendezvous(
+        self, store: Store, index: int, address: str, over: Callable[[], bool] | None
+    ) -> None:
         rank, peer, rail, config = self.rank, self.peer, self.rail, self.config
         try:
             own = PrefixStore(self.prefix, store)
             if self.device_type == "cuda":
                 self.pg = _nccl_pair(own, index, config)
             else:
-                with _sockets.capture() as got:
+                with _sockets.capture(config.connect_timeout_s, over) as got:
                     self.pg = _gloo_pair(own, index, address, config)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
         except (RuntimeError, dist.DistError) as exc:

@@ -89,8 +89,13 @@ class LinkTable:
             config=config or self.config,
             device_type=self.device_type,
             salt=salt_of(self.epoch),
+            over=self._over(self.epoch),
         )
         return self._wire(link)
+
+    def _over(self, epoch: int) -> Callable[[], bool]:
+        """Whether a build begun in ``epoch`` has nobody waiting for it any more."""
+        return lambda: self.closed or self.abandoned is not None or self.epoch != epoch
 
     def _wire(self, link: Link) -> Link:
         # Waits of the signature exchange last as long as the latest rank takes to
