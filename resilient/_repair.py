@@ -51,6 +51,7 @@ __all__ = [
     "LinkRepair",
     "agreed_installs",
     "install_agreed",
+    "join_stranded",
     "staged_rows",
 ]
 
@@ -60,6 +61,26 @@ _POLL_S: Final = 0.002
 # Table codes in the exchange rows' staged entries.
 DATA_TABLE: Final = 0
 CTL_TABLE: Final = 1
+
+# Repair threads an epoch change left running (``stop(wait=False)``). The group's
+# shutdown joins them: a daemon thread that comes back from gloo's constructor
+# after the interpreter began finalising aborts the process ("terminate called
+# without an active exception", seen after a flapping NIC's job had finished).
+_STRANDED: list[threading.Thread] = []
+_STRANDED_LOCK = threading.Lock()
+
+
+def join_stranded(timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` in all for repair threads left running by an
+    epoch change; returns how many are still running after that."""
+    end = time.monotonic() + timeout_s
+    with _STRANDED_LOCK:
+        threads = list(_STRANDED)
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    with _STRANDED_LOCK:
+        _STRANDED[:] = [t for t in _STRANDED if t.is_alive()]
+        return len(_STRANDED)
 
 
 def staged_rows(tables: dict[int, LinkTable]) -> list[tuple[int, int, int, int]]:
@@ -132,6 +153,9 @@ class LinkRepair:
         self._halt.set()
         if self._thread is not None and wait:
             self._thread.join(self.timeout_s * 3 + 1.0)
+        elif self._thread is not None and self._thread.is_alive():
+            with _STRANDED_LOCK:
+                _STRANDED.append(self._thread)
 
     def _run(self) -> None:
         while not self._halt.wait(self.interval_s):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
+from resilient import _repair
 from resilient._args import check_tensors, reduce_op
 from resilient._epochs import EpochControl
 from resilient._gathers import GatherOps
@@ -304,6 +305,12 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         if self.gpu is not None:
             self.gpu.close()
         self.board.stop()
+        # gloo's constructor has been seen to overrun its bound by ~26 s.
+        if (left := _repair.join_stranded(self.config.repair_timeout_s * 3 + 30.0)) > 0:
+            logger.warning(
+                "rank %d (epoch %d): %d link repair(s) still running at shutdown",
+                self._pos, self._epoch, left,
+            )  # fmt: skip
         self._queue.put(None)
         self._thread.join(timeout=60)
         if self._channel is not None:

@@ -201,6 +201,32 @@ def test_leaving_an_epoch_does_not_wait_for_a_repair_attempt_under_way() -> None
     assert time.monotonic() - began < 0.5
 
 
+def test_shutdown_waits_for_repairs_an_epoch_change_left_running() -> None:
+    # Seen in a chaos run: such a repair came back from gloo's constructor after
+    # the interpreter began finalising, and the finished job's rank aborted.
+    from resilient import _repair
+    from resilient._repair import LinkRepair, join_stranded
+
+    repair = LinkRepair(rank=0, board=None, interval_s=0.01, timeout_s=5.0)
+    busy, release = threading.Event(), threading.Event()
+
+    def stuck_round() -> None:
+        busy.set()
+        release.wait(10.0)
+
+    repair._round = stuck_round  # type: ignore[method-assign]
+    repair.start()
+    assert busy.wait(5.0)
+    repair.stop(wait=False)
+    thread = repair._thread
+    assert thread is not None
+    join_stranded(0.2)
+    assert thread.is_alive() and thread in _repair._STRANDED  # still in its rendezvous
+    threading.Timer(0.3, release.set).start()
+    join_stranded(5.0)
+    assert not thread.is_alive() and thread not in _repair._STRANDED
+
+
 @pytest.mark.timeout(30)
 def test_a_link_rebuilt_in_an_epoch_that_is_over_is_closed_not_staged() -> None:
     from resilient.config import DataPlaneConfig
