@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 # A connection with unacknowledged data and no ACK for this long is cut (see
 # Link.network_stall and resilient._stall): well past a few retransmission timeouts.
 STALL_CUT_MS: Final = 1000
+# gloo waits five times its timeout for a pair's connection (tcp Pair::
+# waitUntilConnected), so a rendezvous whose peer gave up lasted 5x its bound
+# (measured: 26 s past a 5 s bound, on a flapping NIC). Both ends first meet in the
+# store, within the whole bound; gloo then gets a fifth of it.
+_GLOO_CONNECT_FACTOR: Final = 5
+_MIN_GLOO_TIMEOUT_S: Final = 0.5
 # What gloo says when the process at the other end closed its socket or is gone.
 _PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
 
@@ -58,9 +64,29 @@ def _rail_device(address: str) -> Any:
         return device
 
 
-def _gloo_pair(store: Store, index: int, address: str, config: DataPlaneConfig) -> Any:
+def _meet(store: Store, index: int, timeout_s: float, over: Callable[[], bool] | None) -> None:
+    """Wait until the other end of a pair came to its rendezvous (polled: the store
+    client is shared; a blocking wait would hold it).
+
+    Raises:
+        LinkError: not within ``timeout_s``, or ``over()`` says nobody needs the link.
+    """
+    store.set(f"here/{index}", "1")
+    end, nap = time.monotonic() + timeout_s, 0.0005
+    while not store.check([f"here/{1 - index}"]):
+        if over is not None and over():
+            raise LinkError("the rendezvous was given up (its epoch is over)")
+        if time.monotonic() > end:
+            raise LinkError(f"the peer did not come to the rendezvous within {timeout_s:.1f} s")
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+
+
+def _gloo_pair(store: Store, index: int, address: str, bound_s: float) -> Any:
+    """A two-rank gloo group; both ends are at the rendezvous (see _meet), and it
+    fails within about ``bound_s``."""
     opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
-    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    opts._timeout = timedelta(seconds=max(bound_s / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S))
     opts._devices = [_rail_device(address)]
     return ProcessGroupGloo(store, index, 2, opts)
 
@@ -143,10 +169,12 @@ class Link:
             if self.device_type == "cuda":
                 self.pg = _nccl_pair(own, index, config)
             else:
-                with _sockets.capture(config.connect_timeout_s, over) as got:
-                    self.pg = _gloo_pair(own, index, address, config)
+                bound = config.connect_timeout_s
+                _meet(own, index, bound, over)
+                with _sockets.capture(bound, over) as got:
+                    self.pg = _gloo_pair(own, index, address, bound)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
-        except (RuntimeError, dist.DistError) as exc:
+        except (RuntimeError, dist.DistError, LinkError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
             ) from exc
