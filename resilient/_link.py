@@ -128,6 +128,7 @@ class Link:
         salt: int = 0,
         unbuilt: bool = False,
         over: Callable[[], bool] | None = None,
+        met: bool = False,
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
@@ -143,7 +144,7 @@ class Link:
         if not unbuilt:
             if store is None:
                 raise ConfigError(f"link {rank}<->{peer} rail {rail}: no store to build it")
-            self._rendezvous(store, index, address, over)
+            self._rendezvous(store, index, address, over, met=met)
         self.connect_s = time.monotonic() - start
         self._init_state(salt)
 
@@ -161,8 +162,16 @@ class Link:
         )  # fmt: skip
 
     def _rendezvous(
-        self, store: Store, index: int, address: str, over: Callable[[], bool] | None
+        self,
+        store: Store,
+        index: int,
+        address: str,
+        over: Callable[[], bool] | None,
+        *,
+        met: bool = False,
     ) -> None:
+        """Build the pair; ``met``: both ends are known to be at this rendezvous
+        already (resilient.links says so in the store first), else they meet here."""
         rank, peer, rail, config = self.rank, self.peer, self.rail, self.config
         try:
             own = PrefixStore(self.prefix, store)
@@ -170,7 +179,8 @@ class Link:
                 self.pg = _nccl_pair(own, index, config)
             else:
                 bound = config.connect_timeout_s
-                _meet(own, index, bound, over)
+                if not met:
+                    _meet(own, index, bound, over)
                 with _sockets.capture(bound, over) as got:
                     self.pg = _gloo_pair(own, index, address, bound)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)

@@ -78,7 +78,9 @@ class LinkTable:
         gen = self._generation.get((peer, rail), 0)
         return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
-    def _new_link(self, peer: int, rail: int, config: DataPlaneConfig | None = None) -> Link:
+    def _new_link(
+        self, peer: int, rail: int, config: DataPlaneConfig | None = None, *, met: bool = False
+    ) -> Link:
         link = Link(
             rank=self.rank,
             peer=peer,
@@ -90,6 +92,7 @@ class LinkTable:
             device_type=self.device_type,
             salt=salt_of(self.epoch),
             over=self._over(self.epoch),
+            met=met,
         )
         return self._wire(link)
 
@@ -162,7 +165,7 @@ class LinkTable:
                 config = dataclasses.replace(config, connect_timeout_s=bound)
             built: Link | None = None
             try:
-                built = self._new_link(peer, rail, config)
+                built = self._new_link(peer, rail, config, met=True)  # both said "build"
             except LinkError as exc:
                 why = f"its rendezvous failed: {exc}"
             # One end may give up at the bound just as the other gets through (a

@@ -498,6 +498,47 @@ def test_a_killed_rank_whose_nic_was_down_is_found_lost_and_restored_over_its_ot
     assert not _namespaces(_testbed_of(stderr))
 
 
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_rank_killed_while_a_nic_flaps_is_replaced_with_the_fault_free_bits(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's rail-0 NIC flaps through the kill of rank 2 and the epoch change.
+    # Before, 3 runs of 6 passed: rendezvous on the flapping rail (a repair, a new
+    # link) sat in gloo's constructor for 5x their bound, every other build waited
+    # behind them, and a peer gave up after 10 s; or a repair thread left running
+    # came back from gloo after the interpreter began finalising and aborted a rank.
+    body = """
+[[fault]]
+kind = "flap"
+rank = 1
+rail = 0
+period_s = 0.1
+count = 60
+at_step = 30
+
+[[fault]]
+kind = "kill"
+rank = 2
+at_step = 50
+
+[expect]
+completes = true
+max_steps_replayed = 1
+params_equal_across_ranks = true
+params_equal_fault_free = true
+max_recovery_s = 5.0
+"""
+    extra = "max_restarts = 1"
+    scenario = _scenario(tmp_path, body, topology="netns", steps=250, nproc=4, job_extra=extra)
+    out = tmp_path / "out"
+    _, stderr = _passing_run(scenario, out)
+    events = read_events(out / "run")
+    joined = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "rank.joined"]
+    assert joined == [(2, 1)], joined
+    assert not _namespaces(_testbed_of(stderr))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_with_no_restart_left_the_survivors_shrink_at_once_and_finish(
