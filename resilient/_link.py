@@ -38,8 +38,11 @@ logger = logging.getLogger(__name__)
 STALL_CUT_MS: Final = 1000
 # gloo waits five times its timeout for a pair's connection (tcp Pair::
 # waitUntilConnected), so a rendezvous whose peer gave up lasted 5x its bound
-# (measured: 26 s past a 5 s bound, on a flapping NIC). Both ends first meet in the
-# store, within the whole bound; gloo then gets a fifth of it.
+# (measured: 26 s past a 5 s bound, on a flapping NIC). Where both ends are known
+# to be at the rendezvous already, gloo gets a fifth of the bound. Not elsewhere: a
+# repair across a partition would then give up while its SYN is still pending, and
+# gloo's connect callback outlives the pair it refers to (seen: SIGSEGV once the
+# partition healed).
 _GLOO_CONNECT_FACTOR: Final = 5
 _MIN_GLOO_TIMEOUT_S: Final = 0.5
 # What gloo says when the process at the other end closed its socket or is gone.
@@ -64,29 +67,11 @@ def _rail_device(address: str) -> Any:
         return device
 
 
-def _meet(store: Store, index: int, timeout_s: float, over: Callable[[], bool] | None) -> None:
-    """Wait until the other end of a pair came to its rendezvous (polled: the store
-    client is shared; a blocking wait would hold it).
-
-    Raises:
-        LinkError: not within ``timeout_s``, or ``over()`` says nobody needs the link.
-    """
-    store.set(f"here/{index}", "1")
-    end, nap = time.monotonic() + timeout_s, 0.0005
-    while not store.check([f"here/{1 - index}"]):
-        if over is not None and over():
-            raise LinkError("the rendezvous was given up (its epoch is over)")
-        if time.monotonic() > end:
-            raise LinkError(f"the peer did not come to the rendezvous within {timeout_s:.1f} s")
-        time.sleep(nap)
-        nap = min(nap * 2, 0.02)
-
-
-def _gloo_pair(store: Store, index: int, address: str, bound_s: float) -> Any:
-    """A two-rank gloo group; both ends are at the rendezvous (see _meet), and it
-    fails within about ``bound_s``."""
+def _gloo_pair(store: Store, index: int, address: str, timeout_s: float) -> Any:
+    """A two-rank gloo group; gloo's timeout ``timeout_s`` bounds its store waits,
+    five times it the wait for the connection."""
     opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
-    opts._timeout = timedelta(seconds=max(bound_s / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S))
+    opts._timeout = timedelta(seconds=timeout_s)
     opts._devices = [_rail_device(address)]
     return ProcessGroupGloo(store, index, 2, opts)
 
@@ -171,20 +156,21 @@ class Link:
         met: bool = False,
     ) -> None:
         """Build the pair; ``met``: both ends are known to be at this rendezvous
-        already (resilient.links says so in the store first), else they meet here."""
+        already (resilient.links says so in the store first), so the whole
+        rendezvous is bounded by ``connect_timeout_s``."""
         rank, peer, rail, config = self.rank, self.peer, self.rail, self.config
         try:
             own = PrefixStore(self.prefix, store)
             if self.device_type == "cuda":
                 self.pg = _nccl_pair(own, index, config)
             else:
-                bound = config.connect_timeout_s
-                if not met:
-                    _meet(own, index, bound, over)
+                bound = timeout = config.connect_timeout_s
+                if met:
+                    timeout = max(bound / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S)
                 with _sockets.capture(bound, over) as got:
-                    self.pg = _gloo_pair(own, index, address, bound)
+                    self.pg = _gloo_pair(own, index, address, timeout)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
-        except (RuntimeError, dist.DistError, LinkError) as exc:
+        except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"
             ) from exc

@@ -3,6 +3,7 @@
 gloo waits five times its timeout for a pair's connection; a peer that published
 its address and then never connected (its NIC went down, its build was given up)
 held the other end 5x the link's bound (measured in a chaos run: 26 s past 5 s).
+A build both ends agreed on (``met``, see resilient.links) now ends at its bound.
 Real gloo, a real etcd store, a real peer process stopped mid-rendezvous.
 """
 
@@ -29,9 +30,7 @@ PREFIX = "pair/"
 def _peer(store: EtcdStore) -> None:
     """The other end (index 0, on 127.0.0.2): comes to the rendezvous and
     publishes its address; the test stops it before it connects."""
-    own = PrefixStore(PREFIX, store)
-    own.set("here/0", "1")
-    _link._gloo_pair(own, 0, "127.0.0.2", 60.0)
+    _link._gloo_pair(PrefixStore(PREFIX, store), 0, "127.0.0.2", 60.0)
 
 
 def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(
@@ -52,7 +51,7 @@ def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(
             # 127.0.0.1 < 127.0.0.2: this end listens, and waits for a connection.
             _link.Link(
                 rank=1, peer=0, rail=0, address="127.0.0.1", store=etcd_store,
-                prefix=PREFIX, config=DataPlaneConfig(connect_timeout_s=bound),
+                prefix=PREFIX, config=DataPlaneConfig(connect_timeout_s=bound), met=True,
             )  # fmt: skip
         took = time.monotonic() - began
         assert took < bound + 1.5, took  # not 5x the bound (10 s)
@@ -60,13 +59,3 @@ def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(
         if peer.pid is not None:
             os.kill(peer.pid, signal.SIGKILL)
         peer.join(10)
-
-
-def test_a_rendezvous_nobody_came_to_fails_within_its_bound(etcd_store: EtcdStore) -> None:
-    began = time.monotonic()
-    with pytest.raises(LinkError):
-        _link.Link(
-            rank=1, peer=0, rail=0, address="127.0.0.1", store=etcd_store,
-            prefix=PREFIX, config=DataPlaneConfig(connect_timeout_s=1.0),
-        )  # fmt: skip
-    assert 1.0 <= time.monotonic() - began < 2.5
