@@ -114,6 +114,7 @@ class Link:
         unbuilt: bool = False,
         over: Callable[[], bool] | None = None,
         met: bool = False,
+        background: bool = False,
     ) -> None:
         if rank == peer:
             raise ConfigError(f"a link needs two ranks, got {rank} twice")
@@ -129,7 +130,7 @@ class Link:
         if not unbuilt:
             if store is None:
                 raise ConfigError(f"link {rank}<->{peer} rail {rail}: no store to build it")
-            self._rendezvous(store, index, address, over, met=met)
+            self._rendezvous(store, index, address, over, met=met, background=background)
         self.connect_s = time.monotonic() - start
         self._init_state(salt)
 
@@ -154,10 +155,12 @@ class Link:
         over: Callable[[], bool] | None,
         *,
         met: bool = False,
+        background: bool = False,
     ) -> None:
         """Build the pair; ``met``: both ends are known to be at this rendezvous
         already (resilient.links says so in the store first), so the whole
-        rendezvous is bounded by ``connect_timeout_s``."""
+        rendezvous is bounded by ``connect_timeout_s``; ``background``: a repair
+        (see _sockets.capture)."""
         rank, peer, rail, config = self.rank, self.peer, self.rail, self.config
         try:
             own = PrefixStore(self.prefix, store)
@@ -167,7 +170,7 @@ class Link:
                 bound = timeout = config.connect_timeout_s
                 if met:
                     timeout = max(bound / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S)
-                with _sockets.capture(bound, over) as got:
+                with _sockets.capture(bound, over, background=background) as got:
                     self.pg = _gloo_pair(own, index, address, timeout)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
         except (RuntimeError, dist.DistError) as exc:

@@ -149,11 +149,12 @@ class LinkRepair:
         attempt under way: its rendezvous may wait out ``timeout_s`` on a peer that
         is gone, and the recovery must not (seen: a flapping NIC's repair toward the
         killed rank held the epoch change for 16 s). Such an attempt ends on its
-        own and puts nothing in service (see _attempt)."""
+        own and puts nothing in service (see _attempt); its thread is kept for
+        :func:`join_stranded`, as is one that outlived a waited stop."""
         self._halt.set()
         if self._thread is not None and wait:
             self._thread.join(self.timeout_s * 3 + 1.0)
-        elif self._thread is not None and self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             with _STRANDED_LOCK:
                 _STRANDED.append(self._thread)
 

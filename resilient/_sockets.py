@@ -25,9 +25,10 @@ tens of seconds when a NIC goes down mid-rendezvous (measured on the netns
 testbed: 9-26 s past a 5 s bound), and a lock would hold every other build of the
 process behind it, the next epoch's included. A build waits for the one in the
 gate only until that one's bound has passed, or its epoch is over; then it goes
-ahead. The overrunning build's connection, should it still appear, can land in
-the newcomer's window; the peer's notes (below) drop it unless it joins the same
-two addresses, and a link that keeps an extra connection only cuts it too.
+ahead; nor does any build wait for a repair. The other build's connection,
+should it appear meanwhile, can land in the newcomer's window; the peer's notes
+(below) drop it unless it joins the same two addresses, and a link that keeps an
+extra connection only cuts it too.
 
 Before cutting, each recorded descriptor is checked to still be the same
 connection (same local and remote address), because a closed descriptor number
@@ -117,6 +118,7 @@ def _established() -> tuple[dict[int, Conn], set[int]]:
 class _Turn:
     deadline: float
     over: Callable[[], bool] | None
+    background: bool = False
 
 
 class _Gate:
@@ -126,19 +128,21 @@ class _Gate:
         self._cond = threading.Condition()
         self._holder: _Turn | None = None
 
-    def _passable(self) -> bool:
+    def _passable(self, background: bool) -> bool:
         h = self._holder
-        if h is None:
+        if h is None or (h.background and not background):
             return True
         if time.monotonic() > h.deadline or (h.over is not None and h.over()):
             logger.info("a link build overran its bound or outlived its epoch; not waiting for it")
             return True
         return False
 
-    def enter(self, bound_s: float, over: Callable[[], bool] | None) -> _Turn:
-        turn = _Turn(time.monotonic() + bound_s + _OVERRUN_S, over)
+    def enter(
+        self, bound_s: float, over: Callable[[], bool] | None, background: bool = False
+    ) -> _Turn:
+        turn = _Turn(time.monotonic() + bound_s + _OVERRUN_S, over, background)
         with self._cond:
-            while not self._passable():
+            while not self._passable(background):
                 self._cond.wait(0.02)
             self._holder = turn
         return turn
@@ -154,15 +158,20 @@ _GATE = _Gate()
 
 
 @contextlib.contextmanager
-def capture(bound_s: float, over: Callable[[], bool] | None = None) -> Iterator[Captured]:
+def capture(
+    bound_s: float, over: Callable[[], bool] | None = None, *, background: bool = False
+) -> Iterator[Captured]:
     """Record the outgoing connections this block opens.
 
     Builds take turns (see the module docstring): this waits for the build under
     way until its ``bound_s`` (plus a second) has passed or its ``over()`` says its
     epoch is over, whichever comes first, so never longer than that build's bound.
+    A ``background`` build (a repair) holds up no other kind: a call waiting on a
+    link must not wait for a repair that may sit out gloo's timeout across a
+    partition (seen: the signature exchange held 6 s, and a peer gave up).
     """
     got = Captured()
-    turn = _GATE.enter(bound_s, over)
+    turn = _GATE.enter(bound_s, over, background)
     try:
         before, _ = _established()
         yield got

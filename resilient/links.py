@@ -79,7 +79,13 @@ class LinkTable:
         return f"{self.name}/e{self.epoch}/{self.device_type}/{lo}-{hi}/r{rail}/g{gen}/"
 
     def _new_link(
-        self, peer: int, rail: int, config: DataPlaneConfig | None = None, *, met: bool = False
+        self,
+        peer: int,
+        rail: int,
+        config: DataPlaneConfig | None = None,
+        *,
+        met: bool = False,
+        background: bool = False,
     ) -> Link:
         link = Link(
             rank=self.rank,
@@ -93,6 +99,7 @@ class LinkTable:
             salt=salt_of(self.epoch),
             over=self._over(self.epoch),
             met=met,
+            background=background,
         )
         return self._wire(link)
 
@@ -243,7 +250,7 @@ class LinkTable:
         with self._lock:
             self._generation[(peer, rail)] = generation
         config = dataclasses.replace(self.config, connect_timeout_s=timeout_s)
-        return self._new_link(peer, rail, config)
+        return self._new_link(peer, rail, config, background=True)
 
     def install(self, link: Link) -> bool:
         """Put a rebuilt link in service in place of the broken one (closed in the

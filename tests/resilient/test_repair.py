@@ -285,7 +285,7 @@ def test_a_link_whose_rendezvous_failed_at_one_end_is_unbuilt_at_both() -> None:
         t = LinkTable(rank=rank, rails=("127.0.0.1", "127.0.0.2"), store=store,
                       config=DataPlaneConfig(connect_timeout_s=10.0))  # fmt: skip
 
-        def new_link(peer: int, rail: int, config: Any = None) -> Any:
+        def new_link(peer: int, rail: int, config: Any = None, **_: Any) -> Any:
             if rank == 1:
                 raise LinkError("connect: Network is unreachable")
             return _Got(rank)

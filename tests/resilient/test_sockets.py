@@ -58,6 +58,32 @@ def test_a_build_whose_epoch_is_over_holds_up_nobody() -> None:
     assert at and at[0] - ended < 0.5
 
 
+def test_a_repair_in_the_gate_holds_up_other_repairs_only() -> None:
+    # Seen: the signature exchange's build waited 6 s behind a repair sitting out
+    # gloo's timeout across a flapping NIC, and a peer gave up.
+    gate = _sockets._Gate()
+    repair = gate.enter(30.0, lambda: False, background=True)
+    began = time.monotonic()
+    call = gate.enter(30.0, None)  # a build a call waits for: goes ahead at once
+    assert time.monotonic() - began < 0.5
+    gate.leave(call)
+    at: list[float] = []
+
+    def another_repair() -> None:
+        at.append(time.monotonic())
+        gate.leave(gate.enter(30.0, None, background=True))
+        at.append(time.monotonic())
+
+    gate._holder = repair  # the repair is still at it
+    thread = threading.Thread(target=another_repair, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert len(at) == 1  # waits for the first repair
+    gate.leave(repair)
+    thread.join(5)
+    assert len(at) == 2
+
+
 def test_a_build_past_its_bound_holds_up_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_sockets, "_OVERRUN_S", 0.0)
     gate = _sockets._Gate()
