@@ -170,9 +170,11 @@ class Link:
                 bound = timeout = config.connect_timeout_s
                 if met:
                     timeout = max(bound / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S)
-                with _sockets.capture(bound, over, background=background) as got:
+                with _sockets.capture(
+                    bound, over, address=address, peer=peer, background=background
+                ) as got:
                     self.pg = _gloo_pair(own, index, address, timeout)
-                self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s)
+                self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s, address)
         except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"

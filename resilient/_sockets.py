@@ -38,6 +38,7 @@ can be reused by anything.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -119,6 +120,7 @@ class _Turn:
     deadline: float
     over: Callable[[], bool] | None
     background: bool = False
+    key: tuple[str, int] | None = None  # (rail address, peer)
 
 
 class _Gate:
@@ -128,9 +130,11 @@ class _Gate:
         self._cond = threading.Condition()
         self._holder: _Turn | None = None
 
-    def _passable(self, background: bool) -> bool:
+    def _passable(self, turn: _Turn) -> bool:
         h = self._holder
-        if h is None or (h.background and not background):
+        if h is None:
+            return True
+        if h.background and not turn.background and (h.key is None or h.key != turn.key):
             return True
         if time.monotonic() > h.deadline or (h.over is not None and h.over()):
             logger.info("a link build overran its bound or outlived its epoch; not waiting for it")
@@ -138,11 +142,15 @@ class _Gate:
         return False
 
     def enter(
-        self, bound_s: float, over: Callable[[], bool] | None, background: bool = False
+        self,
+        bound_s: float,
+        over: Callable[[], bool] | None,
+        background: bool = False,
+        key: tuple[str, int] | None = None,
     ) -> _Turn:
-        turn = _Turn(time.monotonic() + bound_s + _OVERRUN_S, over, background)
+        turn = _Turn(time.monotonic() + bound_s + _OVERRUN_S, over, background, key)
         with self._cond:
-            while not self._passable(background):
+            while not self._passable(turn):
                 self._cond.wait(0.02)
             self._holder = turn
         return turn
@@ -159,19 +167,27 @@ _GATE = _Gate()
 
 @contextlib.contextmanager
 def capture(
-    bound_s: float, over: Callable[[], bool] | None = None, *, background: bool = False
+    bound_s: float,
+    over: Callable[[], bool] | None = None,
+    *,
+    address: str = "",
+    peer: int = -1,
+    background: bool = False,
 ) -> Iterator[Captured]:
-    """Record the outgoing connections this block opens.
+    """Record the outgoing connections this block opens, to build the link to
+    ``peer`` on the rail at ``address``.
 
     Builds take turns (see the module docstring): this waits for the build under
     way until its ``bound_s`` (plus a second) has passed or its ``over()`` says its
     epoch is over, whichever comes first, so never longer than that build's bound.
-    A ``background`` build (a repair) holds up no other kind: a call waiting on a
-    link must not wait for a repair that may sit out gloo's timeout across a
-    partition (seen: the signature exchange held 6 s, and a peer gave up).
+    A ``background`` build (a repair) holds up no other kind of build but one to
+    the same peer on the same rail (the only one whose connection the peer's notes
+    could not tell apart): a call waiting on a link must not wait for a repair
+    that may sit out gloo's timeout (seen: the signature exchange held 6 s behind
+    a repair on a flapping NIC, and a peer gave up).
     """
     got = Captured()
-    turn = _GATE.enter(bound_s, over, background)
+    turn = _GATE.enter(bound_s, over, background, (address, peer))
     try:
         before, _ = _established()
         yield got
@@ -181,6 +197,17 @@ def capture(
     got.conns = [
         c for fd, c in after.items() if before.get(fd) != c and c.local[1] not in listening
     ]
+
+
+def _at(conn: Conn, address: str) -> bool:
+    """Whether ``conn`` was accepted at ``address`` (its rail's listener; any
+    connection was when that is no IP address: a host name is not compared).
+    The connecting end's source address is the kernel's choice, not the rail's."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return True
+    return conn.local[0] == address
 
 
 def _read(store: Any, key: str, deadline: float) -> str | None:
@@ -193,12 +220,15 @@ def _read(store: Any, key: str, deadline: float) -> str | None:
         time.sleep(_POLL_S)
 
 
-def pair_up(store: Any, me: int, got: Captured, timeout_s: float) -> list[Conn]:
+def pair_up(store: Any, me: int, got: Captured, timeout_s: float, address: str = "") -> list[Conn]:
     """The connection(s) of a just-built two-rank link, agreed with the peer.
 
-    ``store`` is the link's own (prefixed) store and ``me`` this end's index (0/1).
-    Returns [] if the peer does not answer within ``timeout_s`` (the link then
-    works, but cannot be cut; its ops fail at their deadline instead).
+    ``store`` is the link's own (prefixed) store and ``me`` this end's index (0/1);
+    ``address`` the link's rail here: the end that accepted the connection keeps
+    only one accepted there, so a build to the same peer on another rail at the
+    same time is never taken for this one. Returns [] if the peer does not answer
+    within ``timeout_s`` (the link then works, but cannot be cut; its ops fail at
+    their deadline instead).
     """
     deadline = time.monotonic() + timeout_s
     store.set(f"conn/{me}", ",".join(c.text() for c in got.conns))
@@ -207,7 +237,7 @@ def pair_up(store: Any, me: int, got: Captured, timeout_s: float) -> list[Conn]:
         logger.warning("link end %d: the peer never published its connection", me)
         return []
     wanted = set(filter(None, theirs.split(",")))
-    kept = [c for c in _established()[0].values() if c.mirror() in wanted]
+    kept = [c for c in _established()[0].values() if c.mirror() in wanted and _at(c, address)]
     store.set(f"kept/{me}", ",".join(c.text() for c in kept))
     confirmed = _read(store, f"kept/{1 - me}", deadline)
     if confirmed is not None:

@@ -58,30 +58,36 @@ def test_a_build_whose_epoch_is_over_holds_up_nobody() -> None:
     assert at and at[0] - ended < 0.5
 
 
-def test_a_repair_in_the_gate_holds_up_other_repairs_only() -> None:
+def test_a_repair_in_the_gate_holds_up_only_what_could_be_mistaken_for_it() -> None:
     # Seen: the signature exchange's build waited 6 s behind a repair sitting out
-    # gloo's timeout across a flapping NIC, and a peer gave up.
+    # gloo's timeout on a flapping NIC, and a peer gave up. But a build to the same
+    # peer on the same rail must wait: the peer's notes could not tell the two
+    # connections apart (seen when nothing waited: a repaired link kept another
+    # rail's connection too, cut it with its own, and the rings re-ordered).
     gate = _sockets._Gate()
-    repair = gate.enter(30.0, lambda: False, background=True)
-    began = time.monotonic()
-    call = gate.enter(30.0, None)  # a build a call waits for: goes ahead at once
-    assert time.monotonic() - began < 0.5
-    gate.leave(call)
-    at: list[float] = []
+    repair = gate.enter(30.0, lambda: False, background=True, key=("10.0.0.1", 2))
+    for key in (("10.0.0.1", 3), ("10.0.1.1", 2)):  # another peer; another rail
+        began = time.monotonic()
+        gate.leave(gate.enter(30.0, None, key=key))
+        assert time.monotonic() - began < 0.5, key
+        gate._holder = repair  # still at it
+    for background, key in ((False, ("10.0.0.1", 2)), (True, ("10.0.1.1", 3))):
+        at: list[float] = []
 
-    def another_repair() -> None:
-        at.append(time.monotonic())
-        gate.leave(gate.enter(30.0, None, background=True))
-        at.append(time.monotonic())
+        def build(
+            background: bool = background, key: tuple[str, int] = key, at: list[float] = at
+        ) -> None:
+            gate.leave(gate.enter(30.0, None, background=background, key=key))
+            at.append(time.monotonic())
 
-    gate._holder = repair  # the repair is still at it
-    thread = threading.Thread(target=another_repair, daemon=True)
-    thread.start()
-    time.sleep(0.3)
-    assert len(at) == 1  # waits for the first repair
-    gate.leave(repair)
-    thread.join(5)
-    assert len(at) == 2
+        thread = threading.Thread(target=build, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        assert at == [], (background, key)  # waits for the repair
+        gate.leave(repair)
+        thread.join(5)
+        assert at, (background, key)
+        repair = gate.enter(30.0, lambda: False, background=True, key=("10.0.0.1", 2))
 
 
 def test_a_build_past_its_bound_holds_up_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,3 +135,13 @@ def test_links_are_built_once_a_stuck_build_of_an_old_epoch_is_over() -> None:
         assert r["waited"]  # the gate held the builds while the stuck one counted
         assert r["done"] and r["sum"] == 3.0
         assert r["conns"] and all(n == 1 for n in r["conns"])  # each its own connection
+
+
+def test_the_accepting_end_keeps_only_a_connection_accepted_on_the_links_rail() -> None:
+    # A repair to a peer on rail 0 and a build to the same peer on rail 1 may run
+    # at once: the peer's notes then name both connections (seen: the repaired
+    # link kept rail 1's too and cut it with its own).
+    conn = _sockets.Conn(7, ("10.100.0.2", 40000), ("10.100.0.3", 51234))
+    assert _sockets._at(conn, "10.100.0.2")
+    assert not _sockets._at(conn, "10.101.0.2")
+    assert _sockets._at(conn, "node7-rail0")  # a host name is not compared
