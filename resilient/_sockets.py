@@ -25,10 +25,11 @@ tens of seconds when a NIC goes down mid-rendezvous (measured on the netns
 testbed: 9-26 s past a 5 s bound), and a lock would hold every other build of the
 process behind it, the next epoch's included. A build waits for the one in the
 gate only until that one's bound has passed, or its epoch is over; then it goes
-ahead; nor does any build wait for a repair. The other build's connection,
-should it appear meanwhile, can land in the newcomer's window; the peer's notes
-(below) drop it unless it joins the same two addresses, and a link that keeps an
-extra connection only cuts it too.
+ahead. A repair (which may sit out gloo's whole timeout) holds up only a build to
+the same peer on the same rail. The other build's connection, should it appear
+meanwhile, can land in the newcomer's window; the peer's notes (below) drop it
+unless it joins the same two processes on the same rail, and a link that keeps
+an extra connection only cuts it too.
 
 Before cutting, each recorded descriptor is checked to still be the same
 connection (same local and remote address), because a closed descriptor number
