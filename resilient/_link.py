@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
-from resilient import _faults, _sockets, _stall, _waiter
+from resilient import _connects, _faults, _sockets, _stall, _waiter
 from resilient._ledger import OpLedger
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
@@ -170,9 +170,13 @@ class Link:
                 bound = timeout = config.connect_timeout_s
                 if met:
                     timeout = max(bound / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S)
-                with _sockets.capture(
-                    bound, over, address=address, peer=peer, background=background
-                ) as got:
+                label = f"rank {rank}: {self!r} at {self.prefix}"
+                with (
+                    _sockets.capture(
+                        bound, over, address=address, peer=peer, background=background
+                    ) as got,
+                    _connects.unanswered_aborted(own, index, address, timeout, label),
+                ):
                     self.pg = _gloo_pair(own, index, address, timeout)
                 self._conns = _sockets.pair_up(own, index, got, config.connect_timeout_s, address)
         except (RuntimeError, dist.DistError) as exc:
