@@ -39,10 +39,10 @@ STALL_CUT_MS: Final = 1000
 # gloo waits five times its timeout for a pair's connection (tcp Pair::
 # waitUntilConnected), so a rendezvous whose peer gave up lasted 5x its bound
 # (measured: 26 s past a 5 s bound, on a flapping NIC). Where both ends are known
-# to be at the rendezvous already, gloo gets a fifth of the bound. Not elsewhere: a
-# repair across a partition would then give up while its SYN is still pending, and
-# gloo's connect callback outlives the pair it refers to (seen: SIGSEGV once the
-# partition healed).
+# to be at the rendezvous already (first builds of several rails, repairs), gloo
+# gets a fifth of the bound. A pair that gives up while its SYN is still pending
+# would leave gloo's connect callback bound to freed memory (SIGSEGV once a
+# partition healed): resilient._connects ends such an attempt first.
 _GLOO_CONNECT_FACTOR: Final = 5
 _MIN_GLOO_TIMEOUT_S: Final = 0.5
 # What gloo says when the process at the other end closed its socket or is gone.

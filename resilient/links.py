@@ -203,15 +203,16 @@ class LinkTable:
             return "its rendezvous failed here"
         return None if theirs == "1" else f"its rendezvous failed at rank {peer}"
 
-    def _poll(self, key: str, peer: int, rail: int) -> str:
+    def _poll(self, key: str, peer: int, rail: int, timeout_s: float | None = None) -> str:
         """The value of ``key`` once the peer wrote it (a non-blocking poll: the
         store client is shared with the health board).
 
         Raises:
-            LinkError: not within ``connect_timeout_s``, or the table closed or its
-                epoch was given up meanwhile.
+            LinkError: not within ``timeout_s`` (default ``connect_timeout_s``), or
+                the table closed or its epoch was given up meanwhile.
         """
-        end = time.monotonic() + self.config.connect_timeout_s
+        timeout_s = self.config.connect_timeout_s if timeout_s is None else timeout_s
+        end = time.monotonic() + timeout_s
         nap = 0.0005
         while not self.store.check([key]):
             if self.closed or self.abandoned is not None:
@@ -219,7 +220,7 @@ class LinkTable:
             if time.monotonic() > end:
                 raise LinkError(
                     f"rank {self.rank}: rank {peer} did not come to build the link on rail "
-                    f"{rail} within {self.config.connect_timeout_s:.1f} s"
+                    f"{rail} within {timeout_s:.1f} s"
                 )
             time.sleep(nap)
             nap = min(nap * 2, 0.02)
@@ -250,7 +251,17 @@ class LinkTable:
         with self._lock:
             self._generation[(peer, rail)] = generation
         config = dataclasses.replace(self.config, connect_timeout_s=timeout_s)
-        return self._new_link(peer, rail, config, background=True)
+        # Both ends say they are here first, so the rendezvous itself is short
+        # (``met``): an end that waits for a connection never sits out five times
+        # the bound across a partition (resilient._connects ends the other side's
+        # attempt, which alone was the hazard of a short gloo timeout).
+        prefix = self.prefix(peer, rail)
+        try:
+            self.store.set(f"{prefix}build{self.rank}", "")
+            self._poll(f"{prefix}build{peer}", peer, rail, timeout_s)
+        except (RuntimeError, DistError) as exc:
+            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        return self._new_link(peer, rail, config, met=True, background=True)
 
     def install(self, link: Link) -> bool:
         """Put a rebuilt link in service in place of the broken one (closed in the
