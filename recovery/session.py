@@ -515,6 +515,12 @@ class Session:
         (two donors serve two receivers at once); those load it."""
         assert self.pg is not None
         mine = [peer for peer in plan.receivers if plan.donors.get(peer) == self._rank]
+        # The links the replayed step needs are built while it computes; a rank
+        # in a transfer starts on them only once its part is done (see
+        # ResilientProcessGroup.prebuild_links).
+        involved = bool(mine) or self._rank in plan.receivers
+        if not involved:
+            self.pg.prebuild_links()
         if mine:
             sent = self._payload or self._pack()
             for peer in mine:
@@ -542,6 +548,8 @@ class Session:
                 donor=donor,
                 action=f"loaded step {plan.step}",
             )  # fmt: skip
+        if involved:
+            self.pg.prebuild_links()
         self._payload = None
         self.committed = plan.step
         self._next = plan.step + 1
