@@ -407,12 +407,20 @@ class EpochControl:
         data = everyone if engine.mesh else sorted({engine.left, engine.right} - {pos})
         plan = [(self._channel.engine.links, everyone)] if self._channel is not None else []
         plan.append((self.links, data))
-        rails = range(len(self.rails))
+        rails, epoch = range(len(self.rails)), self._epoch
+
+        def order(pr: tuple[int, int]) -> tuple[int, int, int]:
+            return min(pos, pr[0]), max(pos, pr[0]), pr[1]  # as LinkTable.ensure
 
         def build() -> None:
             for table, peers in plan:
                 try:
-                    table.ensure((p, r) for p in peers for r in rails)
+                    for pair in sorted(((p, r) for p in peers for r in rails), key=order):
+                        # One at a time: a later epoch (another loss) numbers its
+                        # members anew and builds its own links.
+                        if self._epoch != epoch or table.closed or table.abandoned:
+                            return
+                        table.ensure([pair])
                 except (LinkError, RuntimeError) as exc:  # first use tries again
                     logger.info(
                         "rank %d (epoch %d): building %s links ahead failed: %s",
