@@ -7,8 +7,9 @@ Across a partition the SYN is never answered, so nothing is reported; the pair
 stops waiting (after five times its timeout), the constructor fails and the pair
 is freed, while the attempt stays registered. Once the partition heals, a SYN
 retransmission connects, the callback runs on the freed pair, and the process
-dies (SIGSEGV; reproduced on loopback: SYNs to the passive end dropped for 5 s,
-crash 2 s after the rules went).
+dies (SIGSEGV; reproduced on loopback: SYNs to the passive end dropped until
+the build failed, crash within 0.25 s and 2.2 s of the rule going in two timed
+runs; with the rule kept 4 s longer, the socket stayed in SYN_SENT until then).
 
 So while gloo builds a pair, :func:`unanswered_aborted` watches its connection
 attempt: once gloo's own deadline for it has passed, the attempt is shut down.
