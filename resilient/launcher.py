@@ -78,6 +78,9 @@ _DRAIN_S: Final = 1.0
 # After a spare took its rank, the next one starts this much later: it builds the
 # whole job (torch, the model, DDP) and would take CPU from the recovery under way.
 _NEXT_SPARE_S: Final = 5.0
+# A spare killed by a signal (the OOM killer, an operator) is started again, this
+# many times per rank at most; one that exited by itself would only do so again.
+_SPARE_RESTARTS: Final = 2
 
 
 @dataclass(slots=True)
@@ -92,6 +95,7 @@ class _Slot:
     hung: bool = False  # killed by us after its lease expired
     spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
     spare_at: float | None = None  # when to start the next standby (monotonic)
+    spares_killed: int = 0  # standbys that died by a signal before they were needed
 
 
 def _slot_state(slot: _Slot) -> str:
@@ -402,13 +406,23 @@ class _Run:
 
     def _tend_spare(self, slot: _Slot) -> None:
         """Start ``slot``'s next standby when due; report one that exited before it
-        was needed (its output goes to the rank's log; a loss then starts cold)."""
+        was needed (its output goes to the rank's log). One killed by a signal is
+        started again later (up to _SPARE_RESTARTS times); else a loss starts cold."""
         spare = slot.spare
         if spare is not None and (code := reap(spare)) is not None:
             slot.spare = None
+            again = code < 0 and slot.spares_killed < _SPARE_RESTARTS and not slot.done
+            if again:
+                slot.spares_killed += 1
+                slot.spare_at = time.monotonic() + _NEXT_SPARE_S
+            then = (
+                f"another starts in {_NEXT_SPARE_S:.0f} s"
+                if again
+                else "a loss of the rank starts cold"
+            )
             self._out.notice(
                 f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
-                "needed; its output follows in the rank's log; a loss of the rank starts cold"
+                f"needed; its output follows in the rank's log; {then}"
             )
             self._out.attach(slot.rank, slot.incarnation + 1, spare)
         elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:

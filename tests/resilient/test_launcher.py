@@ -594,6 +594,48 @@ if RANK == 1 and INC == 0:
     assert read(out, "ran", 1, 1)["standby"] is False
 
 
+@pytest.mark.timeout(90)
+def test_a_spare_killed_before_it_is_needed_is_started_again_and_takes_over(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The first spare is SIGKILLed (as the OOM killer would); the launcher starts
+    # another, and that one takes the rank when its first incarnation fails.
+    script, out = make_script(
+        tmp_path,
+        """
+from resilient import _standby
+
+if _standby.standing_by():
+    record("ready")
+    _standby.wait_for_go()
+    record("go")
+if RANK == 1 and INC == 0:
+    wait_for("ready-1-1.json")
+    first = json.loads((OUT / "ready-1-1.json").read_text())["pid"]
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 40
+    while json.loads((OUT / "ready-1-1.json").read_text())["pid"] == first:
+        if time.monotonic() > deadline:
+            sys.exit(90)
+        time.sleep(0.05)
+    record("killed", first=first)
+    sys.exit(3)
+record("done")
+""",
+    )
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, warm_spares=True)
+
+    assert Launcher(cfg).run() == 0
+
+    err = capsys.readouterr().err
+    assert "rank 1's warm spare exited (code -9 (SIGKILL)) before it was needed" in err
+    assert "another starts in" in err
+    assert "restarting as incarnation 1 (warm spare)" in err
+    second = read(out, "go", 1, 1)["pid"]
+    assert second != read(out, "killed", 1, 0)["first"]
+    assert read(out, "done", 1, 1)["pid"] == second
+
+
 @pytest.mark.timeout(60)
 def test_the_restart_budget_is_published_for_the_ranks(tmp_path: Path, etcd_url: str) -> None:
     # A straggler weighs leaving by what would replace it (recovery.policy).
