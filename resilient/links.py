@@ -155,11 +155,7 @@ class LinkTable:
             return self._new_link(peer, rail), None
         why = self.refuse(peer, rail) if self.refuse is not None else None
         prefix = self.prefix(peer, rail)
-        try:
-            self.store.set(f"{prefix}build{self.rank}", "" if why is None else why)
-            theirs = self._poll(f"{prefix}build{peer}", peer, rail)
-        except (RuntimeError, DistError) as exc:
-            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        theirs = self._meet(prefix, peer, rail, why)
         if why is None and theirs:
             why = f"rank {peer} does not build it: {theirs}"
         if why is None:
@@ -190,6 +186,23 @@ class LinkTable:
         )  # fmt: skip
         self._wire(link)
         return link, why
+
+    def _meet(
+        self, prefix: str, peer: int, rail: int, why: str | None = None,
+        timeout_s: float | None = None,
+    ) -> str:  # fmt: skip
+        """Say whether this end builds the link under ``prefix`` (``build<rank>``:
+        empty, or ``why`` not); what the peer said once it did (empty: it builds).
+
+        Raises:
+            LinkError: the store failed, or the peer did not say within ``timeout_s``
+                (default ``connect_timeout_s``).
+        """
+        try:
+            self.store.set(f"{prefix}build{self.rank}", "" if why is None else why)
+            return self._poll(f"{prefix}build{peer}", peer, rail, timeout_s)
+        except (RuntimeError, DistError) as exc:
+            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
 
     def _agree_built(self, prefix: str, peer: int, rail: int, ok: bool) -> str | None:
         """Tell the peer whether this end's rendezvous succeeded; why the link is not
@@ -255,12 +268,7 @@ class LinkTable:
         # (``met``): an end that waits for a connection never sits out five times
         # the bound across a partition (resilient._connects ends the other side's
         # attempt, which alone was the hazard of a short gloo timeout).
-        prefix = self.prefix(peer, rail)
-        try:
-            self.store.set(f"{prefix}build{self.rank}", "")
-            self._poll(f"{prefix}build{peer}", peer, rail, timeout_s)
-        except (RuntimeError, DistError) as exc:
-            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        self._meet(self.prefix(peer, rail), peer, rail, timeout_s=timeout_s)
         return self._new_link(peer, rail, config, met=True, background=True)
 
     def install(self, link: Link) -> bool:
