@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from recovery import events
-from resilient import _transfer
+from resilient import _repair, _transfer
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._lost import dead_peer
@@ -430,6 +430,7 @@ class EpochControl:
 
         thread = threading.Thread(target=build, name=f"prebuild-{self.rank()}", daemon=True)
         thread.start()
+        _repair.strand(thread)  # the group's shutdown waits for it
         return thread
 
     def send_state(

@@ -53,6 +53,7 @@ __all__ = [
     "install_agreed",
     "join_stranded",
     "staged_rows",
+    "strand",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,17 +63,25 @@ _POLL_S: Final = 0.002
 DATA_TABLE: Final = 0
 CTL_TABLE: Final = 1
 
-# Repair threads an epoch change left running (``stop(wait=False)``). The group's
-# shutdown joins them: a daemon thread that comes back from gloo's constructor
-# after the interpreter began finalising aborts the process ("terminate called
-# without an active exception", seen after a flapping NIC's job had finished).
+# Threads that may sit in gloo's constructor when the group shuts down: repair
+# threads an epoch change left running (``stop(wait=False)``), and links built
+# ahead (EpochControl.prebuild_links). The group's shutdown joins them: a daemon
+# thread that comes back from gloo's constructor after the interpreter began
+# finalising aborts the process ("terminate called without an active exception",
+# seen after a flapping NIC's job had finished).
 _STRANDED: list[threading.Thread] = []
 _STRANDED_LOCK = threading.Lock()
 
 
+def strand(thread: threading.Thread) -> None:
+    """Have the group's shutdown join ``thread`` (see join_stranded)."""
+    with _STRANDED_LOCK:
+        _STRANDED.append(thread)
+
+
 def join_stranded(timeout_s: float) -> int:
-    """Wait up to ``timeout_s`` in all for repair threads left running by an
-    epoch change; returns how many are still running after that."""
+    """Wait up to ``timeout_s`` in all for the threads given to :func:`strand`;
+    returns how many are still running after that."""
     end = time.monotonic() + timeout_s
     with _STRANDED_LOCK:
         threads = list(_STRANDED)
@@ -155,8 +164,7 @@ class LinkRepair:
         if self._thread is not None and wait:
             self._thread.join(self.timeout_s * 3 + 1.0)
         if self._thread is not None and self._thread.is_alive():
-            with _STRANDED_LOCK:
-                _STRANDED.append(self._thread)
+            strand(self._thread)
 
     def _run(self) -> None:
         while not self._halt.wait(self.interval_s):

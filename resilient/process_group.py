@@ -308,7 +308,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # gloo's constructor has been seen to overrun its bound by ~26 s.
         if (left := _repair.join_stranded(self.config.repair_timeout_s * 3 + 30.0)) > 0:
             logger.warning(
-                "rank %d (epoch %d): %d link repair(s) still running at shutdown",
+                "rank %d (epoch %d): %d link build(s) or repair(s) still running at shutdown",
                 self._pos, self._epoch, left,
             )  # fmt: skip
         self._queue.put(None)

@@ -15,7 +15,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _ahead(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    from resilient import _repair
+
     thread = pg.prebuild_links()
+    registered = thread in _repair._STRANDED  # the group's shutdown waits for it
     thread.join(60)
     tables = {"data": pg.links, "ctl": pg._channel.engine.links}
     before = {name: {k: id(v) for k, v in t.links().items()} for name, t in tables.items()}
@@ -24,6 +27,7 @@ def _ahead(pg: Any, rank: int, world: int) -> dict[str, Any]:
     after = {name: {k: id(v) for k, v in t.links().items()} for name, t in tables.items()}
     return {
         "alive": thread.is_alive(),
+        "registered": registered,
         "built": {name: sorted(links) for name, links in before.items()},
         "same_objects": before == after,
         "sum": float(x[0]),
@@ -35,7 +39,7 @@ def test_missing_links_are_built_ahead_and_the_next_call_uses_them() -> None:
     for rank, got in enumerate(out):
         peers = [p for p in range(3) if p != rank]
         every = sorted((p, r) for p in peers for r in range(2))
-        assert not got["alive"]
+        assert not got["alive"] and got["registered"]
         # Three ranks: the data engine is a mesh, so every peer, like the control mesh.
         assert got["built"] == {"data": every, "ctl": every}
         assert got["same_objects"]  # nothing built on first use
