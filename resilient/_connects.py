@@ -34,11 +34,12 @@ import os
 import re
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, Final
 
 import psutil
+
+from resilient import _sockets
 
 __all__ = ["abort_unanswered", "listener_of", "unanswered_aborted"]
 
@@ -104,7 +105,7 @@ def _syn_sent(fd: int, local: tuple[str, int]) -> socket.socket | None:
         return None
     try:
         state = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 8)[0]
-        if state == _TCP_SYN_SENT and tuple(s.getsockname()[:2]) == local:
+        if state == _TCP_SYN_SENT and _sockets._norm(s.getsockname()[:2]) == local:
             return s
     except OSError:
         pass
@@ -123,9 +124,9 @@ def abort_unanswered(peer: tuple[str, int]) -> int:
     for c in conns:
         if c.status != psutil.CONN_SYN_SENT or not c.raddr or c.fd < 0:
             continue
-        if (str(c.raddr.ip).removeprefix("::ffff:"), int(c.raddr.port)) != peer:
+        if _sockets._addr(c.raddr) != peer:
             continue
-        s = _syn_sent(c.fd, (str(c.laddr.ip), int(c.laddr.port)))
+        s = _syn_sent(c.fd, _sockets._addr(c.laddr))
         if s is None:
             continue
         with s:
@@ -174,11 +175,9 @@ def unanswered_aborted(
         target=_watch, args=(store, index, address, timeout_s, label, done),
         name=f"connect-watch-{address}", daemon=True,
     )  # fmt: skip
-    began = time.monotonic()
     watcher.start()
     try:
         yield
     finally:
         done.set()
         watcher.join(timeout=1.0)
-        logger.debug("%s: rendezvous took %.3f s", label, time.monotonic() - began)

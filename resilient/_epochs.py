@@ -409,13 +409,10 @@ class EpochControl:
         plan.append((self.links, data))
         rails, epoch = range(len(self.rails)), self._epoch
 
-        def order(pr: tuple[int, int]) -> tuple[int, int, int]:
-            return min(pos, pr[0]), max(pos, pr[0]), pr[1]  # as LinkTable.ensure
-
         def build() -> None:
             for table, peers in plan:
                 try:
-                    for pair in sorted(((p, r) for p in peers for r in rails), key=order):
+                    for pair in table.in_order((p, r) for p in peers for r in rails):
                         # One at a time: a later epoch (another loss) numbers its
                         # members anew and builds its own links.
                         if self._epoch != epoch or table.closed or table.abandoned:

@@ -126,10 +126,7 @@ class LinkTable:
         Links are built in one global order (lowest rank pair first, then rail) on
         every rank, so blocking rendezvous can never wait in a cycle around a ring.
         """
-        todo = sorted(
-            {(p, r) for p, r in pairs if (p, r) not in self._links},
-            key=lambda pr: (min(self.rank, pr[0]), max(self.rank, pr[0]), pr[1]),
-        )
+        todo = self.in_order({(p, r) for p, r in pairs if (p, r) not in self._links})
         for peer, rail in todo:
             with self._lock:
                 if (peer, rail) in self._links:
@@ -140,6 +137,11 @@ class LinkTable:
                 logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
             else:  # outside the lock: marking it broken publishes the table's state
                 link.refused(why)
+
+    def in_order(self, pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``(peer, rail)`` pairs in the order every rank builds links in: lowest
+        rank pair first, then rail."""
+        return sorted(pairs, key=lambda pr: (min(self.rank, pr[0]), max(self.rank, pr[0]), pr[1]))
 
     def _build(self, peer: int, rail: int) -> tuple[Link, str | None]:
         """The link to ``peer`` on ``rail``, and None; or, with another rail to fail
