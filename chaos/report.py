@@ -446,6 +446,8 @@ def render(report: Mapping[str, Any]) -> str:
         err = f"  ERROR: {f['error']}" if f.get("error") else ""
         how = f.get("detail", {}).get("injected", "real")
         how = "" if how == "real" else f" [{how}]"
+        if held := f.get("detail", {}).get("held_for_spare_s"):
+            how += f" [held {_fmt(held)} s for the warm spare]"
         lines.append(
             f"  [{f['index']}] {f['kind']}({params}){how} {when}, until "
             f"t={_fmt(f['stopped_s'])}s; {detected}; {acts}{err}"

@@ -44,6 +44,11 @@ __all__ = ["make_testbed", "run_scenario"]
 logger = logging.getLogger(__name__)
 
 _TICK_S: Final = 0.02
+# A due fault waits at most this long for warm spares to stand ready (a scenario
+# with spares means to test the job with them, and the warm takeover); then it
+# fires anyway and the report says the spare was not ready.
+_SPARE_HOLD_S: Final = 120.0
+_LOSES_RANK: Final = frozenset({"kill", "hang"})
 _CODE_PACKAGES: Final = ("resilient", "membership", "recovery")
 
 
@@ -123,6 +128,8 @@ class _Controller:
         self.timed_out = False
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-controller", daemon=True)
+        self._held_since: dict[int, float] = {}  # fault index -> when it was first due
+        self._spares_seen_ready = False  # every rank's first spare stood ready once
 
     def start(self) -> None:
         self.t0 = time.time()
@@ -145,6 +152,36 @@ class _Controller:
         rank = fault.param("rank")
         step = self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
         return fault.at_step is not None and step >= fault.at_step
+
+    def _held(self, rec: FaultRecord, fault: Fault) -> bool:
+        """Whether a due fault still waits for warm spares (up to ``_SPARE_HOLD_S``):
+        no fault fires before every rank's spare first stands ready, and a fault that
+        loses a rank waits for that rank's next spare. The wait goes in its detail."""
+        now = self._now()
+        since = self._held_since.setdefault(rec.index, now)
+        waiting = self._spares_warming(fault)
+        if waiting and now - since < _SPARE_HOLD_S:
+            if now == since:
+                self._display.notice(f"{fault.kind} is due; it waits for {waiting} to stand ready")
+            return True
+        self._spares_seen_ready = True
+        if now > since:
+            rec.detail["held_for_spare_s"] = round(now - since, 2)
+            if waiting:
+                rec.detail["spare"] = "not ready"
+        return False
+
+    def _spares_warming(self, fault: Fault) -> str:
+        """Which warm spares ``fault`` waits for, in words; empty when none."""
+        launcher = self._launcher
+        if not self._spares_seen_ready:
+            ranks = [r for r in range(launcher.config.nproc) if launcher.spare_warming(r)]
+            if ranks:
+                return f"the warm spares of ranks {ranks}"
+        rank = fault.param("rank")
+        if fault.kind in _LOSES_RANK and rank is not None and launcher.spare_warming(int(rank)):
+            return f"rank {rank}'s warm spare"
+        return ""
 
     def _fire(self, rec: FaultRecord, fault: Fault) -> None:
         rank = fault.param("rank")
@@ -204,7 +241,7 @@ class _Controller:
         while not self._halt.wait(_TICK_S):
             for rec, fault in zip(self.records, self._faults, strict=True):
                 inj = self._injectors[rec.index]
-                if rec.fired_s is None and self._due(fault):
+                if rec.fired_s is None and self._due(fault) and not self._held(rec, fault):
                     self._fire(rec, fault)
                 elif (
                     inj is not None
@@ -249,7 +286,8 @@ def _run_job(
         etcd=etcd.url,
         job=new_job_name(),
         max_restarts=job.max_restarts,
-        warm_spares=job.warm_spares,
+        # The fault-free reference loses no rank: spares there would only take CPU.
+        warm_spares=job.warm_spares and bool(faults),
         evict_stragglers=job.evict_stragglers,
         min_ranks=job.min_ranks,
         shrink_after_s=job.shrink_after_s,

@@ -81,8 +81,10 @@ def spawn(
     stderr: IO[Any] | int | None = None,
     new_session: bool = True,
     stdin: IO[Any] | int | None = subprocess.DEVNULL,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session, killed if this process dies."""
+    """Start ``argv`` in its own session, killed if this process dies; ``pass_fds``
+    stay open in the child (every other descriptor is closed)."""
     return subprocess.Popen(
         list(argv),
         env=dict(env) if env is not None else None,
@@ -92,6 +94,7 @@ def spawn(
         stderr=stderr,
         start_new_session=new_session,
         preexec_fn=_pdeathsig_preexec(),
+        pass_fds=tuple(pass_fds),
     )
 
 

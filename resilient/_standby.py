@@ -1,7 +1,8 @@
-"""A warm spare: ``python -m resilient._standby SCRIPT [ARGS...]``.
+"""A warm spare: ``python -m resilient._standby [--ready-fd N] SCRIPT [ARGS...]``.
 
 The launcher starts one per rank, with the environment of the rank's next
-incarnation, and keeps the write end of its stdin. The spare runs SCRIPT as
+incarnation, and keeps the write end of its stdin (and the read end of the pipe
+``--ready-fd`` writes to, on which the spare says when it stands ready). The spare runs SCRIPT as
 ``__main__`` with ARGS at once, exactly as ``python SCRIPT ARGS`` would, so it
 pays in advance for everything a replacement does before it can be admitted:
 importing torch, ``resilient.init()`` (as a joining rank: collectives run alone,
@@ -18,6 +19,7 @@ spare is not needed) makes the spare exit 0. SCRIPT gets ``/dev/null`` as stdin.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import select
@@ -33,6 +35,8 @@ _POLL_S: Final = 1.0
 
 # The launcher's end of the pipe, duplicated away from fd 0; None outside a spare.
 _go_fd: int | None = None
+# Where to say "ready" once, when the spare starts waiting; None once said.
+_ready_fd: int | None = None
 
 
 def standing_by() -> bool:
@@ -53,6 +57,7 @@ def wait_for_go() -> float:
     fd, began = _go_fd, time.monotonic()
     if fd is None:
         return 0.0
+    _say_ready()
     line = b""
     while not line.endswith(b"\n"):
         ready, _, _ = select.select([fd], [], [], _POLL_S)
@@ -71,6 +76,19 @@ def wait_for_go() -> float:
     return time.monotonic() - began
 
 
+def _say_ready() -> None:
+    """Tell the launcher this spare stands ready (it may hold a fault until then).
+    Best effort: a launcher that is gone closes the go pipe as well."""
+    global _ready_fd
+    fd, _ready_fd = _ready_fd, None
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.write(fd, b"r")
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
 def _detach_stdin() -> int:
     """Move the launcher's pipe off fd 0 (the script must not read ``go`` by
     accident); the script's stdin becomes /dev/null."""
@@ -83,11 +101,18 @@ def _detach_stdin() -> int:
 
 
 def main() -> int:
-    global _go_fd
-    if len(sys.argv) < 2:
-        print("usage: python -m resilient._standby SCRIPT [ARGS...]", file=sys.stderr)
+    global _go_fd, _ready_fd
+    argv = sys.argv[1:]
+    if argv[:1] == ["--ready-fd"] and len(argv) >= 2 and argv[1].isdigit():
+        _ready_fd, argv = int(argv[1]), argv[2:]
+        # Only this process says ready; what the script starts must not hold the pipe.
+        with contextlib.suppress(OSError):
+            os.set_inheritable(_ready_fd, False)
+    if not argv:
+        usage = "usage: python -m resilient._standby [--ready-fd N] SCRIPT [ARGS...]"
+        print(usage, file=sys.stderr)
         return 2
-    script, *args = sys.argv[1:]
+    script, *args = argv
     _go_fd = _detach_stdin()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

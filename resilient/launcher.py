@@ -46,6 +46,7 @@ from resilient._launch_io import (
 )
 from resilient._proc import host_store, spawn
 from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
+from resilient._spares import Spare
 from resilient.config import EXIT_EVICTED
 from resilient.errors import LauncherError, MembershipError
 
@@ -93,7 +94,7 @@ class _Slot:
     done: bool = False
     left: bool = False  # lost with no restart left; the job went on without it
     hung: bool = False  # killed by us after its lease expired
-    spare: subprocess.Popen[bytes] | None = None  # warm standby for incarnation + 1
+    spare: Spare | None = None  # warm standby for incarnation + 1
     spare_at: float | None = None  # when to start the next standby (monotonic)
     spares_killed: int = 0  # standbys that died by a signal before they were needed
 
@@ -114,7 +115,10 @@ class _Run:
         self._trap = trap
         self._stop = stop if stop is not None else threading.Event()
         self._out = RankOutput(config.log_dir, echo=config.echo)
-        self._slots = [_Slot(rank) for rank in range(config.nproc)]
+        # Spares are due at once (the supervisor starts them after the ranks);
+        # until then spare_warming() already counts them.
+        spares_due = 0.0 if config.warm_spares else None
+        self._slots = [_Slot(rank, spare_at=spares_due) for rank in range(config.nproc)]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
         # torch's rendezvous store, hosted here rather than by rank 0: a rank 0
@@ -156,8 +160,6 @@ class _Run:
             if (code := self._signalled()) is not None:
                 return code
             self._start(slot)
-        for slot in self._slots:
-            self._start_spare(slot)
         self._serve_metrics()
         return self._supervise()
 
@@ -334,6 +336,17 @@ class _Run:
         """The pid of every rank whose process is running now."""
         return {s.rank: s.proc.pid for s in self._slots if s.proc is not None and not s.done}
 
+    def spare_warming(self, rank: int) -> bool:
+        """Whether ``rank`` has a warm spare started (or due to start) that does not
+        stand ready yet. Read from other threads: looks, never reaps."""
+        cfg = self._cfg
+        budget = cfg.warm_spares and self._restarts < cfg.max_restarts
+        if not budget or not 0 <= rank < len(self._slots) or self._slots[rank].done:
+            return False
+        slot = self._slots[rank]
+        spare = slot.spare
+        return spare.ready_after_s is None if spare is not None else slot.spare_at is not None
+
     def _signalled(self) -> int | None:
         sig = self._trap.received
         if sig is None and self._stop.is_set():
@@ -393,14 +406,10 @@ class _Run:
         cfg = self._cfg
         if not cfg.warm_spares or self._restarts >= cfg.max_restarts or slot.spare is not None:
             return
-        argv = [sys.executable, "-u", "-m", "resilient._standby", cfg.script, *cfg.script_args]
-        if cfg.rank_wrap:
-            argv = [*cfg.rank_wrap[slot.rank], *argv]
+        wrap = cfg.rank_wrap[slot.rank] if cfg.rank_wrap else ()
         env = self._env(slot, incarnation=slot.incarnation + 1)
         try:
-            slot.spare = spawn(
-                argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
+            slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
         except OSError as exc:
             logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
 
@@ -409,7 +418,13 @@ class _Run:
         was needed (its output goes to the rank's log). One killed by a signal is
         started again later (up to _SPARE_RESTARTS times); else a loss starts cold."""
         spare = slot.spare
-        if spare is not None and (code := reap(spare)) is not None:
+        if spare is not None and spare.ready_after_s is None and spare.poll_ready():
+            self._out.notice(
+                f"rank {slot.rank}'s warm spare stands ready "
+                f"({spare.ready_after_s:.1f} s after it started)"
+            )
+        if spare is not None and (code := spare.exit_code()) is not None:
+            spare.close()
             slot.spare = None
             again = code < 0 and slot.spares_killed < _SPARE_RESTARTS and not slot.done
             if again:
@@ -424,7 +439,7 @@ class _Run:
                 f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
                 f"needed; its output follows in the rank's log; {then}"
             )
-            self._out.attach(slot.rank, slot.incarnation + 1, spare)
+            self._out.attach(slot.rank, slot.incarnation + 1, spare.proc)
         elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
             slot.spare_at = None
             if not slot.done:
@@ -433,15 +448,10 @@ class _Run:
     def _promote_spare(self, slot: _Slot) -> bool:
         """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
         spare, slot.spare = slot.spare, None
-        if spare is None or reap(spare) is not None or spare.stdin is None:
+        if spare is None or not spare.hand_over():
             return False
-        try:
-            spare.stdin.write(b"go\n")
-            spare.stdin.close()
-        except OSError:
-            return False
-        slot.proc = spare
-        self._out.attach(slot.rank, slot.incarnation, spare)
+        slot.proc = spare.proc
+        self._out.attach(slot.rank, slot.incarnation, spare.proc)
         return True
 
     def _env(self, slot: _Slot, incarnation: int | None = None) -> dict[str, str]:
@@ -480,7 +490,8 @@ class _Run:
         return env
 
     def _stop_ranks(self) -> None:
-        procs = [p for s in self._slots for p in (s.proc, s.spare) if p is not None]
+        procs = [s.proc for s in self._slots if s.proc is not None]
+        procs += [s.spare.proc for s in self._slots if s.spare is not None]
         live = [p for p in procs if reap(p) is None]
         if not live:
             return
@@ -519,6 +530,12 @@ class Launcher:
         """The pid of each rank running now (empty when ``run()`` is not running)."""
         state = self._state
         return state.pids() if state is not None else {}
+
+    def spare_warming(self, rank: int) -> bool:
+        """Whether ``rank``'s warm spare is started (or due) but not ready yet; False
+        when spares are off, or ``run()`` is not running."""
+        state = self._state
+        return state is not None and state.spare_warming(rank)
 
     @property
     def config(self) -> LaunchConfig:

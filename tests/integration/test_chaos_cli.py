@@ -438,6 +438,7 @@ def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     # stands by in the same namespace and must not log that as its own, and the
     # new epoch's links on that rail are left unbuilt at both ends (before, the
     # rendezvous there failed and the job ended), then repaired once it is back.
+    # No fault fires before the spares stand ready (the runner holds them).
     body = _nic_down_then_kill((1, 1, 50, 2.5), 0, 60, "max_recovery_s = 5.0")
     extra = "max_restarts = 1\nwarm_spares = true"
     scenario = _scenario(tmp_path, body, topology="netns", steps=200, job_extra=extra)
@@ -471,6 +472,35 @@ def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     repaired = {(e["links"][0][0], e["links"][0][1]) for e in rebuilt if e["epoch"] == 1}
     assert unbuilt <= repaired, (unbuilt, repaired)  # the NIC came back: rail 1 again
     assert not _namespaces(_testbed_of(stderr))
+
+
+@pytest.mark.timeout(240)
+def test_a_kill_due_before_the_warm_spare_stands_ready_waits_for_it(tmp_path: Path) -> None:
+    # Due half a second in, while the ranks and spares still start: the runner
+    # holds the kill until the spares stand ready, so the takeover is warm.
+    body = """
+[[fault]]
+kind = "kill"
+rank = 1
+at_s = 0.5
+
+[expect]
+completes = true
+params_equal_across_ranks = true
+params_equal_fault_free = true
+"""
+    extra = "max_restarts = 1\nwarm_spares = true"
+    scenario = _scenario(tmp_path, body, topology="loopback", steps=60, job_extra=extra)
+    out = tmp_path / "out"
+    report, stderr = _passing_run(scenario, out)
+    assert re.search(r"kill is due; it waits for the warm spares of ranks \[[0-9, ]+\]", stderr)
+    detail = report["faults"][0]["detail"]
+    assert detail["held_for_spare_s"] > 0 and "spare" not in detail, detail
+    assert report["faults"][0]["fired_s"] >= detail["held_for_spare_s"]
+    events = read_events(out / "run")
+    joined = [e for e in events if e["kind"] == "rank.joined"]
+    assert [(e["rank"], e["incarnation"], e["standby_s"] > 0) for e in joined] == [(1, 1, True)]
+    assert "restarting as incarnation 1 (warm spare)" in stderr
 
 
 @needs_root

@@ -559,6 +559,52 @@ record("done")
 
 
 @pytest.mark.timeout(90)
+def test_the_launcher_knows_when_a_spare_stands_ready(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The spare holds before its gate until the test has seen it warming; the
+    # launcher learns it is ready only from the spare reaching the gate.
+    script, out = make_script(
+        tmp_path,
+        """
+from resilient import _standby
+
+if _standby.standing_by():
+    record("warming")
+    wait_for("release.json")
+    _standby.wait_for_go()
+    record("go")
+if INC == 0:
+    wait_for("fail.json")
+    sys.exit(3)
+record("done")
+""",
+    )
+    cfg = config(script, out, nproc=1, etcd=etcd_url, max_restarts=1, warm_spares=True)
+    launcher = Launcher(cfg)
+    codes: list[int] = []
+    runner = threading.Thread(target=lambda: codes.append(launcher.run()))
+    runner.start()
+    try:
+        assert wait_until(lambda: bool(records(out, "warming")), 30.0)
+        assert launcher.spare_warming(0) is True
+        (out / "release.json").write_text("{}")
+        assert wait_until(lambda: not launcher.spare_warming(0), 30.0)
+    finally:
+        (out / "release.json").write_text("{}")
+        (out / "fail.json").write_text("{}")
+        runner.join(60.0)
+
+    assert codes == [0]
+    assert launcher.spare_warming(0) is False  # not running any more
+    assert records(out, "done") == ["done-0-1.json"]
+    assert read(out, "go", 0, 1)["pid"] == read(out, "warming", 0, 1)["pid"]
+    err = capsys.readouterr().err
+    assert re.search(r"rank 0's warm spare stands ready \([0-9.]+ s after it started\)", err)
+    assert "restarting as incarnation 1 (warm spare)" in err
+
+
+@pytest.mark.timeout(90)
 def test_a_spare_that_exits_before_it_is_needed_is_reported_and_the_rank_starts_cold(
     tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
