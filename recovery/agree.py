@@ -2,7 +2,9 @@
 
 Every rank that takes part in the next epoch writes one record under
 ``recovery/e<epoch>/r<rank>`` in the job's store: its incarnation, the last step it
-committed (-1 for a replacement), and the op counters of its links still standing.
+committed (-1 before the first: the state every rank started training from, which
+DDP made the same everywhere; :data:`NO_STATE` for a replacement), and the op
+counters of its links still standing.
 Once the records of all ``world`` ranks are there, every rank computes the same
 :class:`Plan` from the same records, then moves the epoch counter with a
 compare-and-swap (``recovery/epoch``: ``epoch`` -> ``epoch + 1``). Nothing else is
@@ -54,6 +56,7 @@ from resilient.links import Counters
 
 __all__ = [
     "EPOCH_KEY",
+    "NO_STATE",
     "Plan",
     "Record",
     "agree",
@@ -64,6 +67,9 @@ __all__ = [
 ]
 
 EPOCH_KEY: Final = "recovery/epoch"
+# A record's step when the rank holds no state at all (a replacement). Step -1 is
+# a state: the one training started from, before the first commit.
+NO_STATE: Final = -2
 _POLL_S: Final = 0.01
 _SAFETY_S: Final = 0.1  # with a watch: timers (shrink, give_up) still run
 
@@ -159,20 +165,22 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     """The plan for leaving ``epoch``, from every rank's record.
 
     Raises:
-        RecoveryError: no rank holds a committed state to restore from.
+        RecoveryError: no rank holds a state to restore from (every record is a
+            replacement's).
     """
-    survivors = [r for r in records.values() if r.step >= 0]
+    survivors = [r for r in records.values() if r.step != NO_STATE]
     if not survivors:
-        raise RecoveryError(f"epoch {epoch}: no rank has a committed step to restore from")
+        raise RecoveryError(f"epoch {epoch}: no rank holds a state to restore from")
     step = max(r.step for r in survivors)
     # Of the ranks furthest ahead, the one best placed to send: most rails up,
     # then the fastest measured rails, then the lowest rank (every rank computes
     # the same from the same records).
     ahead = [r for r in survivors if r.step == step]
     ranked = [r.rank for r in sorted(ahead, key=lambda r: (-r.rails_up, -r.rate, r.rank))]
-    # Replacements (step -1) first: they get the best donors.
+    # Replacements first: they get the best donors.
     behind = sorted(
-        (r for r in records.values() if r.step < step), key=lambda r: (r.step >= 0, r.rank)
+        (r for r in records.values() if r.step < step),
+        key=lambda r: (r.step != NO_STATE, r.rank),
     )
     data, ctl = _kept(records, "data", epoch + 1), _kept(records, "ctl", epoch + 1)
     return Plan(
@@ -182,7 +190,7 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
         donor=ranked[0],
         donors={r.rank: ranked[i % len(ranked)] for i, r in enumerate(behind)},
         receivers=tuple(sorted(r.rank for r in behind)),
-        joined=tuple(sorted(r.rank for r in records.values() if r.step < 0)),
+        joined=tuple(sorted(r.rank for r in records.values() if r.step == NO_STATE)),
         keep_data={r: keep or [] for r, keep in data.items()},
         keep_ctl=ctl,
     )

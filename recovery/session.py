@@ -24,7 +24,13 @@ every rank behind it over a data-plane link (chunked, SHA-256 checked).
 A replacement process (``RESILIENT_INCARNATION`` > 0) joins in :meth:`steps`: it
 runs ``warmup`` twice on its own (DDP builds its buckets then, with collectives the
 running ranks no longer issue), reports for the next epoch, receives the state and
-trains from the replayed step.
+trains from the replayed step. The ranks of the job run the same two passes,
+together, before their first step: DDP's first iteration lays its buckets out by
+parameter order and the second re-lays them by the order gradients came, so
+without them a rank lost in the first step would leave the survivors on the first
+layout and the replacement on the second (the same bytes, summed as different
+parameters). A rank lost during those passes fails the job (RecoveryError): no
+step was taken, nothing is lost but the start.
 
 Per-rank data must be a function of (rank, step) (or be restored through
 ``extra``): the donor's state replaces the replacement's, RNG included.
@@ -53,7 +59,15 @@ import torch
 
 from recovery import events
 from recovery._wire import Packed, pack, size_of, unpack
-from recovery.agree import Plan, Record, agree, current_epoch, join_requested, request_join
+from recovery.agree import (
+    NO_STATE,
+    Plan,
+    Record,
+    agree,
+    current_epoch,
+    join_requested,
+    request_join,
+)
 from recovery.policy import JobView, Policy
 from recovery.shards import Piece, pieces
 from recovery.state import StateHook, TrainState, average_over_members, reset_reducer
@@ -95,8 +109,9 @@ class Session:
         self._commit = commit or getattr(state, "commit", None)
         self._warmup = warmup
         self.config = config or RecoveryConfig.from_env()
-        self.committed = -1  # the last step committed on this rank
+        self.committed = -1  # the last step committed here; -1: the starting state
         self._next = 0
+        self._primed = False  # the warm-up passes before the first step ran
         self.recoveries = 0
         self.replayed = 0
         self._payload: Packed | None = None
@@ -154,6 +169,8 @@ class Session:
             self._next, self.committed = start, max(self.committed, start - 1)
         if self.pg is not None and self.pg.joining:
             self._join()
+        elif not self._primed:
+            self._prime()
         while self._next < total:
             self._maybe_grow()
             self._judge_stragglers(self._next)
@@ -191,6 +208,29 @@ class Session:
             self._step_s = took if self._step_s == 0 else 0.8 * self._step_s + 0.2 * took
             self._recent.append(took)
         self._last_commit = now
+
+    def _prime(self) -> None:
+        """The job's ranks run ``warmup`` twice, together, before their first step
+        (see the module docstring): every rank's DDP then holds the layout a
+        replacement's warm-up gives it.
+
+        Raises:
+            RecoveryError: a peer was lost during those passes.
+        """
+        self._primed = True
+        if self.pg is None or self._warmup is None:
+            return
+        try:
+            for _ in range(_WARMUP_PASSES):
+                self._warmup()
+        except Exception as exc:
+            lost = self.pg.lost
+            if lost is None and not isinstance(exc, PeerLost):
+                raise
+            raise RecoveryError(
+                f"rank {self._rank}: a peer was lost in the warm-up passes before step "
+                f"{self._next}; the job has no step to recover"
+            ) from exc
 
     # -- recovery --------------------------------------------------------------------
     def _recover(self, n: int, cause: BaseException) -> None:
@@ -232,6 +272,7 @@ class Session:
         be lost), take the member key, report, receive the state."""
         assert self.pg is not None
         pg, began = self.pg, time.monotonic()
+        self._primed = True  # its warm-up comes first, alone
         engine = pg.engine
         if isinstance(engine, SoloEngine):
             engine.warming = True
@@ -269,7 +310,7 @@ class Session:
         assert self.pg is not None
         pg = self.pg
         deadline = time.monotonic() + self.config.replace_timeout_s
-        record = Record(rank=self._rank, incarnation=pg.incarnation, step=-1, data=[], ctl=[])
+        record = Record(rank=self._rank, incarnation=pg.incarnation, step=NO_STATE, data=[], ctl=[])
         while True:
             epoch = current_epoch(pg.store)
             left = deadline - time.monotonic()

@@ -31,7 +31,9 @@ KILL_AT = 6
 NEVER = -(10**9)
 
 
-def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) -> None:
+def _worker(
+    rank: int, port: int, incarnation: int, kill_at: int, results: Any, with_ddp: bool
+) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(WORLD),
@@ -74,7 +76,10 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
         loss.backward()
         return loss.detach()
 
-    session = Session(pg, TrainState(model, opt), warmup=functools.partial(train_step, 0))
+    session = Session(
+        pg, TrainState(model, opt), warmup=functools.partial(train_step, 0),
+        ddp=ddp if with_ddp else None,
+    )  # fmt: skip
     survivor_links: dict[tuple[int, int], int] = {}
     for step in session.steps(STEPS):
         with session.step(step):
@@ -95,12 +100,15 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
     dist.destroy_process_group()
 
 
-def _run(kill_at: int) -> dict[tuple[int, int], Any]:
+def _run(kill_at: int, *, with_ddp: bool = False) -> dict[tuple[int, int], Any]:
+    """``with_ddp``: the session is given the DDP module (its comm hook, and its
+    reducer reset on entering an epoch)."""
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     port = free_port()
     procs = {
-        r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results)) for r in range(WORLD)
+        r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results, with_ddp))
+        for r in range(WORLD)
     }
     for p in procs.values():
         p.start()
@@ -110,7 +118,8 @@ def _run(kill_at: int) -> dict[tuple[int, int], Any]:
         deadline = time.monotonic() + 150
         while len(out) < WORLD and time.monotonic() < deadline:
             if replacement is None and procs[VICTIM].exitcode == -signal.SIGKILL:
-                replacement = ctx.Process(target=_worker, args=(VICTIM, port, 1, NEVER, results))
+                args = (VICTIM, port, 1, NEVER, results, with_ddp)
+                replacement = ctx.Process(target=_worker, args=args)
                 replacement.start()
             try:
                 rank, inc, *rest = results.get(timeout=0.2)
@@ -128,17 +137,39 @@ def _run(kill_at: int) -> dict[tuple[int, int], Any]:
     return out
 
 
+@pytest.fixture(scope="module")
+def clean() -> str:
+    """The parameters' digest of a fault-free run (every rank's)."""
+    out = _run(kill_at=NEVER, with_ddp=True)
+    assert sorted(out) == [(r, 0) for r in range(WORLD)], out
+    digests = {v[0] for v in out.values()}
+    assert len(digests) == 1, out
+    return digests.pop()
+
+
 @pytest.mark.timeout(240)
-def test_a_killed_rank_is_replaced_and_the_job_matches_a_fault_free_run() -> None:
-    clean = _run(kill_at=NEVER)
-    assert sorted(clean) == [(r, 0) for r in range(WORLD)], clean
-    faulty = _run(kill_at=KILL_AT)
+def test_a_killed_rank_is_replaced_and_the_job_matches_a_fault_free_run(clean: str) -> None:
+    faulty = _run(kill_at=KILL_AT, with_ddp=True)
     assert sorted(faulty) == [(0, 0), (1, 0), (2, 1)], faulty
-    want = clean[(0, 0)][0]
-    assert all(v[0] == want for v in clean.values())
     for who, (digest, replayed, kept, epoch) in faulty.items():
-        assert digest == want, f"rank {who} differs from the fault-free run"
+        assert digest == clean, f"rank {who} differs from the fault-free run"
         assert epoch == 1, who
         if who[1] == 0:
             assert replayed == 1, who
             assert kept and all(kept.values()), f"rank {who} rebuilt survivor links: {kept}"
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_killed_in_the_first_step_gets_the_state_training_started_from(
+    clean: str,
+) -> None:
+    # Nothing was committed yet: the survivors' state is the one DDP made the same
+    # on every rank before step 0, and that is what the replacement receives.
+    # Every member's DDP reducer is reset (the survivors' had recorded a first
+    # iteration, the replacement's had rebuilt its buckets in its warm-up).
+    faulty = _run(kill_at=0, with_ddp=True)
+    assert sorted(faulty) == [(0, 0), (1, 0), (2, 1)], faulty
+    for who, (digest, replayed, _, epoch) in faulty.items():
+        assert digest == clean, f"rank {who} differs from the fault-free run"
+        assert epoch == 1, who
+        assert replayed == (1 if who[1] == 0 else 0), who

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from membership.store import EtcdStore
 from recovery.agree import (
     EPOCH_KEY,
+    NO_STATE,
     Record,
     agree,
     current_epoch,
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _records() -> dict[int, Record]:
-    # Rank 2 was replaced (no links, step -1). Ranks 0 and 1 hold rail 0, 1 and 2
+    # Rank 2 was replaced (no links, no state). Ranks 0 and 1 hold rail 0, 1 and 2
     # links to each other: rail 0 is idle; on rail 1 rank 0 sent one message rank 1
     # never received and rank 1 is blocked on a receive; on rail 2 rank 0 sent one
     # message rank 1 never received, and nobody waits.
@@ -36,7 +37,7 @@ def _records() -> dict[int, Record]:
                   data=[(1, 0, 5, 5, 0, 0), (1, 1, 6, 4, 0, 0), (1, 2, 7, 7, 0, 1 << 3)]),
         1: Record(rank=1, incarnation=0, step=8,
                   data=[(0, 0, 5, 5, 0, 0), (0, 1, 4, 5, 1, 0), (0, 2, 7, 6, 0, 0)]),
-        2: Record(rank=2, incarnation=1, step=-1, data=[], ctl=[]),
+        2: Record(rank=2, incarnation=1, step=NO_STATE, data=[], ctl=[]),
     }  # fmt: skip
 
 
@@ -77,10 +78,22 @@ def test_a_rank_whose_control_thread_did_not_stop_keeps_no_control_link() -> Non
     assert plan.keep_ctl[1] == []
 
 
-def test_no_committed_state_anywhere_is_an_error() -> None:
-    recs = {r: Record(rank=r, incarnation=1, step=-1) for r in range(2)}
+def test_no_state_anywhere_is_an_error() -> None:
+    recs = {r: Record(rank=r, incarnation=1, step=NO_STATE) for r in range(2)}
     with pytest.raises(RecoveryError):
         make_plan(0, recs)
+
+
+def test_a_loss_before_the_first_commit_restores_the_starting_state() -> None:
+    # Rank 1 was lost in step 0: the survivors hold the state training started
+    # from (step -1), and the replacement receives it; training resumes at step 0.
+    recs = {
+        0: Record(rank=0, incarnation=0, step=-1),
+        1: Record(rank=1, incarnation=1, step=NO_STATE),
+        2: Record(rank=2, incarnation=0, step=-1),
+    }
+    plan = make_plan(0, recs)
+    assert (plan.step, plan.donor, plan.receivers, plan.joined) == (-1, 0, (1,), (1,))
 
 
 def _store() -> dist.TCPStore:
@@ -163,7 +176,7 @@ def test_of_the_ranks_furthest_ahead_the_one_with_more_rails_up_then_faster_dona
         0: Record(rank=0, incarnation=0, step=9, rails_up=1, rate=9e9),  # a NIC down
         1: Record(rank=1, incarnation=0, step=9, rails_up=2, rate=1e8),
         2: Record(rank=2, incarnation=0, step=9, rails_up=2, rate=2e8),
-        3: Record(rank=3, incarnation=1, step=-1),
+        3: Record(rank=3, incarnation=1, step=NO_STATE),
     }
     assert make_plan(0, recs).donor == 2
     assert Record.from_json(recs[2].to_json()) == recs[2]
