@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, TextIO
@@ -24,6 +25,7 @@ __all__ = [
     "reap",
     "shell_exit_code",
     "signal_group",
+    "stop_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,27 @@ def reap(proc: subprocess.Popen[Any]) -> int | None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.poll()
+
+
+def stop_all(procs: list[subprocess.Popen[Any]], *, grace_s: float) -> None:
+    """SIGTERM every live process of ``procs`` (its whole session) at once; SIGKILL
+    those still running when the shared ``grace_s`` is over. Waits 5 s at most
+    for each SIGKILLed one."""
+    live = [p for p in procs if reap(p) is None]
+    for proc in live:
+        signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(reap(p) is None for p in live):
+        time.sleep(0.02)
+    for proc in live:
+        if reap(proc) is not None:
+            continue
+        logger.warning("pid %d ignored SIGTERM for %.1f s; sending SIGKILL", proc.pid, grace_s)
+        signal_group(proc, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("pid %d survived SIGKILL for 5 s", proc.pid)
 
 
 class SignalTrap:

@@ -43,6 +43,7 @@ from resilient._launch_io import (
     reap,
     shell_exit_code,
     signal_group,
+    stop_all,
 )
 from resilient._proc import host_store, spawn
 from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
@@ -492,26 +493,7 @@ class _Run:
     def _stop_ranks(self) -> None:
         procs = [s.proc for s in self._slots if s.proc is not None]
         procs += [s.spare.proc for s in self._slots if s.spare is not None]
-        live = [p for p in procs if reap(p) is None]
-        if not live:
-            return
-        # All ranks get SIGTERM at once and share one grace period.
-        for proc in live:
-            signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + self._cfg.grace_s
-        while time.monotonic() < deadline and any(reap(p) is None for p in live):
-            time.sleep(0.02)
-        for proc in live:
-            if reap(proc) is not None:
-                continue
-            logger.warning(
-                "pid %d ignored SIGTERM for %.1f s; sending SIGKILL", proc.pid, self._cfg.grace_s
-            )
-            signal_group(proc, signal.SIGKILL)
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                logger.error("pid %d survived SIGKILL for 5 s", proc.pid)
+        stop_all(procs, grace_s=self._cfg.grace_s)
 
 
 class Launcher:
