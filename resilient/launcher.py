@@ -295,6 +295,9 @@ class _Run:
         self._restarts += 1
         self._publish_budget()
         slot.incarnation += 1
+        # Due before the spare is handed over: spare_warming() is read from other
+        # threads, and must not see a moment with neither a spare nor one due.
+        slot.spare_at = time.monotonic() + _NEXT_SPARE_S
         warm = self._promote_spare(slot)
         self._announce(slot, "warm" if warm else "cold")
         how = " (warm spare)" if warm else ""
@@ -304,7 +307,6 @@ class _Run:
         )
         if not warm:
             self._start(slot)
-        slot.spare_at = time.monotonic() + _NEXT_SPARE_S
         self._event(
             "recovery.started",
             rank=slot.rank,
@@ -426,11 +428,11 @@ class _Run:
             )
         if spare is not None and (code := spare.exit_code()) is not None:
             spare.close()
-            slot.spare = None
             again = code < 0 and slot.spares_killed < _SPARE_RESTARTS and not slot.done
             if again:
                 slot.spares_killed += 1
                 slot.spare_at = time.monotonic() + _NEXT_SPARE_S
+            slot.spare = None  # after spare_at: see _restart
             then = (
                 f"another starts in {_NEXT_SPARE_S:.0f} s"
                 if again
@@ -442,9 +444,9 @@ class _Run:
             )
             self._out.attach(slot.rank, slot.incarnation + 1, spare.proc)
         elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
-            slot.spare_at = None
             if not slot.done:
                 self._start_spare(slot)
+            slot.spare_at = None  # only now: see _restart
 
     def _promote_spare(self, slot: _Slot) -> bool:
         """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
