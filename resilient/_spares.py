@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 
@@ -37,8 +38,6 @@ class Spare:
         Raises:
             OSError: the process could not be started.
         """
-        import sys
-
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         cmd = [*wrap, sys.executable, "-u", "-m", "resilient._standby"]

@@ -1,10 +1,11 @@
 """A warm spare: ``python -m resilient._standby [--ready-fd N] SCRIPT [ARGS...]``.
 
 The launcher starts one per rank, with the environment of the rank's next
-incarnation, and keeps the write end of its stdin (and the read end of the pipe
-``--ready-fd`` writes to, on which the spare says when it stands ready). The spare runs SCRIPT as
-``__main__`` with ARGS at once, exactly as ``python SCRIPT ARGS`` would, so it
-pays in advance for everything a replacement does before it can be admitted:
+incarnation, and keeps the write end of its stdin and the read end of the pipe
+``--ready-fd`` names (the spare writes one byte there when it stands ready, see
+:mod:`resilient._spares`). The spare runs SCRIPT as ``__main__`` with ARGS at
+once, exactly as ``python SCRIPT ARGS`` would, so it pays in advance for
+everything a replacement does before it can be admitted:
 importing torch, ``resilient.init()`` (as a joining rank: collectives run alone,
 see :mod:`resilient._solo`), building the model, DDP's constructor and
 :class:`recovery.Session`'s warm-up passes. Then the session calls
