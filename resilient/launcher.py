@@ -318,7 +318,7 @@ class _Run:
         if self._leases is not None:
             cfg = self._cfg
             left = cfg.max_restarts - self._restarts
-            self._leases.publish_budget(left, cfg.warm_spares and left > 0)
+            self._leases.publish_budget(left, self._spares_on())
 
     def _announce(self, slot: _Slot, how: str) -> None:
         """Tell the survivors (through etcd) whether and how the rank is replaced."""
@@ -339,12 +339,14 @@ class _Run:
         """The pid of every rank whose process is running now."""
         return {s.rank: s.proc.pid for s in self._slots if s.proc is not None and not s.done}
 
+    def _spares_on(self) -> bool:
+        """Warm spares are wanted, and a restart is left for one to take."""
+        return self._cfg.warm_spares and self._restarts < self._cfg.max_restarts
+
     def spare_warming(self, rank: int) -> bool:
         """Whether ``rank`` has a warm spare started (or due to start) that does not
         stand ready yet. Read from other threads: looks, never reaps."""
-        cfg = self._cfg
-        budget = cfg.warm_spares and self._restarts < cfg.max_restarts
-        if not budget or not 0 <= rank < len(self._slots) or self._slots[rank].done:
+        if not self._spares_on() or not 0 <= rank < len(self._slots) or self._slots[rank].done:
             return False
         slot = self._slots[rank]
         spare = slot.spare
@@ -407,7 +409,7 @@ class _Run:
         """Start a standby for ``slot``'s next incarnation, if spares are on and the
         restart budget could still use one."""
         cfg = self._cfg
-        if not cfg.warm_spares or self._restarts >= cfg.max_restarts or slot.spare is not None:
+        if not self._spares_on() or slot.spare is not None:
             return
         wrap = cfg.rank_wrap[slot.rank] if cfg.rank_wrap else ()
         env = self._env(slot, incarnation=slot.incarnation + 1)
