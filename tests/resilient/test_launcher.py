@@ -594,6 +594,9 @@ record("done")
         (out / "release.json").write_text("{}")
         (out / "fail.json").write_text("{}")
         runner.join(60.0)
+        if runner.is_alive():  # a launcher that did not end: stop its ranks too
+            launcher.request_stop()
+            runner.join(30.0)
 
     assert codes == [0]
     assert launcher.spare_warming(0) is False  # not running any more
