@@ -9,6 +9,15 @@ at once: the dead rank's sockets were closed (FIN) or reset (RST). So while call
 are in flight, a thread reads the TCP state of every link every
 :data:`INTERVAL_S`, marks links whose peer closed them broken, and lets the group
 decide whether the peer is lost (:mod:`resilient._lost`).
+
+The same scan cuts a link whose connection the kernel sees dead (data
+unacknowledged, retransmission timeouts, no ACK for a second:
+``Link.network_stall``) while no op waits on it. The stall watch
+(:mod:`resilient._stall`) sees that only on a link an op is pending on, and a
+partition can leave the dead end idle: a send completes once its bytes are in the
+socket, so the sender moves on to wait elsewhere, while the receiver, whose own
+socket holds nothing unacknowledged, cannot tell a partition from a late peer.
+Then the whole job waited the partition out (docs/ARCHITECTURE.md has the runs).
 """
 
 from __future__ import annotations
@@ -63,12 +72,16 @@ class PeerWatch:
                 logger.exception("rank %d: peer watch failed", self.rank)
 
     def scan(self) -> bool:
-        """Mark links closed by their peer broken; True if a link closed by its peer
-        (here, or by an op that failed on it) is new since the last scan."""
+        """Mark links closed by their peer broken and cut links the kernel sees
+        dead; True if a link closed by its peer (here, or by an op that failed on
+        it) is new since the last scan."""
         found = False
         for table in self._tables():
             for link in list(table.links().values()):
-                link.check_closed()
+                if not link.check_closed() and not link.broken:
+                    dead = link.network_stall()
+                    if dead is not None:
+                        link.abort(f"network stalled with no op waiting on it: {dead}")
                 closed = (link.broken and link.peer_closed) or link.socket_gone
                 if closed and id(link) not in self._seen:
                     self._seen.add(id(link))
