@@ -329,17 +329,16 @@ class Link:
     def network_stall(self, min_ms: int = STALL_CUT_MS) -> str | None:
         """Why this link's connection looks dead to the kernel, or None.
 
-        Dead means: data is waiting for an ACK, the retransmission timer fired,
-        and no ACK came for ``min_ms``. A slow or late peer shows none of that
-        (its ACKs still come), nor does a throttled link.
+        Dead means no ACK came for ``min_ms`` while data was lost in transit or
+        could not leave (:meth:`resilient._sockets.Progress.dead`). A slow or late
+        peer shows none of that (its ACKs still come, or its window is shut), nor
+        does a throttled link.
         """
         for conn in self._conns:
             p = _sockets.progress(conn)
-            if p is not None and p.unacked and p.retransmits and p.since_ack_ms >= min_ms:
-                return (
-                    f"{p.unacked} segment(s) unacknowledged, {p.retransmits} retransmission "
-                    f"timeout(s), no ACK for {p.since_ack_ms} ms"
-                )
+            why = p.dead(min_ms) if p is not None else None
+            if why is not None:
+                return why
         return None
 
     def check_closed(self) -> bool:

@@ -297,6 +297,34 @@ class Progress:
     unacked: int  # segments sent and not acknowledged yet
     retransmits: int  # retransmission timeouts in a row, without an ACK between
     since_ack_ms: int  # since the last ACK from the peer
+    notsent: int = 0  # bytes written by the application, not sent yet
+    probes: int = 0  # probe timeouts in a row (nothing in flight, data waiting)
+    window: int = -1  # the peer's advertised window, bytes (-1: the kernel does not say)
+    mss: int = 0
+
+    def dead(self, min_ms: int) -> str | None:
+        """Why the connection looks dead after ``min_ms`` without an ACK, or None.
+
+        Lost in transit: data unacknowledged and the retransmission timer fired.
+        Dropped before it left (a firewall's OUTPUT rule, as a partition on this
+        host is made): nothing in flight, data waiting although the peer's window
+        has room for it, and the probe timer fired. A peer too busy to read shows
+        neither: its window is shut (zero-window probes), or its ACKs still come.
+        """
+        if self.since_ack_ms < min_ms:
+            return None
+        if self.unacked and self.retransmits:
+            return (
+                f"{self.unacked} segment(s) unacknowledged, {self.retransmits} retransmission "
+                f"timeout(s), no ACK for {self.since_ack_ms} ms"
+            )
+        room = self.window >= max(1, min(self.notsent, self.mss))
+        if self.notsent and not self.unacked and self.probes and room:
+            return (
+                f"{self.notsent} B not sent although the peer's window is open "
+                f"({self.probes} probe timeout(s)), no ACK for {self.since_ack_ms} ms"
+            )
+        return None
 
 
 def _tcp_info(conn: Conn, size: int) -> bytes | None:
@@ -355,12 +383,19 @@ def tcp_state(conn: Conn) -> int | None:
 
 def progress(conn: Conn) -> Progress | None:
     """``conn``'s TCP progress, or None if it is gone (or not Linux)."""
-    raw = _tcp_info(conn, 104)
+    raw = _tcp_info(conn, 232)
     if raw is None or len(raw) < 60:
         return None
-    # struct tcp_info: u8 state, ca_state, retransmits, ...; u32 rto, ato, snd_mss,
-    # rcv_mss, unacked (offset 24), ...; u32 last_ack_recv at offset 56.
-    retransmits = raw[2]
+    # struct tcp_info: u8 state, ca_state, retransmits, probes, ...; u32 rto, ato,
+    # snd_mss (offset 16), rcv_mss, unacked (24), ...; u32 last_ack_recv at 56;
+    # u32 notsent_bytes at 144 (Linux 4.6+); u32 snd_wnd at 228 (Linux 6.2+).
+    retransmits, probes = raw[2], raw[3]
+    (mss,) = struct.unpack_from("=I", raw, 16)
     (unacked,) = struct.unpack_from("=I", raw, 24)
     (since_ack,) = struct.unpack_from("=I", raw, 56)
-    return Progress(unacked=unacked, retransmits=retransmits, since_ack_ms=since_ack)
+    notsent = struct.unpack_from("=I", raw, 144)[0] if len(raw) >= 148 else 0
+    window = struct.unpack_from("=I", raw, 228)[0] if len(raw) >= 232 else -1
+    return Progress(
+        unacked=unacked, retransmits=retransmits, since_ack_ms=since_ack,
+        notsent=notsent, probes=probes, window=window, mss=mss,
+    )  # fmt: skip
