@@ -47,15 +47,9 @@ class Resizing:
 
         def _recover(self, n: int, cause: BaseException) -> None: ...
         def _stop_and_report(self) -> tuple[Record, float]: ...
-        def _enter(
-            self,
-            record: Record,
-            epoch: int,
-            *,
-            decide: bool = True,
-            timeout_s: float | None = None,
-            give_up: Callable[[], set[int]] | None = None,
-        ) -> Plan: ...
+
+        _enter: Callable[..., Plan]  # Session._enter
+
         def _restore(self, plan: Plan) -> None: ...
         def _state_bytes(self) -> int: ...
 
