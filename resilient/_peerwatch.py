@@ -12,12 +12,13 @@ decide whether the peer is lost (:mod:`resilient._lost`).
 
 The same scan cuts a link whose connection the kernel sees dead (data
 unacknowledged, retransmission timeouts, no ACK for a second:
-``Link.network_stall``) while no op waits on it. The stall watch
-(:mod:`resilient._stall`) sees that only on a link an op is pending on, and a
-partition can leave the dead end idle: a send completes once its bytes are in the
-socket, so the sender moves on to wait elsewhere, while the receiver, whose own
-socket holds nothing unacknowledged, cannot tell a partition from a late peer.
-Then the whole job waited the partition out (docs/ARCHITECTURE.md has the runs).
+``Link.network_stall``) while no op waits on it; a link an op waits on is the
+stall watch's (:mod:`resilient._stall`). A partition can leave the dead end
+idle: a send completes once its bytes are in the socket, so the sender moves on
+to wait elsewhere, while the receiver, whose own socket holds nothing
+unacknowledged, cannot tell a partition from a late peer. With the stall watch
+alone, the whole job then waited the partition out (docs/ARCHITECTURE.md has the
+runs).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Final
 
+from resilient import _stall
 from resilient.links import LinkTable
 
 __all__ = ["INTERVAL_S", "PeerWatch"]
@@ -75,10 +77,10 @@ class PeerWatch:
         """Mark links closed by their peer broken and cut links the kernel sees
         dead; True if a link closed by its peer (here, or by an op that failed on
         it) is new since the last scan."""
-        found = False
+        found, stalls = False, _stall.watch()
         for table in self._tables():
             for link in list(table.links().values()):
-                if not link.check_closed() and not link.broken:
+                if not link.check_closed() and not link.broken and not stalls.waiting_on(link):
                     dead = link.network_stall()
                     if dead is not None:
                         link.abort(f"network stalled with no op waiting on it: {dead}")

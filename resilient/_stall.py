@@ -79,6 +79,12 @@ class StallWatch:
         with self._lock:
             self._ops.pop(token, None)
 
+    def waiting_on(self, owner: object) -> bool:
+        """Whether an op on ``owner`` (a Link) is being waited for: this watch then
+        judges its connection (resilient._peerwatch judges the idle ones)."""
+        with self._lock:
+            return any(op.owner is owner for op in self._ops.values())
+
     def _run(self) -> None:
         while True:
             time.sleep(_TICK_S)
