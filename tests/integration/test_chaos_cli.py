@@ -387,7 +387,10 @@ def _evicted_by_all(events: list[dict[str, Any]], straggler: int) -> bool:
 def test_an_evicted_straggler_is_replaced_and_the_bits_stay_fault_free(tmp_path: Path) -> None:
     body = HALF_SPEED_RANK_2 + "params_equal_fault_free = true\n"
     extra = "max_restarts = 1\nwarm_spares = true\nevict_stragglers = true"
-    scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
+    # 300 steps: the slowing waits for the warm spares to stand ready, which took
+    # until step 88 of a 120-step job in one CI run (3 ranks and 3 spares starting
+    # together on 2 cores), too late for the verdict and the eviction.
+    scenario = _scenario(tmp_path, body, topology="netns", steps=300, job_extra=extra)
     out = tmp_path / "out"
     # The policy prices the warm spare at 0.5 s by default (it has built the job
     # before the loss); pinned here so the choice stays clear-cut over this short
@@ -492,7 +495,9 @@ params_equal_across_ranks = true
 params_equal_fault_free = true
 """
     extra = "max_restarts = 1\nwarm_spares = true"
-    scenario = _scenario(tmp_path, body, topology="loopback", steps=60, job_extra=extra)
+    # Long enough that the job outlasts the spares' warm-up on a slow machine
+    # (one CI run held a fault until step 88, see the eviction test above).
+    scenario = _scenario(tmp_path, body, topology="loopback", steps=240, job_extra=extra)
     out = tmp_path / "out"
     report, stderr = _passing_run(scenario, out)
     held = re.search(r"kill is due; it waits for the warm spares of ranks \[[0-9, ]+\]", stderr)
