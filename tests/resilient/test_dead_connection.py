@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ import pytest
 
 from resilient import _sockets
 from resilient._sockets import Progress
+from tests._iptables import iptables
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,25 +79,19 @@ def _verdicts(s: socket.socket, for_s: float) -> list[str | None]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (iptables)")
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables is not installed")
-def test_data_dropped_before_it_leaves_is_seen_dead(
-    pair: tuple[socket.socket, socket.socket],
-) -> None:
+def test_data_dropped_before_it_leaves_is_seen_dead(pair: Pair) -> None:
     a, b = pair
     a.sendall(b"x" * 4096)
     assert len(b.recv(8192)) > 0
     assert not any(_verdicts(a, 0.5))  # idle and healthy
-    tag = f"rsl-test-{os.getpid()}"
-    rules = [["OUTPUT", "-d", B], ["INPUT", "-s", B]]
-    for rule in rules:
-        subprocess.run(["iptables", "-w", "10", "-I", *rule, "-m", "comment", "--comment", tag,
-                        "-j", "DROP"], check=True, timeout=20)  # fmt: skip
+    tag = ["-m", "comment", "--comment", f"rsl-test-{os.getpid()}", "-j", "DROP"]
+    rules = [["OUTPUT", "-d", B, *tag], ["INPUT", "-s", B, *tag]]
     try:
+        iptables("-I", rules, check=True)
         a.sendall(b"y" * 4096)
         seen = _verdicts(a, WATCH_S)
     finally:
-        for rule in rules:
-            subprocess.run(["iptables", "-w", "10", "-D", *rule, "-m", "comment", "--comment",
-                            tag, "-j", "DROP"], check=False, timeout=20)  # fmt: skip
+        iptables("-D", rules)  # also what a failed insert left behind
     assert any(v is not None for v in seen), seen
 
 
