@@ -57,6 +57,17 @@ class LeaseWatch:
         self._held = now
         return out
 
+    def departed(self, rank: int, incarnation: int) -> bool:
+        """Whether ``rank``'s ``incarnation`` left the job on purpose (its process
+        group shut down and wrote a departure record). False when etcd does not
+        answer: the caller then treats the rank like any other failed one."""
+        try:
+            record = self._client.get(self._keys.departed(rank))
+        except MembershipError as exc:
+            logger.debug("reading rank %d's departure failed: %s", rank, exc)
+            return False
+        return record is not None and record.value.decode() == str(incarnation)
+
     def announce(self, rank: int, incarnation: int, how: str, eta_s: float | None) -> None:
         """Tell the survivors what replaces lost ``rank`` (``how``: warm, cold or
         none) and when it may report (never raises: they then wait as configured)."""

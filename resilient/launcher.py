@@ -4,7 +4,9 @@
 (unless ``etcd`` names a cluster), spawns ``nproc`` ranks of ``python -u script`` on
 this machine, relays their output prefixed ``[rank N]``, and supervises them:
 
-* a rank that exits 0 is done;
+* a rank that exits 0 is done; so is one killed by a signal *after* it left the
+  job on purpose (its process group shut down and wrote its departure to etcd):
+  a native library aborting at interpreter exit is reported, not restarted;
 * a rank that fails (non-zero exit or a signal) is started again *alone*, with the
   same rank id and its incarnation + 1, while the job-wide restart budget
   (``max_restarts``, as in torchrun) lasts; the other ranks are not touched, so
@@ -26,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from resilient._launch_config import (
@@ -47,7 +48,7 @@ from resilient._launch_io import (
 )
 from resilient._proc import host_store, spawn
 from resilient._rankvars import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
-from resilient._spares import Spare
+from resilient._slots import NEXT_SPARE_S, Slot, SpareTending
 from resilient.config import EXIT_EVICTED
 from resilient.errors import LauncherError, MembershipError
 
@@ -77,36 +78,15 @@ _POLL_S: Final = 0.05
 _LEASE_POLL_S: Final = 0.25
 # How long to wait for a dead rank's last output before announcing its exit.
 _DRAIN_S: Final = 1.0
-# After a spare took its rank, the next one starts this much later: it builds the
-# whole job (torch, the model, DDP) and would take CPU from the recovery under way.
-_NEXT_SPARE_S: Final = 5.0
-# A spare killed by a signal (the OOM killer, an operator) is started again, this
-# many times per rank at most; one that exited by itself would only do so again.
-_SPARE_RESTARTS: Final = 2
 
 
-@dataclass(slots=True)
-class _Slot:
-    """One rank id: the process holding it now and how many held it before."""
-
-    rank: int
-    incarnation: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-    done: bool = False
-    left: bool = False  # lost with no restart left; the job went on without it
-    hung: bool = False  # killed by us after its lease expired
-    spare: Spare | None = None  # warm standby for incarnation + 1
-    spare_at: float | None = None  # when to start the next standby (monotonic)
-    spares_killed: int = 0  # standbys that died by a signal before they were needed
-
-
-def _slot_state(slot: _Slot) -> str:
+def _slot_state(slot: Slot) -> str:
     if slot.done:
         return "done"
     return "running" if slot.proc is not None and slot.proc.poll() is None else "restarting"
 
 
-class _Run:
+class _Run(SpareTending):
     """The state of one ``Launcher.run()``: etcd, the rank slots, the restart budget."""
 
     def __init__(
@@ -119,7 +99,7 @@ class _Run:
         # Spares are due at once (the supervisor starts them after the ranks);
         # until then spare_warming() already counts them.
         spares_due = 0.0 if config.warm_spares else None
-        self._slots = [_Slot(rank, spare_at=spares_due) for rank in range(config.nproc)]
+        self._slots = [Slot(rank, spare_at=spares_due) for rank in range(config.nproc)]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
         # torch's rendezvous store, hosted here rather than by rank 0: a rank 0
@@ -193,14 +173,21 @@ class _Run:
                     return code
                 self._tend_spare(slot)
             if all(slot.done for slot in self._slots):
-                left = [s.rank for s in self._slots if s.left]
-                finished = len(self._slots) - len(left)
-                self._out.notice(
-                    f"all {finished} rank(s) finished"
-                    + (f" (ranks {left} were left out: the job shrank)" if left else "")
-                )
+                self._out.notice(self._finished())
                 return 0
             time.sleep(_POLL_S)
+
+    def _finished(self) -> str:
+        left = [s.rank for s in self._slots if s.left]
+        died = {s.rank: s.died_after_leaving for s in self._slots if s.died_after_leaving}
+        return (
+            f"all {len(self._slots) - len(left)} rank(s) finished"
+            + (f" (ranks {left} were left out: the job shrank)" if left else "")
+            + "".join(
+                f"; rank {rank} then exited with {describe_exit(code)}"
+                for rank, code in died.items()
+            )
+        )
 
     def _serve_metrics(self) -> None:
         """Start the Prometheus endpoint, if asked for (resilient._metrics).
@@ -246,7 +233,7 @@ class _Run:
             )
             signal_group(slot.proc, signal.SIGKILL)
 
-    def _check(self, slot: _Slot) -> int | None:
+    def _check(self, slot: Slot) -> int | None:
         """Act on ``slot``'s exit, if it exited; a non-None result ends the job with it."""
         if slot.done or slot.proc is None:
             return None
@@ -257,6 +244,9 @@ class _Run:
         if code == 0:
             slot.done = True
             logger.info("rank %d (incarnation %d) finished", slot.rank, slot.incarnation)
+            return None
+        if code < 0 and not slot.hung and self._departed(slot):
+            self._died_after_leaving(slot, code)
             return None
         what = (
             f"rank {slot.rank} hung (its lease expired) and was killed"
@@ -291,13 +281,29 @@ class _Run:
         )
         return shell_exit_code(code)
 
-    def _restart(self, slot: _Slot, what: str) -> None:
+    def _departed(self, slot: Slot) -> bool:
+        return self._leases is not None and self._leases.departed(slot.rank, slot.incarnation)
+
+    def _died_after_leaving(self, slot: Slot, code: int) -> None:
+        """``slot``'s rank died by a signal after it had left the job on purpose (a
+        native library aborting while the interpreter shut down, say). Its work
+        was done and its group closed: a replacement would find nothing to join."""
+        slot.done = True
+        slot.died_after_leaving = code
+        what = f"rank {slot.rank} exited with {describe_exit(code)} after it had left the job"
+        self._event(
+            "rank.lost", rank=slot.rank, incarnation=slot.incarnation, reason=what,
+            action="none: its work was done and its process group shut down",
+        )  # fmt: skip
+        self._out.notice(f"{what} (its process group had shut down); not restarted")
+
+    def _restart(self, slot: Slot, what: str) -> None:
         self._restarts += 1
         self._publish_budget()
         slot.incarnation += 1
         # Due before the spare is handed over: spare_warming() is read from other
         # threads, and must not see a moment with neither a spare nor one due.
-        slot.spare_at = time.monotonic() + _NEXT_SPARE_S
+        slot.spare_at = time.monotonic() + NEXT_SPARE_S
         warm = self._promote_spare(slot)
         self._announce(slot, "warm" if warm else "cold")
         how = " (warm spare)" if warm else ""
@@ -320,12 +326,12 @@ class _Run:
             left = cfg.max_restarts - self._restarts
             self._leases.publish_budget(left, self._spares_on())
 
-    def _announce(self, slot: _Slot, how: str) -> None:
+    def _announce(self, slot: Slot, how: str) -> None:
         """Tell the survivors (through etcd) whether and how the rank is replaced."""
         if self._leases is not None:
             self._leases.announce(slot.rank, slot.incarnation, how, None)
 
-    def _may_shrink(self, slot: _Slot) -> bool:
+    def _may_shrink(self, slot: Slot) -> bool:
         """Whether the job may go on without ``slot`` (``min_ranks`` still running)."""
         floor = self._cfg.min_ranks
         others = sum(1 for s in self._slots if s is not slot and not s.left)
@@ -338,19 +344,6 @@ class _Run:
     def pids(self) -> dict[int, int]:
         """The pid of every rank whose process is running now."""
         return {s.rank: s.proc.pid for s in self._slots if s.proc is not None and not s.done}
-
-    def _spares_on(self) -> bool:
-        """Warm spares are wanted, and a restart is left for one to take."""
-        return self._cfg.warm_spares and self._restarts < self._cfg.max_restarts
-
-    def spare_warming(self, rank: int) -> bool:
-        """Whether ``rank`` has a warm spare started (or due to start) that does not
-        stand ready yet. Read from other threads: looks, never reaps."""
-        if not self._spares_on() or not 0 <= rank < len(self._slots) or self._slots[rank].done:
-            return False
-        slot = self._slots[rank]
-        spare = slot.spare
-        return spare.ready_after_s is None if spare is not None else slot.spare_at is not None
 
     def _signalled(self) -> int | None:
         sig = self._trap.received
@@ -386,7 +379,7 @@ class _Run:
             raise LauncherError(f"could not start the embedded etcd: {exc}") from exc
         self._etcd_url = self._etcd.url
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         cfg = self._cfg
         argv = [sys.executable, "-u", cfg.script, *cfg.script_args]
         if cfg.rank_wrap:
@@ -405,61 +398,7 @@ class _Run:
             "rank %d started (pid %d, incarnation %d)", slot.rank, slot.proc.pid, slot.incarnation
         )
 
-    def _start_spare(self, slot: _Slot) -> None:
-        """Start a standby for ``slot``'s next incarnation, if spares are on and the
-        restart budget could still use one."""
-        cfg = self._cfg
-        if not self._spares_on() or slot.spare is not None:
-            return
-        wrap = cfg.rank_wrap[slot.rank] if cfg.rank_wrap else ()
-        env = self._env(slot, incarnation=slot.incarnation + 1)
-        try:
-            slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
-        except OSError as exc:
-            logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
-
-    def _tend_spare(self, slot: _Slot) -> None:
-        """Start ``slot``'s next standby when due; report one that exited before it
-        was needed (its output goes to the rank's log). One killed by a signal is
-        started again later (up to _SPARE_RESTARTS times); else a loss starts cold."""
-        spare = slot.spare
-        if spare is not None and spare.ready_after_s is None and spare.poll_ready():
-            self._out.notice(
-                f"rank {slot.rank}'s warm spare stands ready "
-                f"({spare.ready_after_s:.1f} s after it started)"
-            )
-        if spare is not None and (code := spare.exit_code()) is not None:
-            spare.close()
-            again = code < 0 and slot.spares_killed < _SPARE_RESTARTS and not slot.done
-            if again:
-                slot.spares_killed += 1
-                slot.spare_at = time.monotonic() + _NEXT_SPARE_S
-            slot.spare = None  # after spare_at: see _restart
-            then = (
-                f"another starts in {_NEXT_SPARE_S:.0f} s"
-                if again
-                else "a loss of the rank starts cold"
-            )
-            self._out.notice(
-                f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
-                f"needed; its output follows in the rank's log; {then}"
-            )
-            self._out.attach(slot.rank, slot.incarnation + 1, spare.proc)
-        elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
-            if not slot.done:
-                self._start_spare(slot)
-            slot.spare_at = None  # only now: see _restart
-
-    def _promote_spare(self, slot: _Slot) -> bool:
-        """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
-        spare, slot.spare = slot.spare, None
-        if spare is None or not spare.hand_over():
-            return False
-        slot.proc = spare.proc
-        self._out.attach(slot.rank, slot.incarnation, spare.proc)
-        return True
-
-    def _env(self, slot: _Slot, incarnation: int | None = None) -> dict[str, str]:
+    def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]:
         cfg = self._cfg
         values: dict[RankVar, str] = {
             RankVar.RANK: str(slot.rank),

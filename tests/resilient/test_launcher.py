@@ -789,3 +789,43 @@ record("done")
     assert "resilient_restarts_total 1" in text
     assert 'resilient_events_total{kind="rank.lost"} 1' in text
     assert "# TYPE resilient_restarts_total counter" in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leaves", [True, False])
+def test_a_rank_that_aborts_after_leaving_the_job_is_done_not_restarted(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str], leaves: bool
+) -> None:
+    # What a gloo group alive at interpreter exit does to a rank that finished: its
+    # group shut down (the departure is in etcd), then the process aborts. Without
+    # the departure the same abort is a crash mid-job, and the rank is restarted.
+    script, out = make_script(
+        tmp_path,
+        f"""
+if INC == 0:
+    from membership.members import Membership
+    from resilient.config import RankEnv
+
+    env = RankEnv.from_env()
+    member = Membership(env.etcd, env.membership())
+    member.join(RANK, INC, [], env.token)
+    if {leaves!r}:
+        member.close()
+    record("left")
+    os.abort()
+record("done")
+""",
+    )
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=2, lease_ttl_s=5.0)
+
+    assert Launcher(cfg).run() == 0
+
+    err = capsys.readouterr().err
+    if leaves:
+        assert records(out, "start") == ["start-0-0.json", "start-1-0.json"]
+        assert records(out, "done") == []
+        assert "after it had left the job (its process group had shut down); not restarted" in err
+        assert "all 2 rank(s) finished; rank 0 then exited with code -6 (SIGABRT)" in err
+    else:
+        assert records(out, "done") == ["done-0-1.json", "done-1-1.json"]
+        assert "not restarted" not in err
