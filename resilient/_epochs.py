@@ -21,7 +21,7 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from recovery import events
-from resilient import _repair, _transfer
+from resilient import _repair, _rescue, _transfer
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._lost import dead_peer
@@ -159,6 +159,7 @@ class EpochControl:
                 lagging=self._lagging if self._slow_vote is not None else None,
                 staged=self._staged_rows,
                 cut=self._cut_off,
+                rescue=self._rescue_exchange,
                 on_install=self.board.publish,
                 links=ctl_links,
             )
@@ -288,10 +289,26 @@ class EpochControl:
         for table in self._tables():
             table.abandoned = reason
             table.freeze()
+        if self._channel is not None:
+            seq, last = self._channel.last
+            threading.Thread(
+                target=_rescue.publish, args=(self._store, self._epoch, self._pos, seq, last),
+                name=f"rescue-publish-{self._pos}", daemon=True,
+            ).start()  # fmt: skip
         timer = threading.Timer(ABANDON_GRACE_S, self._cut_busy, args=(lost, reason))
         timer.daemon = True
         timer.start()
         return lost
+
+    def _rescue_exchange(self, seq: int) -> torch.Tensor | None:
+        """The table of exchange ``seq`` if another survivor completed it after this
+        rank's copy failed for a lost peer (resilient._rescue); None otherwise."""
+        lost = self._await_lost()
+        if lost is None or lost.epoch != self._epoch:
+            return None
+        gone = self._members.index(lost.peer) if lost.peer in self._members else -1
+        others = [p for p in range(len(self._members)) if p not in (self._pos, gone)]
+        return _rescue.fetch(self._store, self._epoch, others, seq)
 
     def _busy(self) -> bool:
         return self._calls_in != self._calls_out

@@ -32,11 +32,12 @@ from torch._C._distributed_c10d import Store
 
 from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
-from resilient._signature import Exchange, Signature, check_signatures
+from resilient._signature import WIDTH, Exchange, Signature, check_signatures, exchange_of
 from resilient._stolen import StolenTime
 from resilient._weights import agreed_weights
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
+from resilient.errors import CollectiveMismatch, CommunicationError
 from resilient.links import LinkTable
 
 __all__ = ["SignatureChannel"]
@@ -64,8 +65,13 @@ class SignatureChannel:
         on_install: Callable[[], None] | None = None,
         links: LinkTable | None = None,
         cut: Callable[[], Sequence[int]] | None = None,
+        rescue: Callable[[int], torch.Tensor | None] | None = None,
     ) -> None:
         self.rank = rank
+        self._rescue = rescue
+        # The last exchange completed here (seq, table): what a survivor publishes
+        # when a peer is lost, for peers whose copy of it failed (resilient._rescue).
+        self.last: tuple[int, torch.Tensor | None] = (0, None)
         self._rates = rates
         self._lagging = lagging
         self._staged = staged
@@ -193,12 +199,40 @@ class SignatureChannel:
                     )
                 finally:
                     self._waited_us += int((time.monotonic() - began) * 1e6)
-                self._install(exchange)
-                # The next exchange avoids a cut-off pair too (the data call's
-                # engine follows the same rows: resilient._reorder).
-                follow_cuts(self.engine, exchange)
-                if self._rates is not None:
-                    self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
-                fut.set_result(exchange)
+                self._finish(seq, exchange, fut)
             except BaseException as exc:  # the waiting collective re-raises it
-                fut.set_exception(exc)
+                rescued = self._rescued(seq, exc) if payload is not None else None
+                if rescued is not None:
+                    self._finish(seq, rescued, fut)
+                else:
+                    fut.set_exception(exc)
+
+    def _finish(self, seq: int, exchange: Exchange, fut: Future[Exchange]) -> None:
+        self._install(exchange)
+        # The next exchange avoids a cut-off pair too (the data call's engine
+        # follows the same rows: resilient._reorder).
+        follow_cuts(self.engine, exchange)
+        if self._rates is not None:
+            self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
+        self.last = (seq, exchange.table)
+        fut.set_result(exchange)
+
+    def _rescued(self, seq: int, exc: BaseException) -> Exchange | None:
+        """The exchange ``seq`` as another survivor completed it, when this rank's
+        copy failed for a lost peer (see resilient._rescue); else None. Only calls
+        with no data phase (inline payloads) are rescued: a data phase would need
+        the lost peer anyway."""
+        if self._rescue is None or not isinstance(exc, CommunicationError):
+            return None
+        table = self._rescue(seq)
+        if table is None or table.shape != (self.engine.world, WIDTH):
+            return None
+        try:
+            exchange = exchange_of(table, seq)
+        except CollectiveMismatch:  # the survivors' own verdict was the same
+            return None
+        logger.warning(
+            "rank %d: exchange %d failed here (%s) but a surviving peer completed it; "
+            "finished from its table", self.rank, seq, exc,
+        )  # fmt: skip
+        return exchange

@@ -25,7 +25,7 @@ from resilient.errors import CollectiveMismatch
 if TYPE_CHECKING:
     from resilient.collectives import Reduce, RingEngine
 
-__all__ = ["Exchange", "Signature", "check_signatures"]
+__all__ = ["WIDTH", "Exchange", "Signature", "check_signatures", "exchange_of"]
 
 _OPS = (
     "allreduce",
@@ -69,7 +69,7 @@ _CUT = _STAGED + 4 * MAX_STAGED
 MAX_CUT = 4
 INLINE_BYTES = 2048
 _BODY = _CUT + MAX_CUT
-_WIDTH = _BODY + INLINE_BYTES // 8
+WIDTH = _BODY + INLINE_BYTES // 8
 _FIELDS = ("seq", "op", "reduce", "dtype", "tensors", "numel", "root", "shape")
 
 
@@ -184,6 +184,7 @@ class Exchange:
     lagging: list[tuple[int, int, int]] = field(default_factory=list)
     staged: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
     cut: list[list[int]] = field(default_factory=list)
+    table: torch.Tensor | None = None  # the int64 rows it was decided from
 
     def cut_pairs(self) -> frozenset[tuple[int, int]]:
         """Pairs (low, high) that one of their ends reaches on no rail."""
@@ -210,7 +211,7 @@ def check_signatures(
         LinkError: the exchange itself failed.
     """
     world = engine.world
-    table = torch.zeros((world, _WIDTH), dtype=torch.int64)
+    table = torch.zeros((world, WIDTH), dtype=torch.int64)
     table[rank, :_HEADER] = sig.encode()
     for rail, rate in enumerate(rates[:MAX_RAILS]):
         table[rank, _HEADER + rail] = int(rate)
@@ -230,10 +231,21 @@ def check_signatures(
             raise ValueError(f"inline payload of {raw.numel()} B exceeds {INLINE_BYTES} B")
         table[rank, body:].view(torch.uint8)[: raw.numel()].copy_(raw)
     engine.all_gather(table.view(-1))
+    return exchange_of(table, sig.seq)
+
+
+def exchange_of(table: torch.Tensor, seq: int) -> Exchange:
+    """The verdict of a complete table: every rank's rows (see :func:`check_signatures`).
+
+    Raises:
+        CollectiveMismatch: names the ranks of each distinct call and the fields.
+    """
+    world, body = table.shape[0], _BODY
     rows = [[int(v) for v in r] for r in table[:, :_HEADER].tolist()]
     if all(r == rows[0] for r in rows):
         return Exchange(
-            seq=sig.seq,
+            seq=seq,
+            table=table,
             inline=table[:, body:].contiguous().view(torch.uint8),
             rates=table[:, _HEADER:_CLOCK].tolist(),
             clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:_LAG].tolist()],

@@ -58,10 +58,12 @@ def run_world(
     timeout_s: float = 90.0,
     args: tuple[Any, ...] = (),
     config: dict[str, Any] | None = None,
+    dead: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Run ``target(pg, rank, world, *args)`` on ``world`` processes; return results by rank.
 
-    ``config`` holds ``DataPlaneConfig`` fields for the group.
+    ``config`` holds ``DataPlaneConfig`` fields for the group. Ranks in ``dead`` are
+    expected to die without a result (their entry is their exit code).
 
     Raises AssertionError with every failing rank's traceback; always reaps the processes.
     """
@@ -81,7 +83,7 @@ def run_world(
     try:
         for p in procs:
             p.start()
-        for _ in range(world):
+        for _ in range(world - len(dead)):
             try:
                 rank, status, value = results.get(timeout=timeout_s)
             except queue.Empty:
@@ -100,4 +102,6 @@ def run_world(
         raise AssertionError(
             "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         )
+    for r in dead:
+        out[r] = procs[r].exitcode
     return [out[r] for r in range(world)]
