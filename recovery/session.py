@@ -68,7 +68,13 @@ from recovery.agree import (
 )
 from recovery.policy import Policy
 from recovery.shards import Piece, pieces
-from recovery.state import StateHook, TrainState, average_over_members, reset_reducer
+from recovery.state import (
+    StateHook,
+    TrainState,
+    average_over_members,
+    cut_forward,
+    reset_reducer,
+)
 from resilient import _standby as standby
 from resilient._solo import SoloEngine
 from resilient.config import RecoveryConfig
@@ -123,13 +129,15 @@ class Session(Resizing):
         # policy prices waiting for it against the step time without it.
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._last_commit: float | None = None
-        # A lost peer ends DDP's backward early, and every member resets DDP's
+        # A lost peer ends DDP's forward or backward early, and every member resets DDP's
         # reducer on entering the next epoch; the reset rebuilds DDP's buckets
         # with a broadcast from rank 0, so not in a job that may shrink (rank 0
         # may be the one gone).
         self._cut_backward = ddp is not None and self.config.shrink_after_s is None
         if ddp is not None and self.pg is not None:
             average_over_members(ddp, self.pg, cut_backward=self._cut_backward)
+            if self._cut_backward:
+                cut_forward(ddp, self.pg)  # the forward pass too
         self._ddp = ddp
 
     @property

@@ -310,6 +310,24 @@ class EpochControl:
         others = [p for p in range(len(self._members)) if p not in (self._pos, gone)]
         return _rescue.fetch(self._store, self._epoch, others, seq)
 
+    def _probe_peer(self, rank: int) -> None:
+        """The launcher announced ``rank``'s replacement: if its links here show
+        closed, it is lost now (see resilient._announced)."""
+        if rank == self.rank() or rank not in self._members or self._lost is not None:
+            return
+        peer = self._members.index(rank)
+        links = [link for t in self._tables() for (p, _), link in t.links().items() if p == peer]
+        for link in links:
+            link.check_closed()
+        # gloo closes a socket whose peer closed it even with no op posted, so an
+        # idle link shows "gone", not "closed by the peer": with the launcher's
+        # word that the process exited, that is enough (an announcement for a rank
+        # already replaced finds the new incarnation's links open; links we cut
+        # ourselves prove nothing).
+        gone = [(k.broken and k.peer_closed) or (k.socket_gone and not k.cut_reason) for k in links]
+        if links and all(gone):
+            self._declare_lost(peer, "the launcher saw its process exit; its links here closed")
+
     def _busy(self) -> bool:
         return self._calls_in != self._calls_out
 

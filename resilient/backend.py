@@ -82,7 +82,7 @@ def create_backend(
             # (and with it the lease watch) from the incarnation still running.
             pg.join_members_later(join)
         else:
-            pg.membership = join()
+            pg.attach_membership(join())
     logger.info(
         "rank %d/%d: resilient process group over %d rail(s) %s (job %s, epoch 0, step 0)",
         rank,

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
 from resilient import _repair
+from resilient._announced import watch_announcements
 from resilient._args import check_tensors, reduce_op
 from resilient._epochs import EpochControl
 from resilient._gathers import GatherOps
@@ -293,7 +294,13 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         """
         join, self._join_members = self._join_members, None
         if join is not None:
-            self.membership = join()
+            self.attach_membership(join())
+
+    def attach_membership(self, membership: Any) -> None:
+        """Hold ``membership`` (closed at shutdown) and watch the launcher's
+        announcements through it (resilient._announced)."""
+        self.membership = membership
+        watch_announcements(membership, self._probe_peer)
 
     def shutdown(self) -> None:
         """Finish queued collectives, then close every link."""

@@ -70,3 +70,28 @@ def test_a_lost_peer_ends_the_backward_early_and_the_replayed_run_keeps_the_bits
     assert cut["first_layer_grad"] is False
     assert cut["stuck_without_reset"] is True  # why the session resets the reducer
     assert cut["params"] == whole["params"]
+
+
+@pytest.mark.timeout(30)
+def test_cut_forward_ends_a_forward_pass_at_the_next_module_once_a_peer_is_lost() -> None:
+    from types import SimpleNamespace
+
+    from recovery.state import cut_forward
+    from resilient.errors import PeerLost
+
+    ran: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda *_, name=name: ran.append(name))
+    pg = SimpleNamespace(lost=None)
+    cut_forward(SimpleNamespace(module=model), pg)
+
+    assert model(torch.ones(1, 4)).shape == (1, 2)
+    assert ran == ["0", "1", "2"]
+    ran.clear()
+    # The loss becomes known while the first layer runs: the second never does.
+    lose = PeerLost("rank 1 is gone", peer=1, epoch=0)
+    model[0].register_forward_hook(lambda *_: setattr(pg, "lost", lose))
+    with pytest.raises(PeerLost):
+        model(torch.ones(1, 4))
+    assert ran == ["0"]
