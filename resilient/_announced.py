@@ -2,12 +2,15 @@
 
 A rank killed while its peers compute (a forward pass, the first layers of a
 backward pass) is seen by them only when they next use a link to it: measured on
-the 100 MB warm-spare benchmark, 110-330 ms after the kill. The launcher, its
-parent, sees the exit within one poll and writes the replacement it starts (or
-"none") under ``replacement/<rank>`` in etcd (resilient._leases). Every rank
-watches that prefix; an announcement makes it look at the named rank's links at
-once, and if the kernel shows them closed the rank is declared lost (through the
-usual rule, resilient._lost): its peers then leave the step within milliseconds.
+the 100 MB warm-spare benchmark, 66-330 ms after the launcher saw the exit. The
+launcher, its parent, sees the exit within one poll and writes the replacement it
+starts (or "none") under ``replacement/<rank>`` in etcd (resilient._leases).
+Every rank watches that prefix; an announcement makes it look at the named rank's
+links at once (``EpochControl._probe_peer``), and if every one of them is closed
+at the peer's end or its socket is gone (gloo closes an idle socket whose peer
+closed it), the rank is declared lost: its peers then leave the step within
+milliseconds. A socket gone alone is no proof of a loss (resilient._lost); with
+the launcher's word that the process exited, it is.
 
 The announcement is only a doorbell, never the verdict: a late or stale record
 (the rank was already replaced and its new incarnation is alive) finds the links

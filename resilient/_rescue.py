@@ -28,7 +28,7 @@ from typing import Final
 import torch
 from torch._C._distributed_c10d import Store
 
-__all__ = ["WAIT_S", "fetch", "publish"]
+__all__ = ["WAIT_S", "decode", "encode", "fetch", "publish"]
 
 logger = logging.getLogger(__name__)
 
