@@ -43,9 +43,13 @@ def _cut_off(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, Any]
     if rank == 0:
         iptables("-D", drop_rules(CUT, tag))
     after = x.clone()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not pg.board.repair.repaired:
-        pg.allreduce([torch.zeros(1)]).wait()  # give the repair thread time
+    # Wait for a repair seen by either rank, decided together (a per-rank loop lets
+    # one rank leave it while the other still calls: mismatched collectives).
+    for _ in range(150):  # 30 s of 0.2 s waits, the same count on every rank
+        seen = torch.tensor([float(bool(pg.board.repair.repaired))])
+        pg.allreduce([seen]).wait()
+        if seen.item() > 0:
+            break
         time.sleep(0.2)
     pg.allreduce([after]).wait()
     relayed = [f for f in pg.engine.failovers + pg._channel.engine.failovers
