@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +86,47 @@ def pack(state: Any) -> Packed:
     return Packed(header=buf.getbuffer(), tensors=tuple(tensors))
 
 
-def unpack(header: bytes | bytearray | memoryview) -> tuple[Any, list[torch.Tensor]]:
+def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """``(path, tensor)`` for every tensor of ``obj``, in :func:`_map`'s order."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _walk(value, (*path, key))
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from _walk(value, (*path, i))
+
+
+def _in_place(skeleton: Any, like: Any) -> list[torch.Tensor | None]:
+    """Per tensor of ``skeleton``, the tensor of ``like`` it can be received into:
+    at the same path (keys and positions), CPU, contiguous, same shape and dtype
+    (None: allocate one; e.g. optimizer state the receiver does not have yet)."""
+    have = dict(_walk(like))
+    out: list[torch.Tensor | None] = []
+    for path, w in _walk(skeleton):
+        h = have.get(path)
+        fits = h is not None and h.device.type == "cpu" and h.is_contiguous()
+        out.append(
+            h.detach()
+            if h is not None and fits and (h.shape, h.dtype) == (w.shape, w.dtype)
+            else None
+        )
+    return out
+
+
+def unpack(
+    header: bytes | bytearray | memoryview, like: Any = None
+) -> tuple[Any, list[torch.Tensor]]:
     """The state ``header`` describes, and the tensors in it to receive into.
+
+    ``like``: the receiver's own state of the same layout (``state_dict()``); its
+    tensors are received into where they fit, so the bytes land in the model's
+    parameters directly: no second copy of the state in memory, no copy when it
+    is loaded (``load_state_dict`` of a tensor into itself does nothing). The
+    receiver's state is then overwritten as the bytes arrive, so a transfer that
+    fails leaves it partly written: use it only where the old state is given up
+    anyway (a rank behind loads the donor's or stops).
 
     Raises:
         RecoveryError: ``header`` is not one :func:`pack` wrote.
@@ -97,11 +136,13 @@ def unpack(header: bytes | bytearray | memoryview) -> tuple[Any, list[torch.Tens
     except Exception as exc:  # torch raises several types for a corrupt archive
         raise RecoveryError(f"a state header of {len(header)} B could not be read") from exc
     into: list[torch.Tensor] = []
+    reuse = iter(_in_place(skeleton, like) if like is not None else ())
 
     def make(t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             raise RecoveryError(f"a state header holds data ({t.dtype} {tuple(t.shape)})")
-        into.append(torch.empty(t.shape, dtype=t.dtype))
+        mine = next(reuse, None)
+        into.append(mine if mine is not None else torch.empty(t.shape, dtype=t.dtype))
         return into[-1]
 
     return _map(skeleton, make), into

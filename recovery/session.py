@@ -400,24 +400,25 @@ class Session(Resizing):
         (two donors serve two receivers at once); those load it."""
         assert self.pg is not None
         mine = [peer for peer in plan.receivers if plan.donors.get(peer) == self._rank]
-        # The links the replayed step needs are built while it computes; a rank
-        # in a transfer starts on them only once its part is done (see
-        # ResilientProcessGroup.prebuild_links).
-        involved = bool(mine) or self._rank in plan.receivers
-        if not involved:
-            self.pg.prebuild_links()
+        receiving = self._rank in plan.receivers
+        # The links the replayed step needs are built in the background, during
+        # the transfer: its own link first (ResilientProcessGroup.prebuild_links).
+        self.pg.prebuild_links(transfers=mine or ([plan.donors[self._rank]] if receiving else []))
+        if not mine and not receiving:
             self._await_restored(plan)
         if mine:
             sent = self._payload or self._pack()
             for peer in mine:
                 self.pg.send_state(peer, sent.header, sent.tensors)
-        elif self._rank in plan.receivers:
+        elif receiving:
             donor = plan.donors[self._rank]
             began = time.monotonic()
             got: dict[str, Any] = {}
 
             def allocate(header: bytearray) -> list[torch.Tensor]:
-                state, into = unpack(header)
+                # Into this rank's own tensors where they fit: its state is given
+                # up either way (it loads the donor's, or a failed transfer raises).
+                state, into = unpack(header, like={"state": self.state.state_dict()})
                 got.update(state)
                 return into
 
@@ -435,8 +436,6 @@ class Session(Resizing):
                 donor=donor,
                 action=f"loaded step {plan.step}",
             )  # fmt: skip
-        if involved:
-            self.pg.prebuild_links()
         self._payload = None
         self.committed = plan.step
         self._next = plan.step + 1

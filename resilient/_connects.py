@@ -97,6 +97,10 @@ def _peer_listener(store: Any, index: int, address: str) -> tuple[str, int] | No
         return None
 
 
+def _addr(a: Any) -> tuple[str, int]:
+    return str(a.ip).removeprefix("::ffff:"), int(a.port)
+
+
 def _syn_sent(fd: int, local: tuple[str, int]) -> socket.socket | None:
     """A duplicate of ``fd`` if it still is that unanswered attempt, else None."""
     try:
@@ -124,9 +128,9 @@ def abort_unanswered(peer: tuple[str, int]) -> int:
     for c in conns:
         if c.status != psutil.CONN_SYN_SENT or not c.raddr or c.fd < 0:
             continue
-        if _sockets._addr(c.raddr) != peer:
+        if _addr(c.raddr) != peer:
             continue
-        s = _syn_sent(c.fd, _sockets._addr(c.laddr))
+        s = _syn_sent(c.fd, _addr(c.laddr))
         if s is None:
             continue
         with s:

@@ -422,18 +422,24 @@ class EpochControl:
         self._setup_epoch(epoch, ctl_links)
         return dropped
 
-    def prebuild_links(self) -> threading.Thread | None:
+    def prebuild_links(self, transfers: Sequence[int] = ()) -> threading.Thread | None:
         """Build this epoch's missing links in the background: the control mesh,
         then the data links the engine reaches (every peer for a mesh, else the ring
-        neighbours), on every rail, in the order every rank builds in.
+        neighbours), on every rail, in the order every rank builds in. First, in
+        this thread, the links to the ranks in ``transfers`` (this rank's state
+        transfers: both ends name each other) that :meth:`send_state` will use: a
+        background build waits for the joiner's, and builds take turns
+        (resilient._sockets), so the transfer must not queue behind it.
 
         Built on first use instead, a replacement's links (five rendezvous through
-        the store, ~200 ms on the 100 MB warm-spare benchmark) sat between its
-        restore and its replayed step; here they overlap its forward pass. Call it
-        after this rank's part in a state transfer: a background build waits for
-        the joiner's, and the transfer link must not queue behind it (builds take
-        turns, see resilient._sockets). Failures are left to first use.
+        the store) sat between its restore and its replayed step; here they overlap
+        the transfer and its forward pass. Failures are left to first use.
+
+        Raises:
+            RecoveryError: no rail reaches a rank in ``transfers``.
         """
+        for peer in transfers:
+            self._transfer_link(self._position(peer, "prebuild_links"), None)
         engine = self.engine
         if not isinstance(engine, RingEngine) or len(self._members) < 2:
             return None

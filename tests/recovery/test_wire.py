@@ -94,3 +94,26 @@ def test_a_header_that_is_not_one_raises_recovery_error() -> None:
 def test_cuda_tensors_travel_as_cpu_copies() -> None:
     packed = pack({"w": torch.ones(3, device="cuda")})
     assert packed.tensors[0].device.type == "cpu"
+
+
+def test_the_bytes_land_in_the_receivers_own_tensors_where_they_fit() -> None:
+    donor = _state()
+    # A replacement: the same model, fresh; its optimizer has no momentum yet, and
+    # one tensor of its "extra" has another shape than the donor's.
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mine = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "extra": {"pos": (3, torch.tensor([1, 2]))}}  # fmt: skip
+    packed = pack(donor)
+    rebuilt, into = unpack(bytes(packed.header), like=mine)
+    for dst, src in zip(into, packed.tensors, strict=True):
+        dst.copy_(src)
+    assert _same(donor, rebuilt)
+    ptrs = {t.data_ptr() for t in into}
+    assert model[0].weight.data_ptr() in ptrs and model[1].bias.data_ptr() in ptrs
+    assert torch.equal(model[0].weight, donor["model"]["0.weight"])  # type: ignore[index]
+    # No buffer of the receiver held the momentum or the reshaped tensor: fresh ones.
+    assert mine["extra"]["pos"][1].shape == (2,)  # type: ignore[index]
+    assert rebuilt["extra"]["pos"][1].shape == ()  # type: ignore[index]
+    momentum = rebuilt["optimizer"]["state"][0]["momentum_buffer"]  # type: ignore[index]
+    assert momentum.data_ptr() not in {p.data_ptr() for p in model.parameters()}
