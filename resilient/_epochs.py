@@ -36,9 +36,9 @@ from resilient.errors import LinkError, MembershipError, PeerLost, RecoveryError
 from resilient.links import Counters, Link, LinkTable
 
 if TYPE_CHECKING:
-    import queue
     from collections.abc import Callable
 
+    from resilient._handoff import Handoff
     from resilient._nic import NicMonitor
 
 __all__ = ["ABANDON_GRACE_S", "EpochControl"]
@@ -71,7 +71,7 @@ class EpochControl:
     _static_weights: tuple[float, ...]
     _calls_in: int
     _calls_out: int
-    _queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None]
+    _queue: Handoff[tuple[Callable[[], Any], Future[Any]] | None]
     config: DataPlaneConfig
     _learner: WeightLearner | None
     _loss: RailLoss

@@ -21,7 +21,6 @@ Every row carries the rank's totals, so all ranks see who keeps the others waiti
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from concurrent.futures import Future
 import torch
 from torch._C._distributed_c10d import Store
 
+from resilient._handoff import Bell, Handoff
 from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
 from resilient._signature import WIDTH, Exchange, Signature, check_signatures, exchange_of
@@ -45,6 +45,9 @@ __all__ = ["SignatureChannel"]
 logger = logging.getLogger(__name__)
 
 Payload = Callable[[], torch.Tensor | None]
+import os
+
+_INLINE = os.environ.get("RESILIENT_INLINE_EXCHANGE") == "1"
 
 
 class SignatureChannel:
@@ -80,7 +83,7 @@ class SignatureChannel:
         # ``links``: the control links kept from the last epoch, after a rank was lost.
         links = links or LinkTable(
             rank=rank, rails=tuple(rail_addresses), store=store, config=config, epoch=epoch,
-            name="ctl",
+            name="ctl", transport=config.control_transport,
         )  # fmt: skip
         # An exchange is small enough to travel on one rail: the heaviest by the
         # engine's weights. With ``rates`` those follow each exchange's agreed rail
@@ -91,10 +94,11 @@ class SignatureChannel:
         self._submitted = 0
         self._done = 0
         self._cond = threading.Condition()
-        self._queue: queue.Queue[
-            tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None
-        ]
-        self._queue = queue.Queue()
+        self._queue: Handoff[tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None]
+        self._queue = Handoff()
+        # Rung whenever an exchange's future is settled: the communication thread
+        # waits on it (see result) rather than on the future's condition.
+        self._settled = Bell()
         self._started = time.monotonic()
         self._waited_us = 0  # written by the control thread only
         self._failed_with: BaseException | None = None
@@ -124,6 +128,24 @@ class SignatureChannel:
         self._queue.put((seq, sig.with_seq(seq), payload, quiet, fut))
         return fut
 
+    def result(self, fut: Future[Exchange]) -> Exchange:
+        """``fut.result()``, waited for on the channel's bell (resilient._handoff):
+        the control thread then never wakes the communication thread with the GIL
+        held. One thread at a time (the communication thread) may call this."""
+        while not fut.done():
+            self._settled.wait()
+        return fut.result()
+
+    def _settle(
+        self, fut: Future[Exchange], exchange: Exchange | None, exc: BaseException | None = None
+    ) -> None:
+        """Give ``fut`` its exchange (or ``exc``) and wake the communication thread."""
+        if exchange is not None:
+            fut.set_result(exchange)
+        else:
+            fut.set_exception(exc or RuntimeError("an exchange settled without a result"))
+        self._settled.ring()
+
     def mark_done(self) -> None:
         """Called by the communication thread after each call, failed or not, in order."""
         with self._cond:
@@ -144,6 +166,7 @@ class SignatureChannel:
             return False
         self._stolen.close()
         self.engine.close()
+        self._release()
         return True
 
     def abandon(self) -> None:
@@ -157,6 +180,14 @@ class SignatureChannel:
         self._stolen.close()
         self.engine.close()
         self.engine.links.close()
+        if not self._thread.is_alive():
+            self._release()
+
+    def _release(self) -> None:
+        """Close the hand-off pipes once the control thread is gone (an exchange
+        settled already needs no wake-up; one never settled never had one)."""
+        self._queue.close()
+        self._settled.close()
 
     def _install(self, exchange: Exchange) -> None:
         """Put control links staged at both ends in service before the next exchange
@@ -175,37 +206,42 @@ class SignatureChannel:
             item = self._queue.get()
             if item is None:
                 return
-            seq, sig, payload, quiet, fut = item
-            if self._failed_with is not None:
-                fut.set_exception(self._failed_with)
-                continue
+            self._run_item(item)
+
+    def _run_item(
+        self, item: tuple[int, Signature, Payload | None, bool, Future[Exchange]]
+    ) -> None:
+        seq, sig, payload, quiet, fut = item
+        if self._failed_with is not None:
+            self._settle(fut, None, self._failed_with)
+            return
+        try:
+            if quiet:
+                self._wait_done(seq - 1)
+            data = payload() if payload is not None else None
+            rates = self._rates() if self._rates is not None else ()
+            began = time.monotonic()
+            clock = (
+                int((began - self._started) * 1e6) - self._waited_us,
+                self._waited_us,
+                self._stolen.total_us,
+            )
+            lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
+            staged = self._staged() if self._staged is not None else []
+            cut = self._cut() if self._cut is not None else ()
             try:
-                if quiet:
-                    self._wait_done(seq - 1)
-                data = payload() if payload is not None else None
-                rates = self._rates() if self._rates is not None else ()
-                began = time.monotonic()
-                clock = (
-                    int((began - self._started) * 1e6) - self._waited_us,
-                    self._waited_us,
-                    self._stolen.total_us,
+                exchange = check_signatures(
+                    self.engine, sig, self.rank, data, rates, clock, lag, staged, cut
                 )
-                lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
-                staged = self._staged() if self._staged is not None else []
-                cut = self._cut() if self._cut is not None else ()
-                try:
-                    exchange = check_signatures(
-                        self.engine, sig, self.rank, data, rates, clock, lag, staged, cut
-                    )
-                finally:
-                    self._waited_us += int((time.monotonic() - began) * 1e6)
-                self._finish(seq, exchange, fut)
-            except BaseException as exc:  # the waiting collective re-raises it
-                rescued = self._rescued(seq, exc) if payload is not None else None
-                if rescued is not None:
-                    self._finish(seq, rescued, fut)
-                else:
-                    fut.set_exception(exc)
+            finally:
+                self._waited_us += int((time.monotonic() - began) * 1e6)
+            self._finish(seq, exchange, fut)
+        except BaseException as exc:  # the waiting collective re-raises it
+            rescued = self._rescued(seq, exc) if payload is not None else None
+            if rescued is not None:
+                self._finish(seq, rescued, fut)
+            else:
+                self._settle(fut, None, exc)
 
     def _finish(self, seq: int, exchange: Exchange, fut: Future[Exchange]) -> None:
         self._install(exchange)
@@ -215,7 +251,7 @@ class SignatureChannel:
         if self._rates is not None:
             self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
         self.last = (seq, exchange.table)
-        fut.set_result(exchange)
+        self._settle(fut, exchange)
 
     def _rescued(self, seq: int, exc: BaseException) -> Exchange | None:
         """The exchange ``seq`` as another survivor completed it, when this rank's

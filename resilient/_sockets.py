@@ -56,6 +56,9 @@ __all__ = [
     "Progress",
     "capture",
     "cut",
+    "disown",
+    "norm",
+    "owning",
     "pair_up",
     "peer_closed",
     "progress",
@@ -94,6 +97,26 @@ class Captured:
     conns: list[Conn] = field(default_factory=list)
 
 
+# Descriptors of connections that are not gloo's (resilient._socklink): a gloo
+# build's window must never take one of them for its own. Registered while the
+# descriptor is made, under the lock every scan holds, so no scan sees it unowned.
+_OWN: set[int] = set()
+_OWN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def owning() -> Iterator[Callable[[int], None]]:
+    """Hold off connection scans while a descriptor is made; ``own(fd)`` registers it."""
+    with _OWN_LOCK:
+        yield _OWN.add
+
+
+def disown(fd: int) -> None:
+    """Forget ``fd`` (call before closing it: its number will be reused)."""
+    with _OWN_LOCK:
+        _OWN.discard(fd)
+
+
 _TCP_ESTABLISHED: Final = 1
 _TCP_LISTEN: Final = 10
 _INET: Final = (socket.AF_INET, socket.AF_INET6)
@@ -107,6 +130,11 @@ def _established() -> tuple[dict[int, Conn], set[int]]:
     the host and cost ~9 ms a call on an idle 2-core machine (psutil), three calls
     a link build, and far more while ranks compute.
     """
+    with _OWN_LOCK:
+        return _scan(set(_OWN))
+
+
+def _scan(owned: set[int]) -> tuple[dict[int, Conn], set[int]]:
     out: dict[int, Conn] = {}
     listening: set[int] = set()
     try:
@@ -115,6 +143,8 @@ def _established() -> tuple[dict[int, Conn], set[int]]:
         return out, listening
     for name in names:
         fd = int(name)
+        if fd in owned:
+            continue
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
@@ -132,7 +162,7 @@ def _established() -> tuple[dict[int, Conn], set[int]]:
                 if state == _TCP_LISTEN:
                     listening.add(int(s.getsockname()[1]))
                 elif state == _TCP_ESTABLISHED:
-                    out[fd] = Conn(fd, _norm(s.getsockname()[:2]), _norm(s.getpeername()[:2]))
+                    out[fd] = Conn(fd, norm(s.getsockname()[:2]), norm(s.getpeername()[:2]))
             except OSError:
                 continue
     return out, listening
@@ -269,7 +299,8 @@ def pair_up(store: Any, me: int, got: Captured, timeout_s: float, address: str =
     return kept
 
 
-def _norm(addr: tuple[str, int]) -> tuple[str, int]:
+def norm(addr: tuple[str, int]) -> tuple[str, int]:
+    """A socket address as connections are recorded (IPv4-mapped prefix dropped)."""
     return str(addr[0]).removeprefix("::ffff:"), int(addr[1])
 
 
@@ -283,7 +314,7 @@ def _verified(conn: Conn) -> Iterator[socket.socket | None]:
         return
     with s:
         try:
-            same = (_norm(s.getsockname()[:2]), _norm(s.getpeername()[:2])) == (
+            same = (norm(s.getsockname()[:2]), norm(s.getpeername()[:2])) == (
                 conn.local,
                 conn.remote,
             )

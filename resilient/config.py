@@ -186,6 +186,9 @@ class DataPlaneConfig:
     ``repair_links``: rebuild a broken link in the background once the NICs at both
     ends are up, each attempt (rendezvous, probe) bounded by ``repair_timeout_s``
     (see :mod:`resilient._repair`).
+    ``control_transport``: what the signature exchange's control links are made of:
+    "socket" (plain TCP connections, one per pair and rail; see
+    :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups, like the data links).
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -203,10 +206,13 @@ class DataPlaneConfig:
     relay_via_store: bool = True
     repair_links: bool = True
     repair_timeout_s: float = 5.0
+    control_transport: str = "socket"
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
             raise ConfigError(f"topology={self.topology!r}: use auto, ring or mesh")
+        if self.control_transport not in ("socket", "gloo"):
+            raise ConfigError(f"control_transport={self.control_transport!r}: use socket or gloo")
         if self.mesh_max_world < 1 or self.single_rail_below_bytes < 0:
             raise ConfigError("mesh_max_world must be >= 1, single_rail_below_bytes >= 0")
         if self.rail_weights is not None:
@@ -234,7 +240,8 @@ class DataPlaneConfig:
         ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1),
         ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
         ``RESILIENT_RELAY_VIA_STORE`` (0/1),
-        ``RESILIENT_REPAIR_LINKS`` (0/1) and ``RESILIENT_REPAIR_TIMEOUT_S``.
+        ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
+        ``RESILIENT_CONTROL_TRANSPORT`` (socket/gloo).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -262,6 +269,8 @@ class DataPlaneConfig:
             relay_via_store=_env_flag(env, p + "RELAY_VIA_STORE", True),
             repair_links=_env_flag(env, p + "REPAIR_LINKS", True),
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
+            control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
+            or "socket",
         )
 
 

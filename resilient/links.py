@@ -22,6 +22,7 @@ from torch.distributed import DistError
 
 from resilient._ledger import salt_of
 from resilient._link import Link
+from resilient._socklink import SocketLink
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 
@@ -46,8 +47,12 @@ class LinkTable:
         epoch: int = 0,
         device_type: str = "cpu",
         name: str = "link",
+        transport: str = "gloo",
     ) -> None:
         self.name = name  # rendezvous namespace: data links and control links differ
+        # "gloo": two-rank gloo groups; "socket": plain TCP sockets (resilient._socklink,
+        # for the control links: small messages, where gloo's handshakes dominate).
+        self._kind: type[Link] = SocketLink if transport == "socket" else Link
         self.device_type = device_type
         self.rank = rank
         self.rails = rails
@@ -87,7 +92,7 @@ class LinkTable:
         met: bool = False,
         background: bool = False,
     ) -> Link:
-        link = Link(
+        link = self._kind(
             rank=self.rank,
             peer=peer,
             rail=rail,
@@ -182,7 +187,7 @@ class LinkTable:
                 return built, None
             if built is not None:
                 built.close(background=True)
-        link = Link.unbuilt(
+        link = self._kind.unbuilt(
             rank=self.rank, peer=peer, rail=rail, prefix=prefix, config=self.config,
             device_type=self.device_type, salt=salt_of(self.epoch),
         )  # fmt: skip

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from resilient._args import check_tensors, reduce_op
 from resilient._epochs import EpochControl
 from resilient._gathers import GatherOps
 from resilient._gpu import GpuHealth
+from resilient._handoff import Handoff
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
@@ -149,7 +149,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._join_members: Callable[[], Any] | None = None
         if not joining:
             self._setup_epoch(epoch, None)
-        self._queue: queue.Queue[tuple[Callable[[], Any], Future[Any]] | None] = queue.Queue()
+        self._queue: Handoff[tuple[Callable[[], Any], Future[Any]] | None] = Handoff()
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-comm-{rank}", daemon=True
         )
@@ -198,7 +198,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             try:
                 if self._lost is not None:
                     raise PeerLost(str(self._lost), peer=self._lost.peer, epoch=self._epoch)
-                exchange = verdict.result() if verdict is not None else None
+                exchange = channel.result(verdict) if channel and verdict else None
                 if exchange is None:
                     return fn(None)
                 engine = self.engine
@@ -320,6 +320,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             )  # fmt: skip
         self._queue.put(None)
         self._thread.join(timeout=60)
+        if not self._thread.is_alive():
+            self._queue.close()
         if self._channel is not None:
             self._channel.close()
         self.engine.close()
