@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 _ACK_TAG: Final = 1 << 30
 _POLL_S: Final = 0.001
+# Stands in for the acknowledgement tensor where there are none (one rail): never sent.
+_NO_ACK: Final = torch.zeros(1, dtype=torch.int64)
 
 
 @dataclass(slots=True)
@@ -157,7 +159,6 @@ def _shift(tag: int, rail: int, gen: int) -> int:
 
 class _Channel:
     def __init__(self, route: Route, peer: int, rail: int) -> None:
-        self.thread = threading.get_ident()
         self.route, self.peer, self.rail = route, peer, rail
         self.link: Link | StoreLink = route.links.get(peer, rail)
         self.gen = 0
@@ -214,7 +215,7 @@ class Tx(_Channel):
         self._lock = threading.RLock()
         # The acknowledgement's receive is posted up front: were it posted only at
         # the end, every rank could be waiting for its left neighbour to post it.
-        self._ack = torch.zeros(1, dtype=torch.int64)
+        self._ack = torch.zeros(1, dtype=torch.int64) if self.acks else _NO_ACK
         self._ack_work: Any = None
         # Failing over means waiting for the peer's record: never in the constructor,
         # where the peer may not have built its receiver yet. The dead link is kept,
@@ -229,6 +230,8 @@ class Tx(_Channel):
                 self._stale = link
 
     def _check(self) -> None:
+        if self._stale is None:  # the common case, read without the lock
+            return
         with self._lock:
             stale, self._stale = self._stale, None
             if stale is not None:
@@ -359,7 +362,7 @@ class Rx(_Channel):
     def __init__(self, route: Route, peer: int, rail: int) -> None:
         super().__init__(route, peer, rail)
         self.consumed = 0
-        self._ack = torch.ones(1, dtype=torch.int64)
+        self._ack = torch.ones(1, dtype=torch.int64) if self.acks else _NO_ACK
         self._ack_sent: Any = None
         self._final = self._done = False
         self._lock = threading.RLock()

@@ -39,7 +39,13 @@ def salt_of(epoch: int) -> int:
 
 
 class OpLedger:
-    """Unfinished ops of one link, for the current epoch; see the module docstring."""
+    """Unfinished ops of one link, for the current epoch; see the module docstring.
+
+    ``posted``, ``begin_wait`` and ``end_wait`` run for every op and take no lock:
+    each is one or two dict operations, atomic under the GIL, ordered so that a
+    concurrent :meth:`freeze` never misses a wait (``begin_wait`` registers the
+    wait before it looks at the flag). The rest is rare and holds the lock.
+    """
 
     def __init__(self, salt: int = 0) -> None:
         self.salt = salt
@@ -49,15 +55,16 @@ class OpLedger:
         self._stale: dict[int, Any] = {}  # unfinished ops of earlier epochs
         self._waiting: dict[int, Any] = {}
         self._frozen = False
+        self._offset = salt << SALT_SHIFT
 
     def tag(self, tag: int) -> int:
         """``tag`` as it goes on the wire in this epoch."""
-        return tag + (self.salt << SALT_SHIFT)
+        return tag + self._offset
 
     def posted(self, work: Any) -> None:
-        with self._lock:
-            self._open[id(work)] = work
-            if len(self._open) > _PURGE_ABOVE:  # ops never waited for (a re-posted send)
+        self._open[id(work)] = work
+        if len(self._open) > _PURGE_ABOVE:  # ops never waited for (a re-posted send)
+            with self._lock:
                 self._purge()
 
     def begin_wait(self, work: Any) -> bool:
@@ -65,23 +72,22 @@ class OpLedger:
         given up and it has not finished (it may never: the wait would only end at
         its deadline, and that closes the pair)."""
         key = id(work)
-        with self._lock:
-            given_up = key in self._stale or (self._frozen and key in self._open)
-            if given_up and not work.is_completed():
-                return False
-            self._waiting[key] = work
-            return True
+        self._waiting[key] = work  # first: blocked() counts it from here on
+        given_up = key in self._stale or (self._frozen and key in self._open)
+        if given_up and not work.is_completed():
+            self._waiting.pop(key, None)
+            return False
+        return True
 
     def end_wait(self, work: Any, *, finished: bool) -> None:
-        with self._lock:
-            self._waiting.pop(id(work), None)
-            if finished:
-                self._open.pop(id(work), None)
+        key = id(work)
+        self._waiting.pop(key, None)
+        if finished:
+            self._open.pop(key, None)
 
     def blocked(self) -> int:
         """Unfinished ops a thread is waiting for right now."""
-        with self._lock:
-            return sum(1 for w in self._waiting.values() if not w.is_completed())
+        return sum(1 for w in list(self._waiting.values()) if not w.is_completed())
 
     def stale(self) -> int:
         """Unfinished ops, waited for or not."""
@@ -95,8 +101,7 @@ class OpLedger:
 
     def freeze(self) -> None:
         """The epoch's calls are given up: no new wait for an unfinished op."""
-        with self._lock:
-            self._frozen = True
+        self._frozen = True
 
     def renew(self, salt: int) -> None:
         """Enter a new epoch under ``salt``; what is still pending stays pending in
@@ -107,8 +112,11 @@ class OpLedger:
             self._open.clear()
             self._frozen = False
             self.salt = salt
+            self._offset = salt << SALT_SHIFT
 
     def _purge(self) -> None:
+        """Forget finished ops (holds the lock; other threads may add meanwhile)."""
         for ops in (self._open, self._stale):
-            for k in [k for k, w in ops.items() if w.is_completed()]:
-                del ops[k]
+            for k, w in list(ops.items()):
+                if w.is_completed():
+                    ops.pop(k, None)

@@ -190,6 +190,10 @@ class Link:
             )  # fmt: skip
 
     def _init_state(self, salt: int) -> None:
+        # DataPlaneConfig.deadline_s, precomputed (every op's wait uses it).
+        self._floor_s = self.config.op_timeout_floor_s
+        self._per_byte_s = 1.0 / self.config.expected_link_bytes_per_s
+        self._key = (self.rank, self.peer, self.rail)  # the stall watch's name for it
         self.epoch = 0  # for the events; the table sets it (resilient.links)
         self.broken = False
         self.cut_reason: str | None = None  # set when this rank cut it (abort)
@@ -227,6 +231,7 @@ class Link:
         if (rank < peer) != (self.rank < self.peer):
             raise ConfigError(f"{self!r}: renumbering to {rank}<->{peer} swaps the pair's ends")
         self.rank, self.peer = rank, peer
+        self._key = (rank, peer, self.rail)
 
     def _injected_failure(self, what: str) -> None:
         h = _faults.hook()
@@ -425,17 +430,15 @@ class Link:
             self.ledger.end_wait(work, finished=finished)
 
     def _wait(self, work: Any, nbytes: int, *, watch: bool, interruptible: bool) -> None:
-        timeout = self.config.deadline_s(nbytes)
+        # Inlined deadline_s and one registration with the stall watch: this runs
+        # for every op of every collective.
+        expected_s = nbytes * self._per_byte_s
+        timeout = self._floor_s + expected_s
         start = time.monotonic()
+        stalls = _stall.WATCH
         # Every wait is watched for a dead connection; only data waits are reported
         # as stalls (a late peer is not a stalled link).
-        stalls = _stall.watch()
-        token = stalls.begin(
-            (self.rank, self.peer, self.rail),
-            self,
-            nbytes / self.config.expected_link_bytes_per_s,
-            report=self.watch_stalls and watch,
-        )
+        token = stalls.begin(self._key, self, expected_s, report=self.watch_stalls and watch)
         try:
             if interruptible and self.has_backup and self._conns and nbytes >= _waiter.MIN_BYTES:
                 self._wait_interruptible(work, nbytes, timeout)

@@ -14,16 +14,56 @@ fold the local contribution in at its rank position without an extra copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from resilient._channel import Route, Rx, Tx
-from resilient._ring import Span, sub_spans
+from resilient._ring import Span, even_bounds, rail_pieces, skip_bounds, sub_count, sub_spans
 
-__all__ = ["MeshRail"]
+__all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    """Where one mesh call's bytes go, on every rail: a pure function of the call's
+    size, the world, the rail weights and the slow rank, so it is computed once per
+    such key (DDP repeats the same buckets every step).
+
+    ``subs[rail][chunk][j]``: sub-chunk j of the chunk's piece on the rail;
+    ``rails``: the rails with bytes to move; ``rail_bytes``: bytes per rail.
+    """
+
+    subs: tuple[list[list[Span]], ...]
+    rails: tuple[int, ...]
+    rail_bytes: tuple[int, ...]
+
+
+def mesh_plan(
+    numel: int,
+    elem: int,
+    world: int,
+    weights: Sequence[float],
+    *,
+    skip: int | None,
+    grain: int,
+    most: int,
+) -> MeshPlan:
+    """The plan of a mesh call over ``numel`` elements of ``elem`` bytes: global
+    chunks (rank ``skip`` owning none, when given), cut across rails by
+    ``weights``, each piece into at most ``most`` sub-chunks of ``grain`` bytes."""
+    chunks = even_bounds(numel, world) if skip is None else skip_bounds(numel, world, skip)
+    pieces = rail_pieces(chunks, weights)
+    subs = []
+    for on_rail in pieces:
+        k = sub_count(on_rail, elem, grain, most)
+        subs.append([sub_spans(p, k) for p in on_rail])
+    rail_bytes = tuple(sum(p.size for p in rail) * elem for rail in pieces)
+    rails = tuple(r for r, rail in enumerate(pieces) if any(p.size for p in rail))
+    return MeshPlan(subs=tuple(subs), rails=rails, rail_bytes=rail_bytes)
 
 
 class MeshRail:
@@ -37,15 +77,14 @@ class MeshRail:
         rail: int,
         route: Route,
         flat: torch.Tensor,
-        pieces: list[Span],
-        subs: int,
+        subs: list[list[Span]],
         scratch: Callable[[int], torch.Tensor],
     ) -> None:
         self.rank, self.world, self.rail = rank, world, rail
         self.flat = flat
-        self.k = subs
+        self.subs = subs  # subs[chunk][j] (MeshPlan.subs of this rail)
+        self.k = len(subs[0])
         self.elem = flat.element_size()
-        self.subs = [sub_spans(p, subs) for p in pieces]  # subs[chunk][j]
         self.peers = [p for p in range(world) if p != rank]
         self.tx = {p: Tx(route, p, rail) for p in self.peers}
         self.rx = {p: Rx(route, p, rail) for p in self.peers}

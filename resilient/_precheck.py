@@ -29,6 +29,7 @@ from concurrent.futures import Future
 import torch
 from torch._C._distributed_c10d import Store
 
+from resilient._ctlmesh import ControlMesh
 from resilient._handoff import Bell, Handoff
 from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
@@ -45,9 +46,6 @@ __all__ = ["SignatureChannel"]
 logger = logging.getLogger(__name__)
 
 Payload = Callable[[], torch.Tensor | None]
-import os
-
-_INLINE = os.environ.get("RESILIENT_INLINE_EXCHANGE") == "1"
 
 
 class SignatureChannel:
@@ -90,6 +88,13 @@ class SignatureChannel:
         # weights, so the next exchange leaves a degraded rail too (every rank sees
         # the same table, so every rank picks the same rail). Links are made lazily.
         self.engine = RingEngine(rank=rank, world=world, links=links, mesh=True)
+        # Over socket links the rows go straight to the peers (resilient._ctlmesh);
+        # over gloo links through the engine's mesh schedule and its channels.
+        self._mesh = (
+            ControlMesh(rank=rank, world=world, links=links)
+            if config.control_transport == "socket"
+            else None
+        )
         self._static = self.engine.weights
         self._submitted = 0
         self._done = 0
@@ -127,6 +132,13 @@ class SignatureChannel:
         seq = self._submitted
         self._queue.put((seq, sig.with_seq(seq), payload, quiet, fut))
         return fut
+
+    @property
+    def failovers(self) -> list[tuple[int, int, int, int]]:
+        """The control links' failovers: ``(peer, from_rail, to_rail, resumed_at)``
+        (see Route.log; ``to_rail`` RELAY_RAIL for rows taken from the store)."""
+        extra = self._mesh.failovers if self._mesh is not None else []
+        return self.engine.failovers + extra
 
     def result(self, fut: Future[Exchange]) -> Exchange:
         """``fut.result()``, waited for on the channel's bell (resilient._handoff):
@@ -231,8 +243,9 @@ class SignatureChannel:
             cut = self._cut() if self._cut is not None else ()
             try:
                 exchange = check_signatures(
-                    self.engine, sig, self.rank, data, rates, clock, lag, staged, cut
-                )
+                    self._gather(seq), self.engine.world, sig, self.rank, data, rates, clock,
+                    lag, staged, cut,
+                )  # fmt: skip
             finally:
                 self._waited_us += int((time.monotonic() - began) * 1e6)
             self._finish(seq, exchange, fut)
@@ -242,6 +255,15 @@ class SignatureChannel:
                 self._finish(seq, rescued, fut)
             else:
                 self._settle(fut, None, exc)
+
+    def _gather(self, seq: int) -> Callable[[torch.Tensor], None]:
+        """How exchange ``seq``'s table is filled: on the heaviest rail by the
+        weights agreed in the previous exchange (the same rail on every rank)."""
+        engine, mesh = self.engine, self._mesh
+        if mesh is None:
+            return lambda table: engine.all_gather(table.view(-1))
+        rail = max(range(engine.num_rails), key=lambda r: engine.weights[r])
+        return lambda table: mesh.all_gather(table, seq, rail)
 
     def _finish(self, seq: int, exchange: Exchange, fut: Future[Exchange]) -> None:
         self._install(exchange)

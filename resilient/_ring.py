@@ -22,6 +22,7 @@ __all__ = [
     "recv_chunk",
     "send_chunk",
     "skip_bounds",
+    "sub_count",
     "sub_spans",
 ]
 
@@ -102,6 +103,13 @@ def rail_pieces(
             pieces[rail].append(Span(start, start + size))
             start += size
     return pieces
+
+
+def sub_count(pieces: Sequence[Span], elem: int, grain: int, most: int) -> int:
+    """Sub-chunks per piece: ``grain`` bytes each for the largest piece, at most
+    ``most`` (at least one)."""
+    largest = max((p.size for p in pieces), default=0) * elem
+    return max(1, min(most, round(largest / grain)))
 
 
 def sub_spans(span: Span, count: int) -> list[Span]:

@@ -23,7 +23,9 @@ import torch
 from resilient.errors import CollectiveMismatch
 
 if TYPE_CHECKING:
-    from resilient.collectives import Reduce, RingEngine
+    from collections.abc import Callable
+
+    from resilient.collectives import Reduce
 
 __all__ = ["WIDTH", "Exchange", "Signature", "check_signatures", "exchange_of"]
 
@@ -112,9 +114,10 @@ class Signature:
     def with_seq(self, seq: int) -> Signature:
         return replace(self, seq=seq)
 
-    def encode(self) -> torch.Tensor:
+    def header(self) -> list[int]:
+        """The row's first ``_HEADER`` ints (what must match across ranks)."""
         dims = list(self.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))
-        row = [
+        return [
             self.seq,
             _OPS.index(self.op),
             _REDUCES.index(self.reduce),
@@ -125,7 +128,9 @@ class Signature:
             len(self.shape) * (1 << 32) + self.shapes_crc,
             *dims,
         ]
-        return torch.tensor(row, dtype=torch.int64)
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor(self.header(), dtype=torch.int64)
 
     def describe(self) -> str:
         parts = [self.op]
@@ -192,7 +197,8 @@ class Exchange:
 
 
 def check_signatures(
-    engine: RingEngine,
+    gather: Callable[[torch.Tensor], None],
+    world: int,
     sig: Signature,
     rank: int,
     payload: torch.Tensor | None = None,
@@ -203,34 +209,32 @@ def check_signatures(
     cut: Sequence[int] = (),
 ) -> Exchange:
     """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
-    ``payload``. Raises on all ranks if signatures differ, before any data moved.
-    ``cut``: the peers this rank reaches on no rail (the first MAX_CUT are sent).
+    ``payload`` with ``gather`` (which fills every row of the ``(world, WIDTH)``
+    table from this rank's). Raises on all ranks if signatures differ, before any
+    data moved. ``cut``: the peers this rank reaches on no rail (the first MAX_CUT
+    are sent).
 
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.
         LinkError: the exchange itself failed.
     """
-    world = engine.world
+    # The row before the payload is built as one list and written once: this runs
+    # for every collective, and each small tensor op costs microseconds.
+    row = sig.header()
+    row += [int(r) for r in rates[:MAX_RAILS]] + [0] * (MAX_RAILS - min(len(rates), MAX_RAILS))
+    row += [*clock, *lagging]
+    for i in range(MAX_STAGED):
+        row += staged[i] if i < len(staged) else (0, -1, 0, 0)
+    peers = list(cut)[:MAX_CUT]
+    row += peers + [-1] * (MAX_CUT - len(peers))
     table = torch.zeros((world, WIDTH), dtype=torch.int64)
-    table[rank, :_HEADER] = sig.encode()
-    for rail, rate in enumerate(rates[:MAX_RAILS]):
-        table[rank, _HEADER + rail] = int(rate)
-    table[rank, _CLOCK:_LAG] = torch.tensor(clock, dtype=torch.int64)
-    table[rank, _LAG:_STAGED] = torch.tensor(lagging, dtype=torch.int64)
-    slots = table[rank, _STAGED:_CUT].view(MAX_STAGED, 4)
-    slots[:, 1] = -1
-    for i, entry in enumerate(staged[:MAX_STAGED]):
-        slots[i] = torch.tensor(entry, dtype=torch.int64)
-    table[rank, _CUT:_BODY] = -1
-    for i, peer in enumerate(list(cut)[:MAX_CUT]):
-        table[rank, _CUT + i] = peer
-    body = _BODY
+    table[rank, :_BODY] = torch.tensor(row, dtype=torch.int64)
     if payload is not None:
         raw = payload.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
         if raw.numel() > INLINE_BYTES:
             raise ValueError(f"inline payload of {raw.numel()} B exceeds {INLINE_BYTES} B")
-        table[rank, body:].view(torch.uint8)[: raw.numel()].copy_(raw)
-    engine.all_gather(table.view(-1))
+        table[rank, _BODY:].view(torch.uint8)[: raw.numel()].copy_(raw)
+    gather(table)
     return exchange_of(table, sig.seq)
 
 
@@ -240,33 +244,37 @@ def exchange_of(table: torch.Tensor, seq: int) -> Exchange:
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.
     """
-    world, body = table.shape[0], _BODY
-    rows = [[int(v) for v in r] for r in table[:, :_HEADER].tolist()]
-    if all(r == rows[0] for r in rows):
+    rows = table[:, :_BODY].tolist()
+    heads = [r[:_HEADER] for r in rows]
+    if all(h == heads[0] for h in heads):
         return Exchange(
             seq=seq,
             table=table,
-            inline=table[:, body:].contiguous().view(torch.uint8),
-            rates=table[:, _HEADER:_CLOCK].tolist(),
-            clocks=[(int(a), int(w), int(s)) for a, w, s in table[:, _CLOCK:_LAG].tolist()],
-            lagging=[(int(p), int(m), int(c)) for p, m, c in table[:, _LAG:_STAGED].tolist()],
+            inline=table[:, _BODY:].view(torch.uint8),
+            rates=[r[_HEADER:_CLOCK] for r in rows],
+            clocks=[(r[_CLOCK], r[_CLOCK + 1], r[_CLOCK + 2]) for r in rows],
+            lagging=[(r[_LAG], r[_LAG + 1], r[_LAG + 2]) for r in rows],
             staged=[
-                [(c, p, r, g) for c, p, r, g in row if p >= 0]
-                for row in table[:, _STAGED:_CUT].view(world, MAX_STAGED, 4).tolist()
+                [
+                    (r[i], r[i + 1], r[i + 2], r[i + 3])
+                    for i in range(_STAGED, _CUT, 4)
+                    if r[i + 1] >= 0
+                ]
+                for r in rows
             ],
-            cut=[[p for p in row if p >= 0] for row in table[:, _CUT:_BODY].tolist()],
+            cut=[[p for p in r[_CUT:_BODY] if p >= 0] for r in rows],
         )
     groups: dict[tuple[int, ...], list[int]] = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(tuple(row), []).append(r)
+    for r, head in enumerate(heads):
+        groups.setdefault(tuple(head), []).append(r)
     described = "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: "
         f"{Signature.decode(list(row)).describe()}"
         for row, ranks in groups.items()
     )
-    fields = _differences(rows)
+    fields = _differences(heads)
     raise CollectiveMismatch(
         f"ranks called different collectives ({', '.join(fields)} differ): {described}",
-        calls={r: Signature.decode(row).describe() for r, row in enumerate(rows)},
+        calls={r: Signature.decode(head).describe() for r, head in enumerate(heads)},
         fields=tuple(fields),
     )

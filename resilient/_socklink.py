@@ -160,7 +160,9 @@ class SocketPair:
         return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SocketWork:
-        """Post a receive into ``tensors[0]``; completes at once from the stash."""
+        """Post a receive into ``tensors[0]``; it completes at once when its message
+        is stashed or already in the socket (read now, without blocking, unless
+        another thread is reading)."""
         work = SocketWork(self, _bytes_of(tensors[0]), sending=False)
         with self._rx:
             if self._error is not None:
@@ -170,8 +172,17 @@ class SocketPair:
             if stashed:
                 self._stashed -= 1
                 self._fill(work, stashed.popleft())
-            else:
-                self._pending.setdefault(tag, collections.deque()).append(work)
+                return work
+            self._pending.setdefault(tag, collections.deque()).append(work)
+            if self._reading:
+                return work
+            self._reading = True
+        try:
+            self._pump(None)
+        except PairError:
+            pass  # the work carries the error
+        finally:
+            self._release()
         return work
 
     def allreduce(self, tensors: list[torch.Tensor]) -> _ProbeWork:
@@ -234,58 +245,26 @@ class SocketPair:
             self._reading = True
         try:
             while not work.is_completed():
-                self._read_one(deadline)
+                self._pump(deadline)
         finally:
-            with self._rx:
-                self._reading = False
-                self._rx.notify_all()
+            self._release()
 
-    def _read_one(self, deadline: float) -> None:
-        """Read one whole message (outside the lock: only the reader touches _buf)."""
-        head = _HEADER.size
-        self._need(head, deadline)
-        tag, nbytes = _HEADER.unpack_from(self._buf, self._start)
-        self._need(head + nbytes, deadline)
-        start = self._start + head
-        body = memoryview(self._buf)[start : start + nbytes]
+    def _release(self) -> None:
         with self._rx:
-            queue = self._pending.get(tag)
-            if queue:
-                self._fill(queue.popleft(), body)
-            elif self._stashed >= _STASH_MAX:
-                self._fail_locked(f"more than {_STASH_MAX} messages nobody asked for")
-            else:
-                self._stash.setdefault(tag, collections.deque()).append(bytes(body))
-                self._stashed += 1
+            self._reading = False
             self._rx.notify_all()
-        body.release()
-        self._start = start + nbytes
 
-    def _fill(self, work: SocketWork, body: memoryview | bytes) -> None:
-        if len(body) > work.view.nbytes:
-            # gloo aborts the process here; a failed link is kinder.
-            work.error = f"a message of {len(body)} B for a receive of {work.view.nbytes} B"
-            return
-        work.view[: len(body)] = body
-        work.done = True
-
-    def _need(self, size: int, deadline: float) -> None:
-        """Have at least ``size`` bytes buffered from ``_start``."""
-        if self._end - self._start >= size:
-            return
-        if self._start:
-            # Move what is unread to the front (at most the buffer's 64 KiB).
-            tail = self._end - self._start
-            self._buf[:tail] = self._buf[self._start : self._end]
-            self._start, self._end = 0, tail
-        if size > len(self._buf):
-            self._buf.extend(bytes(size - len(self._buf)))
-        while self._end < size:
-            if self._error is not None:
-                raise PairError(self._error)
+    def _pump(self, deadline: float | None) -> None:
+        """Read what the socket holds and deliver every whole message; with a
+        ``deadline``, first wait until at least some bytes came. Only the reader
+        (``_reading``) calls this, outside the lock: only it touches the buffer."""
+        while True:
+            self._room()
             try:
                 n = self._sock.recv_into(memoryview(self._buf)[self._end :])
             except BlockingIOError:
+                if deadline is None:
+                    return
                 self._await(select.POLLIN, deadline)
                 self._flush_some()
                 continue
@@ -296,6 +275,55 @@ class SocketPair:
                 self._fail("Connection closed by peer")
                 raise PairError("Connection closed by peer")
             self._end += n
+            self._deliver()
+            deadline = None  # got bytes: from here on, only what is already there
+
+    def _room(self) -> None:
+        """Make space after ``_end`` for the next read: move the unread part to the
+        front, or grow the buffer for a message larger than it."""
+        if self._end < len(self._buf):
+            return
+        unread = self._end - self._start
+        if self._start:
+            self._buf[:unread] = self._buf[self._start : self._end]
+            self._start, self._end = 0, unread
+        if self._end == len(self._buf):
+            need = len(self._buf) * 2
+            if unread >= _HEADER.size:
+                need = max(need, _HEADER.size + _HEADER.unpack_from(self._buf, 0)[1])
+            self._buf.extend(bytes(need - len(self._buf)))
+
+    def _deliver(self) -> None:
+        """Hand every whole message in the buffer to its receive, or stash it."""
+        head = _HEADER.size
+        while self._end - self._start >= head:
+            tag, nbytes = _HEADER.unpack_from(self._buf, self._start)
+            begin = self._start + head
+            if self._end - begin < nbytes:
+                return
+            body = memoryview(self._buf)[begin : begin + nbytes]
+            with self._rx:
+                queue = self._pending.get(tag)
+                if queue:
+                    self._fill(queue.popleft(), body)
+                elif self._stashed >= _STASH_MAX:
+                    self._fail_locked(f"more than {_STASH_MAX} messages nobody asked for")
+                else:
+                    self._stash.setdefault(tag, collections.deque()).append(bytes(body))
+                    self._stashed += 1
+                self._rx.notify_all()
+            body.release()
+            self._start = begin + nbytes
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _fill(self, work: SocketWork, body: memoryview | bytes) -> None:
+        if len(body) > work.view.nbytes:
+            # gloo aborts the process here; a failed link is kinder.
+            work.error = f"a message of {len(body)} B for a receive of {work.view.nbytes} B"
+            return
+        work.view[: len(body)] = body
+        work.done = True
 
     def _await(self, event: int, deadline: float) -> None:
         """Sleep until the socket is ready for ``event``; a reader also wakes when

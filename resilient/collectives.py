@@ -25,14 +25,14 @@ from typing import Any
 import torch
 
 from resilient._channel import Route, Rx, Tx
-from resilient._mesh import MeshRail
+from resilient._mesh import MeshPlan, MeshRail, mesh_plan
 from resilient._ring import (
     Span,
     even_bounds,
     rail_pieces,
     recv_chunk,
     send_chunk,
-    skip_bounds,
+    sub_count,
     sub_spans,
 )
 from resilient._slowrank import SendRates
@@ -94,6 +94,8 @@ FINE_SUB_BYTES = 64 << 10
 # b = 0.5), five alternating runs each: 16 pieces 238-258 ms (median 239), 8 pieces
 # 241-265 ms (median 263); 32 pieces 283, 288 ms (per-op cost wins).
 FINE_MAX_SUBS = 16
+# Mesh plans kept per engine (by size, weights and slow rank); more are rebuilt.
+_PLANS_KEPT = 64
 # Reductions smaller than this are latency-bound: their send rates say nothing
 # about a slow NIC.
 LAG_MIN_BYTES = 256 << 10
@@ -159,6 +161,7 @@ class RingEngine:
         self.mesh_below_bytes = mesh_below_bytes
         self.single_rail_below_bytes = single_rail_below_bytes
         self._scratch: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+        self._plans: dict[tuple[int, int, tuple[float, ...], int | None], MeshPlan] = {}
         self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
         # Measured speed of each rail (bytes/s, smoothed; 0 = not measured yet): what
         # this rank proposes for the learned rail weights (see resilient._weights).
@@ -233,20 +236,18 @@ class RingEngine:
     def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
         if self.world > 1:
-            chunks = even_bounds(flat.numel(), self.world)
             if self.slow_rank is not None and self.world > 2 and self.order is None:
                 # Straggler-aware: the slow rank owns no chunk, so it sends its N
                 # bytes once and receives the N-byte result once, while the others
                 # reduce among themselves (DESIGN.md). Still the mesh's rank-order
                 # fold, so the bits are the same as the mesh's.
-                self._mesh(flat, skip_bounds(flat.numel(), self.world, self.slow_rank), op,
-                           gather=True, fine=True)  # fmt: skip
+                self._mesh(flat, op, gather=True, skip=self.slow_rank)
             elif self._use_mesh(flat):
-                self._mesh(flat, chunks, op, gather=True)
+                self._mesh(flat, op, gather=True)
             else:
                 self._ring(
                     flat,
-                    chunks,
+                    even_bounds(flat.numel(), self.world),
                     steps=2 * (self.world - 1),
                     reduce_steps=self.world - 1,
                     shift=0,
@@ -258,7 +259,7 @@ class RingEngine:
         """``flat`` holds ``world`` equal blocks; afterwards block ``rank`` holds the result."""
         chunks = even_bounds(flat.numel(), self.world)
         if self.world > 1 and self._use_mesh(flat):
-            self._mesh(flat, chunks, op, gather=False)
+            self._mesh(flat, op, gather=False)
         elif self.world > 1:
             self._ring(
                 flat, chunks, steps=self.world - 1, reduce_steps=self.world - 1, shift=-1, op=op
@@ -270,10 +271,10 @@ class RingEngine:
     def all_gather(self, flat: torch.Tensor) -> None:
         """``flat`` holds ``world`` equal blocks, block ``rank`` filled; fill the others."""
         if self.world > 1:
-            chunks = even_bounds(flat.numel(), self.world)
             if self._use_mesh(flat):
-                self._mesh(flat, chunks, None, gather=True)
+                self._mesh(flat, None, gather=True)
             else:
+                chunks = even_bounds(flat.numel(), self.world)
                 self._ring(
                     flat, chunks, steps=self.world - 1, reduce_steps=0, shift=0, op=Reduce.SUM
                 )
@@ -325,25 +326,24 @@ class RingEngine:
     def _mesh(
         self,
         flat: torch.Tensor,
-        chunks: list[Span],
         op: Reduce | None,
         *,
         gather: bool,
-        fine: bool = False,
+        skip: int | None = None,
     ) -> None:
         """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``.
-        ``fine``: the straggler-aware variant (finer sub-chunks, gather posted early)."""
-        pieces = rail_pieces(chunks, self._weights_for(flat))
-        rails = [r for r in range(self.num_rails) if any(p.size for p in pieces[r])]
+        ``skip``: the straggler-aware variant, that rank owning no chunk (finer
+        sub-chunks, gather posted early)."""
+        fine = skip is not None
+        plan = self._mesh_plan(flat, skip)
         peers = [p for p in range(self.world) if p != self.rank]
         # Every rail, used or not: a failover must find its backup link built
         # (building one in the middle of a collective is a rendezvous in odd order).
         self.links.ensure((p, rail) for rail in range(self.num_rails) for p in peers)
-        elem = flat.element_size()
         route = self._route()
 
         def run(rail: int) -> None:
-            if rail not in rails:
+            if rail not in plan.rails:
                 return
             m = MeshRail(
                 rank=self.rank,
@@ -351,8 +351,7 @@ class RingEngine:
                 rail=rail,
                 route=route,
                 flat=flat,
-                pieces=pieces[rail],
-                subs=self._subs_for(pieces[rail], elem, fine=fine),
+                subs=plan.subs[rail],
                 scratch=lambda n: self.scratch(rail, flat, n),
             )
             if op is None:
@@ -360,22 +359,38 @@ class RingEngine:
             else:
                 m.reduce_scatter(_REDUCERS[op], then_gather=gather, early=fine)
 
-        self._run_rails(run, _rail_bytes(pieces, elem))
+        self._run_rails(run, plan.rail_bytes)
+        elem = flat.element_size()
         if self.lag_meter is not None and op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
             self.lag_meter.measure(self.links, peers)
 
-    def _subs_for(self, pieces: Sequence[Span], elem: int, *, fine: bool = False) -> int:
+    def _mesh_plan(self, flat: torch.Tensor, skip: int | None) -> MeshPlan:
+        """The cached :class:`MeshPlan` of this call (see resilient._mesh)."""
+        weights = self._weights_for(flat)
+        elem = flat.element_size()
+        key = (flat.numel(), elem, weights, skip)
+        plan = self._plans.get(key)
+        if plan is None:
+            # The straggler-aware schedule: up to FINE_MAX_SUBS of at least
+            # FINE_SUB_BYTES, so the slow rank starts receiving the result soon after
+            # it started sending, and its last piece is small.
+            grain, most = (FINE_SUB_BYTES, FINE_MAX_SUBS) if skip is not None else (
+                self.sub_chunk_bytes, MAX_SUBS)  # fmt: skip
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            plan = self._plans[key] = mesh_plan(
+                flat.numel(), elem, self.world, weights, skip=skip, grain=grain, most=most
+            )
+        return plan
+
+    def _subs_for(self, pieces: Sequence[Span], elem: int) -> int:
         """Sub-chunks per piece: ``sub_chunk_bytes`` each, but at most MAX_SUBS.
 
         Enough to overlap sending, receiving and reducing; more only adds per-op
         cost (each gloo op costs tens of microseconds of CPU) on large tensors.
-        ``fine`` (the straggler-aware schedule): up to FINE_MAX_SUBS of at least
-        FINE_SUB_BYTES, so the slow rank starts receiving the result soon after it
-        started sending, and its last piece is small.
+        (The straggler-aware schedule's finer grain is in _mesh_plan.)
         """
-        largest = max((p.size for p in pieces), default=0) * elem
-        grain, most = (FINE_SUB_BYTES, FINE_MAX_SUBS) if fine else (self.sub_chunk_bytes, MAX_SUBS)
-        return max(1, min(most, -(-largest // grain)))
+        return sub_count(pieces, elem, self.sub_chunk_bytes, MAX_SUBS)
 
     def _ring(
         self,

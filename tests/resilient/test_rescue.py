@@ -25,19 +25,19 @@ VICTIM = 2
 
 
 def _die_without_reaching(peer: int) -> None:
-    """The next send to ``peer`` never arrives, and this process dies 0.5 s after
-    posting it (meanwhile the rest of the exchange goes through)."""
-    from resilient import _channel
+    """The next control-link send to ``peer`` never arrives, and this process dies
+    0.5 s after posting it (meanwhile the rest of the exchange goes through)."""
+    from resilient import _link
 
-    post = _channel.Tx.post
+    isend = _link.Link.isend
 
-    def lost_post(self: Any, tensor: torch.Tensor, tag: int) -> int:
-        if self.peer == peer:
+    def lost_send(self: Any, tensor: torch.Tensor, tag: int) -> Any:
+        if self.peer == peer and self.prefix.startswith("ctl/"):
             threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
-            tag += 1 << 20  # a message the peer never posts a receive for
-        return post(self, tensor, tag)
+            tag += 1 << 21  # a message the peer never posts a receive for
+        return isend(self, tensor, tag)
 
-    _channel.Tx.post = lost_post  # type: ignore[method-assign]
+    _link.Link.isend = lost_send  # type: ignore[method-assign]
 
 
 def _lagging_survivor(pg: Any, rank: int, world: int) -> dict[str, Any]:

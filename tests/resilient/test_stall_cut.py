@@ -47,7 +47,7 @@ def _partitioned(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, 
         "equal": torch.equal(got, want),
         "took_s": took,
         "cut": _stall.watch().cut,
-        "failovers": len(pg.engine.failovers) + len(pg._channel.engine.failovers),
+        "failovers": len(pg.engine.failovers) + len(pg._channel.failovers),
     }
 
 
