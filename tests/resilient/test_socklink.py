@@ -1,0 +1,269 @@
+"""Socket control links: real TCP sockets on loopback, rendezvoused through a real
+TCPStore; the two ends of each pair run in two threads of this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient import _sockets
+from resilient._proc import free_port
+from resilient._socklink import PairError, SocketPair, connect_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+A, B = "127.0.1.1", "127.0.1.2"
+
+
+def _store(prefix: str) -> tuple[Any, Any]:
+    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+    return dist.PrefixStore(prefix, server), dist.PrefixStore(prefix, client)
+
+
+def _both(fn0: Callable[[], Any], fn1: Callable[[], Any]) -> tuple[Any, Any]:
+    with ThreadPoolExecutor(2) as pool:
+        f0, f1 = pool.submit(fn0), pool.submit(fn1)
+        return f0.result(timeout=30), f1.result(timeout=30)
+
+
+def _pair(token: bytes = b"t") -> tuple[SocketPair, SocketPair]:
+    s0, s1 = _store("p/")
+    a, b = _both(
+        lambda: connect_pair(s0, 0, A, 10.0, token=token),
+        lambda: connect_pair(s1, 1, B, 10.0, token=token),
+    )
+    assert a.getsockname()[0] == A and b.getsockname()[0] == B  # bound to the rails
+    return SocketPair(a), SocketPair(b)
+
+
+def test_messages_meet_their_receives_by_tag_in_any_order() -> None:
+    a, b = _pair()
+    try:
+        for tag in (1, 2, 3):
+            a.send([torch.full((4,), float(tag))], 0, tag)
+        time.sleep(0.05)  # all three are in b's socket before anything is posted
+        outs = {tag: torch.zeros(4) for tag in (3, 1, 2)}
+        works = {tag: b.recv([out], 0, tag) for tag, out in outs.items()}
+        for work in works.values():
+            work.wait(timedelta(seconds=5))
+        assert {tag: out[0].item() for tag, out in outs.items()} == {1: 1.0, 2: 2.0, 3: 3.0}
+        # Posted first, sent later: the waiting reader delivers it.
+        late = torch.zeros(2, dtype=torch.int64)
+        work = b.recv([late], 0, 9)
+        threading.Timer(0.1, a.send, args=([torch.tensor([7, 8])], 0, 9)).start()
+        work.wait(timedelta(seconds=5))
+        assert late.tolist() == [7, 8]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_message_larger_than_its_receive_fails_the_receive_not_the_process() -> None:
+    a, b = _pair()
+    try:
+        a.send([torch.zeros(8)], 0, 5)
+        work = b.recv([torch.zeros(2)], 0, 5)
+        with pytest.raises(PairError, match="32 B for a receive of 8 B"):
+            work.wait(timedelta(seconds=5))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_the_probe_sums_both_ends() -> None:
+    a, b = _pair()
+    try:
+        ta, tb = torch.ones(1), torch.ones(1)
+        wa, wb = a.allreduce([ta]), b.allreduce([tb])
+        _both(lambda: wa.wait(timedelta(seconds=5)), lambda: wb.wait(timedelta(seconds=5)))
+        assert ta.item() == tb.item() == 2.0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_peer_closing_fails_a_waiting_receive_as_closed_by_peer() -> None:
+    a, b = _pair()
+    work = b.recv([torch.zeros(1)], 0, 1)
+    threading.Timer(0.2, a.shutdown).start()
+    start = time.monotonic()
+    with pytest.raises(PairError, match="closed by peer"):
+        work.wait(timedelta(seconds=10))
+    assert time.monotonic() - start < 5.0
+    b.shutdown()
+
+
+def test_a_receive_past_its_deadline_fails() -> None:
+    a, b = _pair()
+    try:
+        work = b.recv([torch.zeros(1)], 0, 1)
+        start = time.monotonic()
+        with pytest.raises(PairError, match="deadline"):
+            work.wait(timedelta(seconds=0.3))
+        assert 0.25 < time.monotonic() - start < 3.0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_cutting_the_connection_ends_a_blocked_wait_at_once() -> None:
+    a, b = _pair()
+    try:
+        sock = b._sock
+        conn = _sockets.Conn(
+            sock.fileno(),
+            _sockets.norm(sock.getsockname()[:2]),
+            _sockets.norm(sock.getpeername()[:2]),
+        )
+        work = b.recv([torch.zeros(1)], 0, 1)
+        threading.Timer(0.2, _sockets.cut, args=([conn],)).start()
+        start = time.monotonic()
+        with pytest.raises(PairError):
+            work.wait(timedelta(seconds=10))
+        assert time.monotonic() - start < 5.0
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_stray_connection_is_not_taken_for_the_peer() -> None:
+    import socket
+
+    s0, s1 = _store("stray/")
+
+    def stray_then_peer() -> socket.socket:
+        where = ""
+        while not where:
+            where = s1.get("sock/0").decode() if s1.check(["sock/0"]) else ""
+            time.sleep(0.01)
+        host, port = where.rsplit("|", 1)
+        with socket.create_connection((host, int(port))) as stray:
+            stray.sendall(b"RSL1" + (3).to_bytes(4, "little") + b"bad")
+            time.sleep(0.1)
+        return connect_pair(s1, 1, B, 10.0, token=b"good")
+
+    a, b = _both(lambda: connect_pair(s0, 0, A, 10.0, token=b"good"), stray_then_peer)
+    try:
+        assert a.getpeername() == b.getsockname()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_socket_links_are_kept_out_of_gloo_connection_scans() -> None:
+    a, b = _pair()
+    try:
+        found, _ = _sockets._established()
+        assert a._sock.fileno() not in found and b._sock.fileno() not in found
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_rendezvous_nobody_answers_gives_up_in_time() -> None:
+    s0, _ = _store("alone/")
+    start = time.monotonic()
+    with pytest.raises(PairError, match="timed out"):
+        connect_pair(s0, 0, A, 0.5)
+    assert time.monotonic() - start < 3.0
+
+
+def _tables(rails: int) -> list[Any]:
+    from resilient.config import DataPlaneConfig
+    from resilient.links import LinkTable
+
+    s0, s1 = _store("mesh/")
+    config = DataPlaneConfig(connect_timeout_s=10.0, op_timeout_floor_s=5.0)
+    return [
+        LinkTable(
+            rank=r,
+            rails=tuple(f"127.0.{k + 1}.{r + 1}" for k in range(rails)),
+            store=s,
+            config=config,
+            name="ctl",
+            transport="socket",
+        )
+        for r, s in ((0, s0), (1, s1))
+    ]
+
+
+def _exchange(meshes: list[Any], seq: int) -> list[torch.Tensor]:
+    from resilient._signature import WIDTH
+
+    tables = [torch.zeros((2, WIDTH), dtype=torch.int64) for _ in meshes]
+    for r, t in enumerate(tables):
+        t[r] = seq * 10 + r
+    _both(*(lambda m=m, t=t: m.all_gather(t, seq, 0) for m, t in zip(meshes, tables, strict=True)))
+    return tables
+
+
+def test_a_control_row_whose_link_broke_comes_through_the_store() -> None:
+    from resilient._ctlmesh import ControlMesh
+    from resilient._relay import RELAY_RAIL
+
+    tables = _tables(rails=2)
+    meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
+    try:
+        for t in _exchange(meshes, 1):
+            assert t[:, 0].tolist() == [10, 11]
+        # Rank 0 cuts its end of rail 0 (as after a NIC down); rank 1 still thinks it
+        # healthy and only sees the connection end while it waits.
+        tables[0].get(1, 0).abort("test: NIC down")
+        for t in _exchange(meshes, 2):
+            assert t[:, 0].tolist() == [20, 21]
+        relayed = [f for m in meshes for f in m.failovers]
+        assert relayed and all(f[1] == 0 and f[2] == RELAY_RAIL for f in relayed), relayed
+    finally:
+        for t in tables:
+            t.close()
+
+
+def test_with_one_rail_a_broken_control_link_fails_the_exchange() -> None:
+    from resilient._ctlmesh import ControlMesh
+    from resilient.errors import LinkError
+
+    tables = _tables(rails=1)
+    meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
+    try:
+        _exchange(meshes, 1)
+        tables[0].get(1, 0).abort("test: NIC down")
+        with pytest.raises(LinkError):
+            _exchange(meshes, 2)
+    finally:
+        for t in tables:
+            t.close()
+
+
+def test_a_handoff_keeps_order_and_wakes_its_consumer() -> None:
+    from resilient._handoff import Handoff
+
+    box: Handoff[int | None] = Handoff()
+    got: list[int] = []
+
+    def consume() -> None:
+        while (item := box.get()) is not None:
+            got.append(item)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    for i in range(1000):
+        box.put(i)
+        if i % 100 == 0:
+            time.sleep(0.01)  # let the consumer block in between
+    box.put(None)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and got == list(range(1000))
+    box.close()
+    box.put(1)  # after close: no write to a descriptor number that is not ours any more
