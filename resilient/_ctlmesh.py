@@ -8,6 +8,11 @@ socket links (resilient._socklink). Here each rank sends its row straight to
 every peer on the exchange's rail and receives theirs, through the links' own
 ops (so ledgers, stall checks and cuts see them as before).
 
+Every row travels under one tag, so each pair's rows meet in order, exchange by
+exchange, as they did on the channels: a rank that called one collective more
+than the others sends a row the others read as the wrong call, and every rank
+raises CollectiveMismatch (a tag per exchange would leave them waiting instead).
+
 Failover is simpler than the channels' because a row is tiny and an exchange
 idempotent: a rank keeps its last two rows (a peer is at most one exchange
 behind: a rank that finished exchange ``s`` got every row of ``s``, so every peer
@@ -38,8 +43,7 @@ from resilient.links import Link, LinkTable
 
 __all__ = ["ControlMesh"]
 
-_TAG_BASE: Final = 1 << 29
-_SEQ_MASK: Final = (1 << 20) - 1
+_TAG: Final = 1 << 29
 _SEQ: Final = struct.Struct("<q")
 _NAP_S: Final = 0.001
 _MAX_NAP_S: Final = 0.02
@@ -108,7 +112,7 @@ class ControlMesh:
         links.ensure((p, r) for r in range(len(links.rails)) for p in self.peers)
         mine = table[self.rank]
         self._recent.append((seq, mine))
-        tag = _TAG_BASE + (seq & _SEQ_MASK)
+        tag = _TAG
         nbytes = mine.numel() * mine.element_size()
         sends, published = [], False
         for p in self.peers:

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -66,10 +67,35 @@ def host_store(host: str, *, timeout_s: float = 60.0) -> TCPStore:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (callers retry on a race)."""
+    """Return a TCP port that was free on ``host`` a moment ago (callers retry on a race).
+
+    Chosen below the kernel's ephemeral range: a port from ``bind(0)`` is one the
+    kernel may hand the next outgoing connection or listener (every link makes
+    some), and a server that binds it a moment later then fails with EADDRINUSE
+    (seen in a test's TCPStore). Ports outside that range only an explicit bind
+    takes.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(2048, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def spawn(

@@ -172,6 +172,8 @@ class SocketPair:
             if stashed:
                 self._stashed -= 1
                 self._fill(work, stashed.popleft())
+                if not stashed:
+                    del self._stash[tag]
                 return work
             self._pending.setdefault(tag, collections.deque()).append(work)
             if self._reading:
@@ -306,6 +308,8 @@ class SocketPair:
                 queue = self._pending.get(tag)
                 if queue:
                     self._fill(queue.popleft(), body)
+                    if not queue:
+                        del self._pending[tag]
                 elif self._stashed >= _STASH_MAX:
                     self._fail_locked(f"more than {_STASH_MAX} messages nobody asked for")
                 else:
