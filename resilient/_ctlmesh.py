@@ -69,7 +69,10 @@ class ControlMesh:
         self.peers = [p for p in range(world) if p != rank]
         self._recent: deque[tuple[int, torch.Tensor]] = deque(maxlen=2)
         self._publisher = _Publisher(self)
-        self._watched: weakref.WeakSet[Link] = weakref.WeakSet()
+        # Links told to publish when they break, by id (each lives as long as this
+        # epoch's table: a repaired one replaces it under the same key).
+        self._watched: dict[int, Link] = {}
+        self._built = False
         # Rows taken from the store, as (peer, rail, RELAY_RAIL, seq): the data
         # plane's failover record (RingEngine.failovers) for the control links.
         self.failovers: list[tuple[int, int, int, int]] = []
@@ -92,8 +95,8 @@ class ControlMesh:
 
     def _link(self, peer: int, rail: int) -> Link:
         link = self.links.get(peer, rail)
-        if link not in self._watched:
-            self._watched.add(link)
+        if id(link) not in self._watched:
+            self._watched[id(link)] = link
             if not link.watch_sender(self._publisher):
                 self.publish()
         return link
@@ -107,9 +110,12 @@ class ControlMesh:
                 given up, one rail only, or the deadline passed).
         """
         links = self.links
-        # Every rail's links, used or not, as the data plane builds them: a later
-        # exchange on another rail must not start a rendezvous in the middle.
-        links.ensure((p, r) for r in range(len(links.rails)) for p in self.peers)
+        if not self._built:
+            # Every rail's links, used or not, as the data plane builds them: a later
+            # exchange on another rail must not start a rendezvous in the middle.
+            # Once built, a link is only ever replaced under its key (a repair).
+            links.ensure((p, r) for r in range(len(links.rails)) for p in self.peers)
+            self._built = True
         mine = table[self.rank]
         self._recent.append((seq, mine))
         tag = _TAG

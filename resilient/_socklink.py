@@ -70,8 +70,11 @@ class PairError(RuntimeError):
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
+    try:  # dtypes numpy knows (all but bfloat16), no grad: the cheaper way
+        array: Any = tensor.numpy()
+    except (TypeError, RuntimeError):
+        array = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def _remaining(deadline: float) -> float:
@@ -141,6 +144,7 @@ class SocketPair:
         self._stash: dict[int, collections.deque[bytes]] = {}
         self._stashed = 0
         self._reading = False
+        self._waiting = 0  # threads asleep on _rx (notified only when there are some)
         self._buf = bytearray(_BUF_BYTES)
         self._start = self._end = 0
 
@@ -238,7 +242,12 @@ class SocketPair:
         reads now and wait for it to deliver."""
         with self._rx:
             while not work.is_completed() and self._reading:
-                if not self._rx.wait(max(0.0, _remaining(deadline))):
+                self._waiting += 1
+                try:
+                    woke = self._rx.wait(max(0.0, _remaining(deadline)))
+                finally:
+                    self._waiting -= 1
+                if not woke:
                     if not work.is_completed():
                         self._fail_locked(f"no message within the deadline ({work.view.nbytes} B)")
                     return
@@ -254,7 +263,8 @@ class SocketPair:
     def _release(self) -> None:
         with self._rx:
             self._reading = False
-            self._rx.notify_all()
+            if self._waiting:
+                self._rx.notify_all()
 
     def _pump(self, deadline: float | None) -> None:
         """Read what the socket holds and deliver every whole message; with a
@@ -315,7 +325,8 @@ class SocketPair:
                 else:
                     self._stash.setdefault(tag, collections.deque()).append(bytes(body))
                     self._stashed += 1
-                self._rx.notify_all()
+                if self._waiting:
+                    self._rx.notify_all()
             body.release()
             self._start = begin + nbytes
         if self._start == self._end:
