@@ -257,6 +257,13 @@ class SocketPair:
         try:
             while not work.is_completed():
                 self._pump(deadline)
+        except PairError:
+            # The pump reads on after a message until the socket is empty: a peer
+            # that sent its last message and closed (a job's final barrier) ends
+            # that read with EOF, after our message was delivered. The work's own
+            # state decides (SocketWork.wait raises its error, if it has one).
+            if not work.is_completed():
+                raise
         finally:
             self._release()
 

@@ -99,6 +99,7 @@ _PLANS_KEPT = 64
 # Reductions smaller than this are latency-bound: their send rates say nothing
 # about a slow NIC.
 LAG_MIN_BYTES = 256 << 10
+LAG_EVERY_S = 0.05
 
 
 def finish_avg(t: torch.Tensor, op: Reduce, world: int) -> None:
@@ -180,6 +181,7 @@ class RingEngine:
         # Measures the links' send rates after mesh reductions (set by whoever
         # reads it: resilient._slowrank).
         self.lag_meter: SendRates | None = None
+        self._lag_at = 0.0
         # The ring order while some pair has no rail left (agreed by every rank, see
         # resilient._ring.avoiding_ring); None: 0, 1, ..., world-1. With an order
         # every schedule is a ring in it, so no data goes through the store.
@@ -362,7 +364,12 @@ class RingEngine:
         self._run_rails(run, plan.rail_bytes)
         elem = flat.element_size()
         if self.lag_meter is not None and op is not None and flat.numel() * elem >= LAG_MIN_BYTES:
-            self.lag_meter.measure(self.links, peers)
+            # At most every LAG_EVERY_S: each reading is a system call or five per
+            # link, and DDP's back-to-back buckets would read the same interval twice.
+            now = time.monotonic()
+            if now - self._lag_at >= LAG_EVERY_S:
+                self._lag_at = now
+                self.lag_meter.measure(self.links, peers)
 
     def _mesh_plan(self, flat: torch.Tensor, skip: int | None) -> MeshPlan:
         """The cached :class:`MeshPlan` of this call (see resilient._mesh)."""

@@ -267,3 +267,17 @@ def test_a_handoff_keeps_order_and_wakes_its_consumer() -> None:
     assert not thread.is_alive() and got == list(range(1000))
     box.close()
     box.put(1)  # after close: no write to a descriptor number that is not ours any more
+
+
+def test_a_message_followed_at_once_by_the_peers_close_is_still_delivered() -> None:
+    # A job's final barrier: the peer sends its last row and closes right away.
+    for _ in range(20):
+        a, b = _pair()
+        out = torch.zeros(4)
+        work = b.recv([out], 0, 1)  # posted first: the waiting reader meets data + EOF
+        a.send([torch.ones(4)], 0, 1)
+        a.shutdown()
+        time.sleep(0.01)  # both the message and the FIN are in b's socket now
+        work.wait(timedelta(seconds=5))
+        assert out.tolist() == [1.0] * 4
+        b.shutdown()
