@@ -1,18 +1,23 @@
 """Signature exchange ahead of the data, on its own links and thread.
 
 Checking every call's signature before its data moves costs one hop. Done on the
-communication thread, that hop adds to every collective. Here it runs on a control
-thread over separate control links (mesh, on the healthiest rail), as soon as a
-call is submitted:
-while call k moves its data, call k+1's signature is already being agreed on, so
-back-to-back collectives (DDP's buckets) stop paying for it.
+communication thread, that hop adds to every collective. Here a call submitted
+while the communication thread is busy with an earlier one is exchanged on a
+control thread over separate control links (mesh, on the healthiest rail): while
+call k moves its data, call k+1's signature is already being agreed on, so
+back-to-back collectives (DDP's buckets) stop paying for it. A call submitted to
+an idle group is exchanged by the communication thread itself, as it picks the
+call up: handing it to the control thread and its verdict back would add two
+thread wake-ups to the critical path, each of which waits for a core on a busy
+host (every exchange still runs alone and in submission order).
 
 Calls whose exchange reads tensor data (inline payloads) or must mean "everyone got
-here" (barrier) are exchanged only once every earlier call finished locally, so they
-see the results of earlier collectives. Every rank exchanges in submission order,
-on links no data phase uses, so the exchanges always pair up.
+here" (barrier) are always exchanged by the communication thread, so only once every
+earlier call finished locally: they see the results of earlier collectives. Every
+rank exchanges in submission order, on links no data phase uses, so the exchanges
+always pair up.
 
-Each rank also keeps an exchange clock: how long its control thread has waited
+Each rank also keeps an exchange clock: how long it has waited
 inside exchanges for the other ranks, and all the rest of its time ("active").
 Every row carries the rank's totals, so all ranks see who keeps the others waiting
 (straggler detection) from the same numbers.
@@ -46,6 +51,20 @@ __all__ = ["SignatureChannel"]
 logger = logging.getLogger(__name__)
 
 Payload = Callable[[], torch.Tensor | None]
+
+
+class Ticket:
+    """One call's exchange: who runs it (``by_ctl``) and its future :class:`Exchange`."""
+
+    __slots__ = ("by_ctl", "fut", "payload", "quiet", "seq", "settled", "sig")
+
+    def __init__(
+        self, seq: int, sig: Signature, payload: Payload | None, quiet: bool, by_ctl: bool
+    ) -> None:
+        self.seq, self.sig, self.payload, self.quiet = seq, sig, payload, quiet
+        self.by_ctl = by_ctl
+        self.settled = False
+        self.fut: Future[Exchange] = Future()
 
 
 class SignatureChannel:
@@ -97,13 +116,17 @@ class SignatureChannel:
         )
         self._static = self.engine.weights
         self._submitted = 0
-        self._done = 0
-        self._cond = threading.Condition()
-        self._queue: Handoff[tuple[int, Signature, Payload | None, bool, Future[Exchange]] | None]
-        self._queue = Handoff()
-        # Rung whenever an exchange's future is settled: the communication thread
+        self._done = 0  # calls the communication thread finished
+        self._ran = 0  # exchanges settled (each once, in submission order)
+        self._ran_lock = threading.Lock()
+        self._queue: Handoff[Ticket | None] = Handoff()
+        # Rung when the control thread settles an exchange: the communication thread
         # waits on it (see result) rather than on the future's condition.
         self._settled = Bell()
+        # Rung when the communication thread settles one while the control thread
+        # waits for its turn (``_ctl_waiting``: no pipe write when nobody waits).
+        self._turn = Bell()
+        self._ctl_waiting = False
         self._started = time.monotonic()
         self._waited_us = 0  # written by the control thread only
         self._failed_with: BaseException | None = None
@@ -119,19 +142,22 @@ class SignatureChannel:
         payload: Payload | None = None,
         *,
         after_previous: bool = False,
-    ) -> Future[Exchange]:
-        """Schedule the exchange of ``sig``; the future holds the :class:`Exchange`.
+    ) -> Ticket:
+        """Schedule the exchange of ``sig``; :meth:`result` gives its :class:`Exchange`.
 
         With ``after_previous`` (or a ``payload``) the exchange waits until every
-        earlier call was marked done. The future raises CollectiveMismatch or
-        LinkError.
+        earlier call was marked done. Called from one thread at a time, in order.
         """
         self._submitted += 1
-        fut: Future[Exchange] = Future()
-        quiet = after_previous or payload is not None
         seq = self._submitted
-        self._queue.put((seq, sig.with_seq(seq), payload, quiet, fut))
-        return fut
+        quiet = after_previous or payload is not None
+        # The communication thread busy with an earlier call: agree on this one
+        # meanwhile. Otherwise it runs the exchange itself as it takes the call up.
+        by_ctl = not quiet and self._done < seq - 1
+        ticket = Ticket(seq, sig.with_seq(seq), payload, quiet, by_ctl)
+        if by_ctl:
+            self._queue.put(ticket)
+        return ticket
 
     @property
     def failovers(self) -> list[tuple[int, int, int, int]]:
@@ -140,29 +166,49 @@ class SignatureChannel:
         extra = self._mesh.failovers if self._mesh is not None else []
         return self.engine.failovers + extra
 
-    def result(self, fut: Future[Exchange]) -> Exchange:
-        """``fut.result()``, waited for on the channel's bell (resilient._handoff):
-        the control thread then never wakes the communication thread with the GIL
-        held. One thread at a time (the communication thread) may call this."""
+    def result(self, ticket: Ticket) -> Exchange:
+        """The ticket's exchange, run here when it is the communication thread's, else
+        waited for on the channel's bell (resilient._handoff): the control thread
+        then never wakes this thread with the GIL held. Only the communication
+        thread calls this, in submission order.
+
+        Raises:
+            CollectiveMismatch: the ranks' signatures differ.
+            LinkError: a row did not come.
+            PeerLost: a peer was lost before the exchange.
+        """
+        if not ticket.by_ctl and not ticket.settled:
+            while self._ran < ticket.seq - 1:  # a control-thread exchange still ending
+                self._settled.wait()
+            self._run_item(ticket)
+        fut = ticket.fut
         while not fut.done():
             self._settled.wait()
         return fut.result()
 
     def _settle(
-        self, fut: Future[Exchange], exchange: Exchange | None, exc: BaseException | None = None
+        self, ticket: Ticket, exchange: Exchange | None, exc: BaseException | None = None
     ) -> None:
-        """Give ``fut`` its exchange (or ``exc``) and wake the communication thread."""
+        """Give the ticket its exchange (or ``exc``) and wake whoever waits for it."""
+        fut = ticket.fut
         if exchange is not None:
             fut.set_result(exchange)
         else:
             fut.set_exception(exc or RuntimeError("an exchange settled without a result"))
-        self._settled.ring()
+        ticket.settled = True
+        with self._ran_lock:  # a call given up may settle while the other thread ends one
+            self._ran += 1
+        if ticket.by_ctl:
+            self._settled.ring()
+        elif self._ctl_waiting:
+            self._turn.ring()
 
-    def mark_done(self) -> None:
-        """Called by the communication thread after each call, failed or not, in order."""
-        with self._cond:
-            self._done += 1
-            self._cond.notify_all()
+    def mark_done(self, ticket: Ticket | None = None) -> None:
+        """Called by the communication thread after each call, failed or not, in order
+        (with its ticket: one it never ran is settled here, failed)."""
+        if ticket is not None and not ticket.by_ctl and not ticket.settled:
+            self._settle(ticket, None, self._failed_with or RuntimeError("call ended first"))
+        self._done += 1
 
     def fail_pending(self, exc: BaseException) -> None:
         """Fail every exchange not started yet with ``exc`` (a peer is gone: the
@@ -200,6 +246,7 @@ class SignatureChannel:
         settled already needs no wake-up; one never settled never had one)."""
         self._queue.close()
         self._settled.close()
+        self._turn.close()
 
     def _install(self, exchange: Exchange) -> None:
         """Put control links staged at both ends in service before the next exchange
@@ -208,28 +255,31 @@ class SignatureChannel:
         if installed and self._on_install is not None:
             self._on_install()
 
-    def _wait_done(self, count: int) -> None:
-        with self._cond:
-            while self._done < count:
-                self._cond.wait()
-
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            ticket = self._queue.get()
+            if ticket is None:
                 return
-            self._run_item(item)
+            self._await_turn(ticket.seq)
+            self._run_item(ticket)
 
-    def _run_item(
-        self, item: tuple[int, Signature, Payload | None, bool, Future[Exchange]]
-    ) -> None:
-        seq, sig, payload, quiet, fut = item
+    def _await_turn(self, seq: int) -> None:
+        """Wait until every exchange before ``seq`` settled (one the communication
+        thread runs may still be on the wire: rows must meet in order)."""
+        while self._ran < seq - 1:
+            self._ctl_waiting = True
+            # Re-checked after the flag is up: a settle in between rang the bell.
+            if self._ran >= seq - 1:
+                break
+            self._turn.wait()
+        self._ctl_waiting = False
+
+    def _run_item(self, ticket: Ticket) -> None:
+        seq, sig, payload = ticket.seq, ticket.sig, ticket.payload
         if self._failed_with is not None:
-            self._settle(fut, None, self._failed_with)
+            self._settle(ticket, None, self._failed_with)
             return
         try:
-            if quiet:
-                self._wait_done(seq - 1)
             data = payload() if payload is not None else None
             rates = self._rates() if self._rates is not None else ()
             began = time.monotonic()
@@ -248,13 +298,13 @@ class SignatureChannel:
                 )  # fmt: skip
             finally:
                 self._waited_us += int((time.monotonic() - began) * 1e6)
-            self._finish(seq, exchange, fut)
+            self._finish(ticket, exchange)
         except BaseException as exc:  # the waiting collective re-raises it
             rescued = self._rescued(seq, exc) if payload is not None else None
             if rescued is not None:
-                self._finish(seq, rescued, fut)
+                self._finish(ticket, rescued)
             else:
-                self._settle(fut, None, exc)
+                self._settle(ticket, None, exc)
 
     def _gather(self, seq: int) -> Callable[[torch.Tensor], None]:
         """How exchange ``seq``'s table is filled: on the heaviest rail by the
@@ -265,7 +315,8 @@ class SignatureChannel:
         rail = max(range(engine.num_rails), key=lambda r: engine.weights[r])
         return lambda table: mesh.all_gather(table, seq, rail)
 
-    def _finish(self, seq: int, exchange: Exchange, fut: Future[Exchange]) -> None:
+    def _finish(self, ticket: Ticket, exchange: Exchange) -> None:
+        seq = ticket.seq
         self._install(exchange)
         # The next exchange avoids a cut-off pair too (the data call's engine
         # follows the same rows: resilient._reorder).
@@ -273,7 +324,7 @@ class SignatureChannel:
         if self._rates is not None:
             self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
         self.last = (seq, exchange.table)
-        self._settle(fut, exchange)
+        self._settle(ticket, exchange)
 
     def _rescued(self, seq: int, exc: BaseException) -> Exchange | None:
         """The exchange ``seq`` as another survivor completed it, when this rank's

@@ -219,7 +219,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 raise lost from exc
             finally:
                 if channel is not None:
-                    channel.mark_done()
+                    channel.mark_done(verdict)
                 self._calls_out += 1
 
         fut: Future[Any] = Future()
