@@ -25,9 +25,11 @@ _REDUCE_OPS = {
 def check_tensors(op: str, tensors: Sequence[torch.Tensor]) -> None:
     """Raises ValueError (several devices), TypeError (dtype) or NotImplementedError
     (a device or a CUDA build this group cannot serve), naming the op."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"resilient {op}: tensors on several devices {sorted(map(str, devices))}")
+    if len(tensors) > 1:  # one tensor (a DDP bucket) is the usual case
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            names = sorted(map(str, devices))
+            raise ValueError(f"resilient {op}: tensors on several devices {names}")
     for t in tensors:
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
