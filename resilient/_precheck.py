@@ -56,12 +56,10 @@ Payload = Callable[[], torch.Tensor | None]
 class Ticket:
     """One call's exchange: who runs it (``by_ctl``) and its future :class:`Exchange`."""
 
-    __slots__ = ("by_ctl", "fut", "payload", "quiet", "seq", "settled", "sig")
+    __slots__ = ("by_ctl", "fut", "payload", "seq", "settled", "sig")
 
-    def __init__(
-        self, seq: int, sig: Signature, payload: Payload | None, quiet: bool, by_ctl: bool
-    ) -> None:
-        self.seq, self.sig, self.payload, self.quiet = seq, sig, payload, quiet
+    def __init__(self, seq: int, sig: Signature, payload: Payload | None, by_ctl: bool) -> None:
+        self.seq, self.sig, self.payload = seq, sig, payload
         self.by_ctl = by_ctl
         self.settled = False
         self.fut: Future[Exchange] = Future()
@@ -128,7 +126,7 @@ class SignatureChannel:
         self._turn = Bell()
         self._ctl_waiting = False
         self._started = time.monotonic()
-        self._waited_us = 0  # written by the control thread only
+        self._waited_us = 0  # written by whichever thread runs an exchange (one at a time)
         self._failed_with: BaseException | None = None
         self._stolen = StolenTime(f"resilient-stolen-{rank}")
         self._thread = threading.Thread(
@@ -154,7 +152,7 @@ class SignatureChannel:
         # The communication thread busy with an earlier call: agree on this one
         # meanwhile. Otherwise it runs the exchange itself as it takes the call up.
         by_ctl = not quiet and self._done < seq - 1
-        ticket = Ticket(seq, sig.with_seq(seq), payload, quiet, by_ctl)
+        ticket = Ticket(seq, sig.with_seq(seq), payload, by_ctl)
         if by_ctl:
             self._queue.put(ticket)
         return ticket
@@ -203,10 +201,10 @@ class SignatureChannel:
         elif self._ctl_waiting:
             self._turn.ring()
 
-    def mark_done(self, ticket: Ticket | None = None) -> None:
+    def mark_done(self, ticket: Ticket) -> None:
         """Called by the communication thread after each call, failed or not, in order
         (with its ticket: one it never ran is settled here, failed)."""
-        if ticket is not None and not ticket.by_ctl and not ticket.settled:
+        if not ticket.by_ctl and not ticket.settled:
             self._settle(ticket, None, self._failed_with or RuntimeError("call ended first"))
         self._done += 1
 

@@ -218,7 +218,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                     raise
                 raise lost from exc
             finally:
-                if channel is not None:
+                if channel is not None and verdict is not None:
                     channel.mark_done(verdict)
                 self._calls_out += 1
 
