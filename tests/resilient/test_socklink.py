@@ -3,9 +3,10 @@ TCPStore; the two ends of each pair run in two threads of this process."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -48,9 +49,19 @@ def _pair(token: bytes = b"t") -> tuple[SocketPair, SocketPair]:
     return SocketPair(a), SocketPair(b)
 
 
-def test_messages_meet_their_receives_by_tag_in_any_order() -> None:
+@contextlib.contextmanager
+def _opened_pair() -> Iterator[tuple[SocketPair, SocketPair]]:
+    """A connected pair, both ends shut down afterwards (also when the test fails)."""
     a, b = _pair()
     try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_messages_meet_their_receives_by_tag_in_any_order() -> None:
+    with _opened_pair() as (a, b):
         for tag in (1, 2, 3):
             a.send([torch.full((4,), float(tag))], 0, tag)
         time.sleep(0.05)  # all three are in b's socket before anything is posted
@@ -65,33 +76,22 @@ def test_messages_meet_their_receives_by_tag_in_any_order() -> None:
         threading.Timer(0.1, a.send, args=([torch.tensor([7, 8])], 0, 9)).start()
         work.wait(timedelta(seconds=5))
         assert late.tolist() == [7, 8]
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_a_message_larger_than_its_receive_fails_the_receive_not_the_process() -> None:
-    a, b = _pair()
-    try:
+    with _opened_pair() as (a, b):
         a.send([torch.zeros(8)], 0, 5)
         work = b.recv([torch.zeros(2)], 0, 5)
         with pytest.raises(PairError, match="32 B for a receive of 8 B"):
             work.wait(timedelta(seconds=5))
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_the_probe_sums_both_ends() -> None:
-    a, b = _pair()
-    try:
+    with _opened_pair() as (a, b):
         ta, tb = torch.ones(1), torch.ones(1)
         wa, wb = a.allreduce([ta]), b.allreduce([tb])
         _both(lambda: wa.wait(timedelta(seconds=5)), lambda: wb.wait(timedelta(seconds=5)))
         assert ta.item() == tb.item() == 2.0
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_a_peer_closing_fails_a_waiting_receive_as_closed_by_peer() -> None:
@@ -106,21 +106,16 @@ def test_a_peer_closing_fails_a_waiting_receive_as_closed_by_peer() -> None:
 
 
 def test_a_receive_past_its_deadline_fails() -> None:
-    a, b = _pair()
-    try:
+    with _opened_pair() as (_a, b):
         work = b.recv([torch.zeros(1)], 0, 1)
         start = time.monotonic()
         with pytest.raises(PairError, match="deadline"):
             work.wait(timedelta(seconds=0.3))
         assert 0.25 < time.monotonic() - start < 3.0
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_cutting_the_connection_ends_a_blocked_wait_at_once() -> None:
-    a, b = _pair()
-    try:
+    with _opened_pair() as (_a, b):
         sock = b._sock
         conn = _sockets.Conn(
             sock.fileno(),
@@ -133,9 +128,6 @@ def test_cutting_the_connection_ends_a_blocked_wait_at_once() -> None:
         with pytest.raises(PairError):
             work.wait(timedelta(seconds=10))
         assert time.monotonic() - start < 5.0
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_a_stray_connection_is_not_taken_for_the_peer() -> None:
@@ -163,13 +155,9 @@ def test_a_stray_connection_is_not_taken_for_the_peer() -> None:
 
 
 def test_socket_links_are_kept_out_of_gloo_connection_scans() -> None:
-    a, b = _pair()
-    try:
+    with _opened_pair() as (a, b):
         found, _ = _sockets._established()
         assert a._sock.fileno() not in found and b._sock.fileno() not in found
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_a_rendezvous_nobody_answers_gives_up_in_time() -> None:
