@@ -26,6 +26,12 @@ __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
 Reducer = Callable[[torch.Tensor, torch.Tensor], None]
 
+# The straggler-aware schedule's owners fold sub-chunk j - PACE_LAG right after
+# sending sub-chunk j. Sending them all first held back the slow rank's first
+# result by 30-110 ms on the netns testbed: a gloo send can block its caller for
+# tens of ms (the pair's lock, held by its event loop), and nothing folds meanwhile.
+PACE_LAG = 2
+
 
 @dataclass(frozen=True, slots=True)
 class MeshPlan:
@@ -79,13 +85,20 @@ class MeshRail:
         flat: torch.Tensor,
         subs: list[list[Span]],
         scratch: Callable[[int], torch.Tensor],
+        skip: int | None = None,
     ) -> None:
+        """``skip``: the straggler-aware schedule's slow rank (it owns no chunk)."""
         self.rank, self.world, self.rail = rank, world, rail
+        self.skip = skip
         self.flat = flat
         self.subs = subs  # subs[chunk][j] (MeshPlan.subs of this rail)
         self.k = len(subs[0])
         self.elem = flat.element_size()
         self.peers = [p for p in range(world) if p != rank]
+        # The slow rank gets each result first: its NIC is what the call waits for.
+        self.gather_to = self.peers
+        if skip is not None and skip != rank:
+            self.gather_to = [skip, *(p for p in self.peers if p != skip)]
         self.tx = {p: Tx(route, p, rail) for p in self.peers}
         self.rx = {p: Rx(route, p, rail) for p in self.peers}
         self._scratch = scratch
@@ -118,27 +131,29 @@ class MeshRail:
         for p in self.peers:
             self.rx[p].finish()
 
-    def reduce_scatter(self, reduce: Reducer, *, then_gather: bool, early: bool = False) -> None:
+    def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
         """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does.
 
-        ``early`` (with ``then_gather``): the gather's receives are posted at once,
-        into scratch, and copied in at the end. Receiving into the buffer itself has
-        to wait until our reduce-scatter sends (which read it) finished, and gloo
-        sends nothing until the receive is posted, so on bandwidth-bound links the
-        two halves do not overlap: a rank that owns no chunk (the straggler-aware
-        schedule) would receive the result only after sending all its data. On
-        400 Mbit/s links, 4 MiB, the healthy mesh took 200-231 ms with it, 258-269 ms
-        without; on CPU-bound loopback the extra copy costs 5-8 points of DDP step
-        time, so only the straggler-aware schedule uses it.
+        With ``skip`` (the straggler-aware schedule, always with ``then_gather``) the
+        gather's receives are posted at once, into scratch, and copied in at the end
+        (:meth:`_owner_paced`, :meth:`_send_once_receive_once`). Receiving into the
+        buffer itself has to wait until our reduce-scatter sends (which read it)
+        finished, and gloo sends nothing until the receive is posted, so on
+        bandwidth-bound links the two halves do not overlap: the slow rank would
+        receive the result only after sending all its data. On 400 Mbit/s links,
+        4 MiB, the healthy mesh took 200-231 ms with it, 258-269 ms without; on
+        CPU-bound loopback the extra copy costs 5-8 points of DDP step time, so only
+        the straggler-aware schedule uses it.
         """
         own = self.subs[self.rank]
         own_n = len(self.peers) * sum(s.size for s in own)
-        early = early and then_gather
-        if early and own_n == 0:
-            self._send_once_receive_once()
+        if self.skip is not None and then_gather:
+            if own_n == 0:
+                self._send_once_receive_once()
+            else:
+                self._owner_paced(reduce, own_n)
             return
-        gather_n = sum(s.size for p in self.peers for s in self.subs[p]) if early else 0
-        pool = self._scratch(own_n + gather_n)
+        pool = self._scratch(own_n)
         scratch: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[int, int], int] = {}
         offset = 0
@@ -150,7 +165,6 @@ class MeshRail:
                     offset += own[j].size
                     scratch[(p, j)] = buf
                     recvs[(p, j)] = self.rx[p].post(buf, j)
-        landed = self._post_gather_into(pool[own_n:]) if early else []
         gathers: list[tuple[int, int]] = []
         for j in range(self.k):
             if own[j].size:
@@ -158,13 +172,41 @@ class MeshRail:
             if then_gather:
                 gathers += self._start_gather(j)
         self._wait_all(self.rs_sends)
-        if early:
-            for p, idx, span, buf in landed:
-                self.rx[p].wait(idx, span.size * self.elem)
-                self._view(span).copy_(buf)
-            self._wait_all(self.ag_sends)
-        else:
-            self._finish_gather(gathers)
+        self._finish_gather(gathers)
+        self._close()
+
+    def _owner_paced(self, reduce: Reducer, own_n: int) -> None:
+        """An owner of the straggler-aware schedule: every receive posted first, so
+        the slow rank may send at once (gloo moves nothing before the receive is
+        posted); then sub-chunk j's sends, and the fold and gather of j - PACE_LAG,
+        so the slow rank's results leave as soon as its parts came in."""
+        own = self.subs[self.rank]
+        gather_n = sum(s.size for p in self.peers for s in self.subs[p])
+        pool = self._scratch(own_n + gather_n)
+        scratch: dict[tuple[int, int], torch.Tensor] = {}
+        recvs: dict[tuple[int, int], int] = {}
+        offset = 0
+        for j in range(self.k):
+            for p in self.peers:
+                if own[j].size:
+                    scratch[(p, j)] = buf = pool[offset : offset + own[j].size]
+                    offset += own[j].size
+                    recvs[(p, j)] = self.rx[p].post(buf, j)
+        landed = self._post_gather_into(pool[own_n:])
+        for j in range(self.k + PACE_LAG):
+            if j < self.k:
+                for p in self.peers:
+                    self._send(self.rs_sends, p, self.subs[p][j], j)
+            done = j - PACE_LAG
+            if done >= 0:
+                if own[done].size:
+                    self._fold(done, reduce, scratch, recvs)
+                self._start_gather(done)
+        self._wait_all(self.rs_sends)
+        for p, idx, span, buf in landed:
+            self.rx[p].wait(idx, span.size * self.elem)
+            self._view(span).copy_(buf)
+        self._wait_all(self.ag_sends)
         self._close()
 
     def _send_once_receive_once(self) -> None:
@@ -228,7 +270,7 @@ class MeshRail:
 
     def _start_gather(self, j: int) -> list[tuple[int, int]]:
         """Send own sub-chunk j to every peer; receive theirs once our sends of it finished."""
-        for p in self.peers:
+        for p in self.gather_to:
             self._send(self.ag_sends, p, self.subs[self.rank][j], self.k + j)
         return [(p, j) for p in self.peers]
 

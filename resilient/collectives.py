@@ -336,7 +336,6 @@ class RingEngine:
         """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``.
         ``skip``: the straggler-aware variant, that rank owning no chunk (finer
         sub-chunks, gather posted early)."""
-        fine = skip is not None
         plan = self._mesh_plan(flat, skip)
         peers = [p for p in range(self.world) if p != self.rank]
         # Every rail, used or not: a failover must find its backup link built
@@ -355,11 +354,12 @@ class RingEngine:
                 flat=flat,
                 subs=plan.subs[rail],
                 scratch=lambda n: self.scratch(rail, flat, n),
+                skip=skip,
             )
             if op is None:
                 m.all_gather()
             else:
-                m.reduce_scatter(_REDUCERS[op], then_gather=gather, early=fine)
+                m.reduce_scatter(_REDUCERS[op], then_gather=gather)
 
         self._run_rails(run, plan.rail_bytes)
         elem = flat.element_size()
