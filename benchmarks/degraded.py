@@ -13,11 +13,15 @@ least send its N bytes and receive the N-byte result over its slow NIC
 (DESIGN.md). A ring (gloo's) runs at ``1/b`` of its healthy time instead.
 ``bound_ms`` takes both terms as measured: ``T_healthy`` is the faster healthy
 all_reduce, and the second term is the time the slow NIC takes to move N bytes
-out and N in at once with nothing else running (``nic_both_ms``; ``nic_out_ms``
-and ``nic_in_ms`` are each direction alone). On the netns testbed both ways at
-once take 1.2-1.55x as long as one way, so the configured-rate floor is out of
-reach of any schedule there; ``nominal_bound_ms`` and ``*_over_nominal_bound``
-give the figures against it too. The
+out and N in at once with nothing else running, the faster of two ways: one
+message per peer and direction (``nic_both_ms``) or 16 (``nic_both_fine_ms``; over
+gloo's pairs the finer one is 10-20 % faster on this testbed). ``nic_out_ms`` and
+``nic_in_ms`` are each direction alone. These exchanges run in the timed
+iterations, interleaved with the all_reduces, so that a drift of the testbed
+between phases cannot bias the ratio. On the netns testbed both ways at once take
+1.1-1.55x as long as one way, so the configured-rate floor is out of reach of any
+schedule there; ``nominal_bound_ms`` and ``*_over_nominal_bound`` give the figures
+against it too. The
 resilient group measures its links' send rates after each reduction; once the
 ranks agree that one rank's links are all slow, all_reduce leaves that rank out of
 the reduction (it sends once and receives once). The warm-up covers that
