@@ -14,7 +14,6 @@ reducing overlap.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ import torch
 
 from resilient._channel import Route, Rx, Tx
 from resilient._mesh import MeshPlan, MeshRail, mesh_plan
+from resilient._reduce import REDUCERS, Reduce, finish_avg, fold_rows
 from resilient._ring import (
     Span,
     even_bounds,
@@ -54,39 +54,6 @@ def _rail_bytes(pieces: Sequence[Sequence[Span]], elem: int) -> list[int]:
     return [sum(p.size for p in rail) * elem for rail in pieces]
 
 
-class Reduce(enum.Enum):
-    SUM = "sum"
-    AVG = "avg"
-    PRODUCT = "product"
-    MIN = "min"
-    MAX = "max"
-
-
-def _sum(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.add_(src)
-
-
-def _prod(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.mul_(src)
-
-
-def _min(dst: torch.Tensor, src: torch.Tensor) -> None:
-    torch.minimum(dst, src, out=dst)
-
-
-def _max(dst: torch.Tensor, src: torch.Tensor) -> None:
-    torch.maximum(dst, src, out=dst)
-
-
-_REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
-    Reduce.SUM: _sum,
-    Reduce.AVG: _sum,
-    Reduce.PRODUCT: _prod,
-    Reduce.MIN: _min,
-    Reduce.MAX: _max,
-}
-
-
 MAX_SUBS = 8
 FINE_SUB_BYTES = 64 << 10
 # The straggler-aware schedule's slow rank gets the result back only after its
@@ -100,27 +67,6 @@ _PLANS_KEPT = 64
 # about a slow NIC.
 LAG_MIN_BYTES = 256 << 10
 LAG_EVERY_S = 0.05
-
-
-def finish_avg(t: torch.Tensor, op: Reduce, world: int) -> None:
-    """Turn a SUM into the AVG in place when ``op`` is AVG (integers truncate)."""
-    if op is Reduce.AVG:
-        if t.is_floating_point():
-            t.div_(world)
-        else:
-            t.copy_(torch.div(t, world, rounding_mode="trunc"))
-
-
-def fold_rows(rows: torch.Tensor, op: Reduce) -> torch.Tensor:
-    """Reduce ``rows[0] op rows[1] op ...`` in rank order (the mesh order, bit for bit).
-
-    AVG divides the sum by the number of rows, as the collectives do.
-    """
-    acc = rows[0].clone()
-    for row in rows[1:]:
-        _REDUCERS[op](acc, row)
-    finish_avg(acc, op, rows.shape[0])
-    return acc
 
 
 @dataclass(slots=True)
@@ -359,7 +305,7 @@ class RingEngine:
             if op is None:
                 m.all_gather()
             else:
-                m.reduce_scatter(_REDUCERS[op], then_gather=gather)
+                m.reduce_scatter(REDUCERS[op], then_gather=gather)
 
         self._run_rails(run, plan.rail_bytes)
         elem = flat.element_size()
@@ -475,7 +421,7 @@ class RingEngine:
 
     def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce, route: Route) -> None:
         tx, rx = Tx(route, self.right, plan.rail), Rx(route, self.left, plan.rail)
-        reduce = _REDUCERS[op]
+        reduce = REDUCERS[op]
         k, elem = plan.subs, flat.element_size()
         subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
         largest = max((sp.size for chunk in subs for sp in chunk), default=0)
