@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import select
 import socket
 import struct
@@ -46,26 +45,17 @@ from torch._C._distributed_c10d import PrefixStore, Store
 
 from resilient import _sockets
 from resilient._link import Link
+from resilient._sockconnect import PairError, connect_pair, remaining
 from resilient.errors import LinkError
 
 __all__ = ["PairError", "SocketLink", "SocketPair", "SocketWork", "connect_pair"]
 
 _HEADER: Final = struct.Struct("<qQ")  # tag, payload bytes
-_HELLO: Final = b"RSL1"
 _BUF_BYTES: Final = 64 << 10
 _STASH_MAX: Final = 1024  # unmatched messages kept per pair (stale ones of given-up calls)
 _POLL_S: Final = 0.001
-_NAP_S: Final = 0.05  # longest sleep in a rendezvous wait, to look at ``over()``
 _PROBE_TAG: Final = -1
 _FOREVER_S: Final = 3600.0
-
-
-class PairError(RuntimeError):
-    """A socket pair failed: closed or reset by the peer, cut, timed out.
-
-    A RuntimeError, as gloo's errors are, so :class:`~resilient._link.Link`
-    translates it into LinkError the same way (and reads "closed by peer" alike).
-    """
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -75,10 +65,6 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     except (TypeError, RuntimeError):
         array = tensor.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
-
-
-def _remaining(deadline: float) -> float:
-    return deadline - time.monotonic()
 
 
 class SocketWork:
@@ -244,7 +230,7 @@ class SocketPair:
             while not work.is_completed() and self._reading:
                 self._waiting += 1
                 try:
-                    woke = self._rx.wait(max(0.0, _remaining(deadline)))
+                    woke = self._rx.wait(max(0.0, remaining(deadline)))
                 finally:
                     self._waiting -= 1
                 if not woke:
@@ -354,7 +340,7 @@ class SocketPair:
         Raises:
             PairError: the deadline passed (the pair fails, as gloo's does).
         """
-        left = _remaining(deadline)
+        left = remaining(deadline)
         if left <= 0:
             what = "send" if event == select.POLLOUT else "receive"
             self._fail(f"a {what} did not complete within its deadline")
@@ -394,126 +380,6 @@ class SocketPair:
             if not work.done:
                 work.error = self._error
         self._rx.notify_all()
-
-
-def _family(address: str) -> int:
-    return socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
-
-
-def _read_key(store: Store, key: str, deadline: float, over: Callable[[], bool] | None) -> str:
-    nap = 0.0005
-    while not store.check([key]):
-        if over is not None and over():
-            raise PairError(f"the rendezvous at {key} is no longer wanted")
-        if time.monotonic() > deadline:
-            raise PairError(f"the peer did not publish {key} in time")
-        time.sleep(nap)
-        nap = min(nap * 2, _NAP_S)
-    return bytes(store.get(key)).decode()
-
-
-def _wait_for(
-    sock: socket.socket, event: int, deadline: float, over: Callable[[], bool] | None
-) -> None:
-    poller = select.poll()
-    poller.register(sock, event)
-    while not poller.poll(int(min(_NAP_S, max(0.0, _remaining(deadline))) * 1000)):
-        if over is not None and over():
-            raise PairError("the rendezvous is no longer wanted")
-        if time.monotonic() > deadline:
-            raise PairError("the rendezvous timed out")
-
-
-def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        _wait_for(sock, select.POLLIN, deadline, None)
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise PairError("the peer closed the connection during the hello")
-        out += chunk
-    return bytes(out)
-
-
-def _accept(address: str, store: Store, deadline: float, over: Callable[[], bool] | None,
-            token: bytes) -> socket.socket:  # fmt: skip
-    listener = socket.socket(_family(address), socket.SOCK_STREAM)
-    try:
-        listener.bind((address, 0))
-        listener.listen(4)
-        listener.setblocking(False)
-        store.set("sock/0", f"{address}|{listener.getsockname()[1]}")
-        while True:
-            _wait_for(listener, select.POLLIN, deadline, over)
-            with _sockets.owning() as own:
-                try:
-                    conn, _ = listener.accept()
-                except BlockingIOError:
-                    continue
-                own(conn.fileno())
-            try:
-                conn.setblocking(False)
-                hello = _read_exact(conn, len(_HELLO) + 4, deadline)
-                size = struct.unpack("<I", hello[len(_HELLO) :])[0]
-                if hello.startswith(_HELLO) and _read_exact(conn, size, deadline) == token:
-                    return conn
-            except (OSError, PairError):
-                pass
-            _sockets.disown(conn.fileno())
-            conn.close()  # a stray connection: keep listening for the peer
-    finally:
-        listener.close()
-
-
-def _connect(address: str, store: Store, deadline: float, over: Callable[[], bool] | None,
-             token: bytes) -> socket.socket:  # fmt: skip
-    host, port = _read_key(store, "sock/0", deadline, over).rsplit("|", 1)
-    with _sockets.owning() as own:
-        sock = socket.socket(_family(address), socket.SOCK_STREAM)
-        own(sock.fileno())
-    try:
-        sock.bind((address, 0))
-        sock.setblocking(False)
-        if sock.connect_ex((host, int(port))) not in (0, errno.EINPROGRESS):
-            raise PairError(f"connect to {host}:{port} failed at once")
-        _wait_for(sock, select.POLLOUT, deadline, over)
-        err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            raise PairError(f"connect to {host}:{port}: {errno.errorcode.get(err, err)}")
-        sock.setblocking(True)
-        sock.settimeout(max(0.001, _remaining(deadline)))
-        sock.sendall(_HELLO + struct.pack("<I", len(token)) + token)
-        return sock
-    except BaseException:
-        _sockets.disown(sock.fileno())
-        sock.close()
-        raise
-
-
-def connect_pair(
-    store: Store,
-    index: int,
-    address: str,
-    timeout_s: float,
-    over: Callable[[], bool] | None = None,
-    token: bytes = b"",
-) -> socket.socket:
-    """A TCP connection between the two ends of a link, made through ``store``.
-
-    End 0 listens on ``address`` (port chosen by the kernel) and publishes where;
-    end 1 connects from ``address`` and says ``token`` (the link's store prefix), so
-    a stray connection is never taken for the peer. Bounded by ``timeout_s``, and
-    given up as soon as ``over()`` says nobody wants the link any more.
-
-    Raises:
-        PairError: not connected in time, or the rendezvous was given up.
-        OSError: the address cannot be bound.
-    """
-    deadline = time.monotonic() + timeout_s
-    make = _accept if index == 0 else _connect
-    sock = make(address, store, deadline, over, token)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
 
 
 class SocketLink(Link):
