@@ -153,18 +153,7 @@ class MeshRail:
             else:
                 self._owner_paced(reduce, own_n)
             return
-        pool = self._scratch(own_n)
-        scratch: dict[tuple[int, int], torch.Tensor] = {}
-        recvs: dict[tuple[int, int], int] = {}
-        offset = 0
-        for j in range(self.k):
-            for p in self.peers:
-                self._send(self.rs_sends, p, self.subs[p][j], j)
-                if own[j].size:
-                    buf = pool[offset : offset + own[j].size]
-                    offset += own[j].size
-                    scratch[(p, j)] = buf
-                    recvs[(p, j)] = self.rx[p].post(buf, j)
+        scratch, recvs = self._post_contributions(self._scratch(own_n), sending=True)
         gathers: list[tuple[int, int]] = []
         for j in range(self.k):
             if own[j].size:
@@ -175,6 +164,26 @@ class MeshRail:
         self._finish_gather(gathers)
         self._close()
 
+    def _post_contributions(
+        self, pool: torch.Tensor, *, sending: bool
+    ) -> tuple[dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
+        """Post the receives of every peer's part of our chunk, sub-chunk by sub-chunk,
+        into ``pool``: (buffer, op index) by (peer, j). With ``sending``, our part of
+        each peer's sub-chunk j goes out just before its receive is posted."""
+        own = self.subs[self.rank]
+        scratch: dict[tuple[int, int], torch.Tensor] = {}
+        recvs: dict[tuple[int, int], int] = {}
+        offset = 0
+        for j in range(self.k):
+            for p in self.peers:
+                if sending:
+                    self._send(self.rs_sends, p, self.subs[p][j], j)
+                if own[j].size:
+                    scratch[(p, j)] = buf = pool[offset : offset + own[j].size]
+                    offset += own[j].size
+                    recvs[(p, j)] = self.rx[p].post(buf, j)
+        return scratch, recvs
+
     def _owner_paced(self, reduce: Reducer, own_n: int) -> None:
         """An owner of the straggler-aware schedule: every receive posted first, so
         the slow rank may send at once (gloo moves nothing before the receive is
@@ -183,15 +192,7 @@ class MeshRail:
         own = self.subs[self.rank]
         gather_n = sum(s.size for p in self.peers for s in self.subs[p])
         pool = self._scratch(own_n + gather_n)
-        scratch: dict[tuple[int, int], torch.Tensor] = {}
-        recvs: dict[tuple[int, int], int] = {}
-        offset = 0
-        for j in range(self.k):
-            for p in self.peers:
-                if own[j].size:
-                    scratch[(p, j)] = buf = pool[offset : offset + own[j].size]
-                    offset += own[j].size
-                    recvs[(p, j)] = self.rx[p].post(buf, j)
+        scratch, recvs = self._post_contributions(pool, sending=False)
         landed = self._post_gather_into(pool[own_n:])
         for j in range(self.k + PACE_LAG):
             if j < self.k:
