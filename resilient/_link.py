@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,11 @@ class Link:
     Raises:
         LinkError: the rendezvous failed or timed out (from the constructor).
     """
+
+    # Whether cutting the connection ends every wait on it by itself; gloo's does
+    # not for a message half-way in (resilient._waiter), so its large waits run
+    # in helper threads.
+    cut_wakes_waits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -440,7 +445,13 @@ class Link:
         # as stalls (a late peer is not a stalled link).
         token = stalls.begin(self._key, self, expected_s, report=self.watch_stalls and watch)
         try:
-            if interruptible and self.has_backup and self._conns and nbytes >= _waiter.MIN_BYTES:
+            if (
+                interruptible
+                and not self.cut_wakes_waits
+                and self.has_backup
+                and self._conns
+                and nbytes >= _waiter.MIN_BYTES
+            ):
                 self._wait_interruptible(work, nbytes, timeout)
             else:
                 work.wait(timedelta(seconds=timeout))

@@ -188,7 +188,9 @@ class DataPlaneConfig:
     (see :mod:`resilient._repair`).
     ``control_transport``: what the signature exchange's control links are made of:
     "socket" (plain TCP connections, one per pair and rail; see
-    :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups, like the data links).
+    :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups).
+    ``data_transport``: the same choice for the CPU data links (CUDA tensors always
+    use NCCL pairs).
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -207,12 +209,15 @@ class DataPlaneConfig:
     repair_links: bool = True
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
+    data_transport: str = "socket"
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
             raise ConfigError(f"topology={self.topology!r}: use auto, ring or mesh")
         if self.control_transport not in ("socket", "gloo"):
             raise ConfigError(f"control_transport={self.control_transport!r}: use socket or gloo")
+        if self.data_transport not in ("socket", "gloo"):
+            raise ConfigError(f"data_transport={self.data_transport!r}: use socket or gloo")
         if self.mesh_max_world < 1 or self.single_rail_below_bytes < 0:
             raise ConfigError("mesh_max_world must be >= 1, single_rail_below_bytes >= 0")
         if self.rail_weights is not None:
@@ -241,7 +246,7 @@ class DataPlaneConfig:
         ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
         ``RESILIENT_RELAY_VIA_STORE`` (0/1),
         ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
-        ``RESILIENT_CONTROL_TRANSPORT`` (socket/gloo).
+        ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -271,6 +276,7 @@ class DataPlaneConfig:
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
+            data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
         )
 
 

@@ -51,8 +51,9 @@ class LinkTable:
     ) -> None:
         self.name = name  # rendezvous namespace: data links and control links differ
         # "gloo": two-rank gloo groups; "socket": plain TCP sockets (resilient._socklink,
-        # for the control links: small messages, where gloo's handshakes dominate).
-        self._kind: type[Link] = SocketLink if transport == "socket" else Link
+        # resilient._sockpair). CUDA links are NCCL pairs whatever the transport.
+        cpu_socket = transport == "socket" and device_type == "cpu"
+        self._kind: type[Link] = SocketLink if cpu_socket else Link
         self.device_type = device_type
         self.rank = rank
         self.rails = rails

@@ -99,7 +99,12 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self.rails = tuple(rails)
         self.incarnation = incarnation
         self.links = LinkTable(
-            rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch
+            rank=rank,
+            rails=self.rails,
+            store=store,
+            config=self.config,
+            epoch=epoch,
+            transport=self.config.data_transport,
         )
         self._store, self._epoch = store, epoch
         self._members, self._pos = tuple(range(world_size)), rank

@@ -1,0 +1,476 @@
+"""Framed, tag-matched messages over plain TCP sockets, moved by whichever thread waits.
+
+A :class:`SocketPair` is one connected socket between two ranks; it speaks the part
+of ``ProcessGroupGloo`` a :class:`~resilient._link.Link` uses (``send``, ``recv``,
+``allreduce`` for the repair probe, ``shutdown``). Messages are framed (tag,
+length) and meet their receives by tag in arrival order, as gloo matches slots; a
+message that comes before its receive waits in a stash (a large one is read into
+a buffer of its own, so a peer is never blocked by a receive posted late).
+
+Nothing runs in the background. Every pair belongs to an :class:`Engine`, and the
+thread that waits for an op moves the bytes of *every* pair of its engine: it polls
+all of their sockets, writes what each can take and reads what each holds, until
+its op is done; other threads that wait meanwhile sleep until the driver hands
+their op over, or until it leaves and one of them drives. One pair at a time would
+deadlock as soon as messages outgrow the socket buffers: in a ring every rank waits
+for its left neighbour while its own send to the right is still queued. A message
+of at least ``_DIRECT_BYTES`` whose receive is posted is read straight into the
+receive's tensor; smaller ones come through one shared buffer, several per system
+call.
+
+Why not a progress thread as gloo's: that hop (post, wake the loop, wake the waiter
+again) is most of what a medium-sized collective costs on a loaded host.
+
+A pair fails as a whole, as gloo's does: a closed or reset connection, a message
+larger than its receive (gloo aborts the process there), or an op past its deadline
+fails every op still pending on it, with a :class:`PairError` from ``wait``.
+Cutting a pair (``shutdown``, or ``shutdown(2)`` on its descriptor from
+:mod:`resilient._sockets`) wakes a thread that waits on it at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+
+from resilient import _sockets
+from resilient._sockconnect import PairError, remaining
+
+__all__ = ["Engine", "SocketPair", "SocketWork", "engine"]
+
+_HEADER: Final = struct.Struct("<qQ")  # tag, payload bytes
+_BUF_BYTES: Final = 64 << 10
+_DIRECT_BYTES: Final = 16 << 10  # bodies at least this large skip the shared buffer
+_STASH_MAX: Final = 1024  # unmatched messages kept per pair (stale ones of given-up calls)
+_PROBE_TAG: Final = -1
+_FOREVER_S: Final = 3600.0
+_IN: Final = select.POLLIN | select.POLLPRI
+_GONE: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    try:  # dtypes numpy knows (all but bfloat16), no grad: the cheaper way
+        array: Any = tensor.numpy()
+    except (TypeError, RuntimeError):
+        array = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+class SocketWork:
+    """One send or receive on a :class:`SocketPair` (the subset of gloo's Work used)."""
+
+    __slots__ = ("done", "error", "pair", "sending", "view")
+
+    def __init__(self, pair: SocketPair, view: memoryview, *, sending: bool) -> None:
+        self.pair, self.view, self.sending = pair, view, sending
+        self.done = False
+        self.error: str | None = None
+
+    def is_completed(self) -> bool:
+        return self.done or self.error is not None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the op completed, at most ``timeout`` (moving every pair's bytes
+        of this engine meanwhile, or letting the thread that does hand it over).
+
+        Raises:
+            PairError: the pair failed, or the op did not complete in time (the pair
+                is then failed).
+        """
+        if not self.done:
+            secs = timeout.total_seconds() if timeout is not None else _FOREVER_S
+            self.pair.engine.wait(self, time.monotonic() + (secs if secs > 0 else _FOREVER_S))
+        if self.error is not None:
+            raise PairError(self.error)
+        return True
+
+
+class _ProbeWork:
+    """The repair probe: the sum of both ends' tensors, like a two-rank all_reduce."""
+
+    def __init__(self, pair: SocketPair, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.other = torch.empty_like(tensor)
+        self.sent = pair.send([tensor], 0, _PROBE_TAG)
+        self.got = pair.recv([self.other], 0, _PROBE_TAG)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.sent.wait(timeout)
+        self.got.wait(timeout)
+        self.tensor.add_(self.other)
+        return True
+
+
+class Engine:
+    """The pairs whose bytes one driving thread moves together (see the module doc).
+
+    Every socket operation runs under ``lock``; only the driver's ``poll`` runs
+    without it. A thread that queues output while another drives rings the wake-up
+    pipe, so the driver adds that socket to its poll.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
+        self._pairs: dict[int, SocketPair] = {}
+        self._driving = False
+        self._sleepers = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._rung = False
+
+    @property
+    def driving(self) -> bool:
+        return self._driving
+
+    def add(self, pair: SocketPair) -> None:
+        with self.lock:
+            self._pairs[pair.fileno] = pair
+
+    def discard(self, pair: SocketPair) -> None:
+        """Forget ``pair`` (holds the lock)."""
+        if self._pairs.get(pair.fileno) is pair:
+            del self._pairs[pair.fileno]
+
+    def ring(self) -> None:
+        """Wake the driver out of its poll (holds the lock)."""
+        if self._driving and not self._rung:
+            self._rung = True
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"x")
+
+    def handed_over(self) -> None:
+        """Ops of sleeping threads may have completed (holds the lock)."""
+        if self._sleepers:
+            self._cond.notify_all()
+
+    def wait(self, work: SocketWork, deadline: float) -> None:
+        """Until ``work`` completed or failed; fails its pair at ``deadline``."""
+        with self.lock:
+            while not work.is_completed():
+                if not self._driving:
+                    self._driving = True
+                    break
+                self._sleepers += 1
+                try:
+                    woke = self._cond.wait(max(0.0, remaining(deadline)))
+                finally:
+                    self._sleepers -= 1
+                if not woke and not work.is_completed():
+                    work.pair.fail_locked(_late(work))
+            else:
+                return
+        try:
+            self._drive(work, deadline)
+        finally:
+            with self.lock:
+                self._driving = False
+                if self._sleepers:
+                    self._cond.notify_all()
+
+    def _drive(self, work: SocketWork, deadline: float) -> None:
+        poller = select.poll()
+        while True:
+            with self.lock:
+                if work.is_completed():
+                    return
+                left = remaining(deadline)
+                if left <= 0:
+                    work.pair.fail_locked(_late(work))
+                    return
+                watched = self._watch(poller)
+            ready = poller.poll(max(1, int(left * 1000)))
+            with self.lock:
+                for fd, _ in watched:
+                    poller.unregister(fd)
+                self._serve(ready)
+
+    def _watch(self, poller: select.poll) -> list[tuple[int, int]]:
+        """Register every live pair's socket (and the wake-up pipe). Holds the lock."""
+        watched = [(self._wake_r, select.POLLIN)]
+        for fd, pair in self._pairs.items():
+            if pair.error is None:
+                watched.append((fd, _IN | (select.POLLOUT if pair.has_output else 0)))
+        for fd, events in watched:
+            poller.register(fd, events)
+        return watched
+
+    def _serve(self, ready: list[tuple[int, int]]) -> None:
+        """Read and write what the ready sockets allow. Holds the lock."""
+        for fd, events in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 64)
+                self._rung = False
+                continue
+            pair = self._pairs.get(fd)
+            if pair is None or pair.error is not None:
+                continue
+            if events & select.POLLOUT:
+                pair.write_some()
+            if events & (_IN | _GONE):
+                pair.read_some()
+        self.handed_over()
+
+
+def _late(work: SocketWork) -> str:
+    what = "send" if work.sending else "receive"
+    return f"a {what} of {work.view.nbytes} B did not complete within its deadline"
+
+
+_ENGINES: dict[str, Engine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def engine(name: str) -> Engine:
+    """The process's engine called ``name`` (one per kind of link: data, control)."""
+    with _ENGINES_LOCK:
+        found = _ENGINES.get(name)
+        if found is None:
+            found = _ENGINES[name] = Engine()
+        return found
+
+
+class SocketPair:
+    """A framed, tag-matched message stream over one connected TCP socket."""
+
+    def __init__(self, sock: socket.socket, engine_: Engine | None = None) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self.fileno = sock.fileno()
+        self.engine = engine_ or engine("default")
+        self.error: str | None = None
+        # Sending: messages not fully written yet, in order.
+        self._outq: collections.deque[tuple[list[memoryview], SocketWork]] = collections.deque()
+        # Receiving: posted receives and stashed messages by tag.
+        self._pending: dict[int, collections.deque[SocketWork]] = {}
+        self._stash: dict[int, collections.deque[bytes | bytearray]] = {}
+        self._stashed = 0
+        self._buf = bytearray(_BUF_BYTES)
+        self._start = self._end = 0
+        # A large body being read straight into its destination: (tag, view, got, work).
+        self._body: tuple[int, memoryview, int, SocketWork | None] | None = None
+        self.engine.add(self)
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self._outq)
+
+    # -- the ProcessGroupGloo subset a Link uses ------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SocketWork:
+        """Queue ``tensors[0]`` for the peer and write what the socket takes now."""
+        payload = _bytes_of(tensors[0])
+        work = SocketWork(self, payload, sending=True)
+        bufs = [memoryview(_HEADER.pack(tag, len(payload))), payload]
+        with self.engine.lock:
+            if self.error is not None:
+                work.error = self.error
+                return work
+            self._outq.append((bufs, work))
+            if len(self._outq) == 1:
+                self.write_some()
+            if self._outq:
+                self.engine.ring()
+        return work
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SocketWork:
+        """Post a receive into ``tensors[0]``; it completes at once when its message
+        is stashed or already in the socket (read now, without blocking, unless
+        another thread drives the engine: it reads it then)."""
+        work = SocketWork(self, _bytes_of(tensors[0]), sending=False)
+        with self.engine.lock:
+            if self.error is not None:
+                work.error = self.error
+                return work
+            stashed = self._stash.get(tag)
+            if stashed:
+                self._stashed -= 1
+                self._fill(work, stashed.popleft())
+                if not stashed:
+                    del self._stash[tag]
+                return work
+            self._pending.setdefault(tag, collections.deque()).append(work)
+            if not self.engine.driving:
+                self.read_some()
+        return work
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> _ProbeWork:
+        """A two-rank sum of ``tensors[0]`` in place (the repair probe)."""
+        return _ProbeWork(self, tensors[0])
+
+    def shutdown(self) -> None:
+        """Close the connection; every pending op fails."""
+        with self.engine.lock:
+            with contextlib.suppress(OSError):  # already cut or reset
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self.fail_locked("socket pair closed")
+            self.engine.discard(self)
+            _sockets.disown(self.fileno)
+            self._sock.close()
+
+    # -- sending (under the engine's lock) ------------------------------------------------
+    def write_some(self) -> None:
+        """Write from the queue head what the socket takes now."""
+        while self._outq:
+            bufs, work = self._outq[0]
+            try:
+                n = self._sock.sendmsg(bufs)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.fail_locked(f"send failed: {exc.strerror or exc}")
+                return
+            while n:
+                head = bufs[0]
+                if n >= len(head):
+                    n -= len(head)
+                    bufs.pop(0)
+                else:
+                    bufs[0], n = head[n:], 0
+            if bufs and any(len(b) for b in bufs):
+                continue
+            work.done = True
+            self._outq.popleft()
+
+    # -- receiving (under the engine's lock) ----------------------------------------------
+    def read_some(self) -> None:
+        """Read what the socket holds now and deliver every whole message."""
+        try:
+            while self.error is None:
+                if self._body is not None:
+                    if not self._read_body():
+                        return
+                    continue
+                self._room()
+                n = self._sock.recv_into(memoryview(self._buf)[self._end :])
+                if n == 0:
+                    self.fail_locked("Connection closed by peer")
+                    return
+                self._end += n
+                self._deliver()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self.fail_locked(f"receive failed: {exc.strerror or exc}")
+
+    def _read_body(self) -> bool:
+        """Read on into the large body's destination; True once it is whole.
+
+        Raises:
+            BlockingIOError: nothing more to read now.
+        """
+        assert self._body is not None
+        tag, view, got, work = self._body
+        while got < len(view):
+            n = self._sock.recv_into(view[got:])
+            if n == 0:
+                self.fail_locked("Connection closed by peer")
+                return False
+            got += n
+            self._body = (tag, view, got, work)
+        self._body = None
+        if work is not None:
+            work.done = True
+        else:
+            self._arrived(tag, view.obj)  # type: ignore[arg-type]
+        return True
+
+    def _room(self) -> None:
+        """Make space after ``_end`` for the next read: move the unread part to the
+        front, or grow the buffer for a message larger than it."""
+        if self._end < len(self._buf):
+            return
+        unread = self._end - self._start
+        if self._start:
+            self._buf[:unread] = self._buf[self._start : self._end]
+            self._start, self._end = 0, unread
+        if self._end == len(self._buf):
+            self._buf.extend(bytes(len(self._buf)))
+
+    def _deliver(self) -> None:
+        """Hand every whole message in the buffer to its receive, or stash it; start
+        reading a large body straight into its destination."""
+        head = _HEADER.size
+        while self._end - self._start >= head:
+            tag, nbytes = _HEADER.unpack_from(self._buf, self._start)
+            begin = self._start + head
+            have = min(self._end - begin, nbytes)
+            if have < nbytes and nbytes >= _DIRECT_BYTES:
+                self._start_body(tag, nbytes, memoryview(self._buf)[begin : begin + have])
+                self._start = begin + have
+                break
+            if have < nbytes:
+                return
+            body = memoryview(self._buf)[begin : begin + nbytes]
+            self._arrived(tag, body)
+            body.release()
+            self._start = begin + nbytes
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _start_body(self, tag: int, nbytes: int, part: memoryview) -> None:
+        queue = self._pending.get(tag)
+        work = queue[0] if queue else None
+        if work is not None and nbytes <= work.view.nbytes:
+            queue.popleft()  # type: ignore[union-attr]
+            if not queue:
+                del self._pending[tag]
+            view = work.view[:nbytes]
+        else:  # no receive yet, or one too small (fails when the body is whole)
+            work = None
+            view = memoryview(bytearray(nbytes))
+        got = len(part)
+        view[:got] = part
+        part.release()
+        self._body = (tag, view, got, work)
+
+    def _arrived(self, tag: int, body: memoryview | bytearray) -> None:
+        queue = self._pending.get(tag)
+        if queue:
+            self._fill(queue.popleft(), body)
+            if not queue:
+                del self._pending[tag]
+        elif self._stashed >= _STASH_MAX:
+            self.fail_locked(f"more than {_STASH_MAX} messages nobody asked for")
+        else:
+            kept = body if isinstance(body, bytearray) else bytes(body)
+            self._stash.setdefault(tag, collections.deque()).append(kept)
+            self._stashed += 1
+
+    def _fill(self, work: SocketWork, body: memoryview | bytes | bytearray) -> None:
+        if len(body) > work.view.nbytes:
+            # gloo aborts the process here; a failed receive is kinder.
+            work.error = f"a message of {len(body)} B for a receive of {work.view.nbytes} B"
+            return
+        work.view[: len(body)] = body
+        work.done = True
+
+    # -- failure (under the engine's lock) ------------------------------------------------
+    def fail_locked(self, why: str) -> None:
+        """Fail every pending op with ``why`` (the first reason sticks)."""
+        if self.error is None:
+            self.error = why
+        for queue in self._pending.values():
+            for work in queue:
+                work.error = self.error
+        self._pending.clear()
+        for _, work in self._outq:
+            if not work.done:
+                work.error = self.error
+        self._outq.clear()
+        if self._body is not None and self._body[3] is not None:
+            self._body[3].error = self.error
+        self._body = None
+        self.engine.handed_over()

@@ -1,0 +1,210 @@
+"""Socket pairs moved by whichever thread waits (resilient._sockpair): real TCP
+sockets on loopback, rendezvoused through a real TCPStore. Each simulated rank has
+an Engine of its own, as a process would; its ranks' threads run in this process."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient import _sockets
+from resilient._proc import free_port
+from resilient._sockconnect import PairError, connect_pair
+from resilient._sockpair import _HEADER, Engine, SocketPair
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG = 8 << 20  # bytes: far more than loopback's socket buffers take at once
+WAIT = timedelta(seconds=20)
+
+
+def _sockets_between(addr0: str, addr1: str, name: str) -> tuple[socket.socket, socket.socket]:
+    port = free_port()
+    server = dist.TCPStore(
+        "127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+    out: dict[int, socket.socket] = {}
+
+    def end(i: int, store: Any, addr: str) -> None:
+        out[i] = connect_pair(dist.PrefixStore(name, store), i, addr, 10.0, token=b"t")
+
+    threads = [
+        threading.Thread(target=end, args=(0, server, addr0)),
+        threading.Thread(target=end, args=(1, client, addr1)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out[0], out[1]
+
+
+@contextlib.contextmanager
+def _ring(n: int) -> Iterator[tuple[list[SocketPair], list[SocketPair]]]:
+    """``n`` ranks in a ring, one engine each: (to the right, from the left) per rank."""
+    engines = [Engine() for _ in range(n)]
+    right: list[SocketPair] = []
+    left: list[SocketPair | None] = [None] * n
+    try:
+        for r in range(n):
+            a, b = _sockets_between(f"127.0.2.{r + 1}", f"127.0.2.{(r + 1) % n + 1}", f"r{r}/")
+            right.append(SocketPair(a, engines[r]))
+            left[(r + 1) % n] = SocketPair(b, engines[(r + 1) % n])
+        yield right, [p for p in left if p is not None]
+    finally:
+        for pair in right + [p for p in left if p is not None]:
+            pair.shutdown()
+
+
+def test_a_ring_of_messages_larger_than_the_socket_buffers_completes() -> None:
+    # Every rank sends to its right and waits for its left neighbour first: with
+    # each pair moved only by its own waits, every send would stay queued.
+    n = 3
+    payloads = [torch.arange(BIG // 4, dtype=torch.int32) * (r + 1) for r in range(n)]
+    got = [torch.zeros(BIG // 4, dtype=torch.int32) for _ in range(n)]
+    errors: list[BaseException] = []
+    with _ring(n) as (right, left):
+
+        def rank(r: int) -> None:
+            try:
+                sent = right[r].send([payloads[r]], 0, 7)
+                recv = left[r].recv([got[r]], 0, 7)
+                recv.wait(WAIT)
+                sent.wait(WAIT)
+            except BaseException as exc:  # handed to the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+    assert not errors, errors
+    for r in range(n):
+        assert torch.equal(got[r], payloads[(r - 1) % n])
+
+
+def test_a_send_queued_while_another_thread_drives_still_goes_out() -> None:
+    # Rank 0's thread T1 drives its engine, waiting for rank 1's answer on pair X;
+    # T2 then queues a large send on pair Y, which rank 1 must receive before it
+    # answers. The driver has to notice Y's queued bytes (the wake-up pipe).
+    e0, e1 = Engine(), Engine()
+    x0s, x1s = _sockets_between("127.0.3.1", "127.0.3.2", "x/")
+    y0s, y1s = _sockets_between("127.0.3.1", "127.0.3.2", "y/")
+    x0, y0, x1, y1 = (
+        SocketPair(x0s, e0),
+        SocketPair(y0s, e0),
+        SocketPair(x1s, e1),
+        SocketPair(y1s, e1),
+    )
+    big = torch.randn(2 * BIG)  # 64 MiB: more than both sockets' buffers hold together
+    into = torch.zeros_like(big)
+    answer = torch.zeros(1)
+
+    def rank1() -> None:
+        y1.recv([into], 0, 1).wait(WAIT)
+        x1.send([torch.ones(1)], 0, 2).wait(WAIT)
+
+    try:
+        peer = threading.Thread(target=rank1)
+        peer.start()
+        waiting = x0.recv([answer], 0, 2)
+        driver = threading.Thread(target=waiting.wait, args=(WAIT,))
+        driver.start()
+        time.sleep(0.2)  # T1 sits in its poll now
+        sent = y0.send([big], 0, 1)
+        driver.join(30)
+        sent.wait(WAIT)
+        peer.join(30)
+        assert waiting.is_completed() and waiting.error is None
+        assert answer.item() == 1.0 and torch.equal(into, big)
+    finally:
+        for pair in (x0, y0, x1, y1):
+            pair.shutdown()
+
+
+def test_threads_waiting_on_one_engine_get_their_ops_handed_over() -> None:
+    e0, e1 = Engine(), Engine()
+    pairs = [_sockets_between("127.0.4.1", "127.0.4.2", f"h{i}/") for i in range(2)]
+    mine = [SocketPair(a, e0) for a, _ in pairs]
+    theirs = [SocketPair(b, e1) for _, b in pairs]
+    outs = [torch.zeros(1 << 16) for _ in range(2)]
+    try:
+        works = [mine[i].recv([outs[i]], 0, 3) for i in range(2)]
+        waiters = [threading.Thread(target=w.wait, args=(WAIT,)) for w in works]
+        for t in waiters:
+            t.start()
+        time.sleep(0.1)
+        for i in (1, 0):  # the second waiter's message first
+            theirs[i].send([torch.full((1 << 16,), float(i + 1))], 0, 3).wait(WAIT)
+            time.sleep(0.05)
+        for t in waiters:
+            t.join(30)
+        assert all(w.is_completed() and w.error is None for w in works)
+        assert [o[0].item() for o in outs] == [1.0, 2.0] and outs[1].eq(2.0).all()
+    finally:
+        for pair in mine + theirs:
+            pair.shutdown()
+
+
+def test_a_large_message_sent_before_its_receive_is_kept_whole() -> None:
+    e0, e1 = Engine(), Engine()
+    a_s, b_s = _sockets_between("127.0.5.1", "127.0.5.2", "s/")
+    a, b = SocketPair(a_s, e0), SocketPair(b_s, e1)
+    try:
+        first, second = torch.randn(1 << 20), torch.randn(1 << 20)
+        sends = [a.send([first], 0, 4), a.send([second], 0, 4), a.send([torch.ones(1)], 0, 5)]
+        sender = threading.Thread(target=lambda: [w.wait(WAIT) for w in sends])
+        sender.start()  # rank a's thread, moving a's bytes
+        # A receive on another tag makes b read (and keep) both large messages first.
+        b.recv([torch.zeros(1)], 0, 5).wait(WAIT)
+        sender.join(30)
+        assert all(w.is_completed() and w.error is None for w in sends)
+        outs = [torch.zeros(1 << 20), torch.zeros(1 << 20)]
+        for out in outs:
+            b.recv([out], 0, 4).wait(WAIT)
+        assert torch.equal(outs[0], first) and torch.equal(outs[1], second)
+        # A large message for a receive too small fails that receive; the pair goes on.
+        late = [a.send([torch.zeros(1 << 16)], 0, 6), a.send([torch.tensor([1.0, 2.0, 3.0])], 0, 7)]
+        sender = threading.Thread(target=lambda: [w.wait(WAIT) for w in late])
+        sender.start()
+        with pytest.raises(PairError, match="for a receive of"):
+            b.recv([torch.zeros(8)], 0, 6).wait(WAIT)
+        after = torch.zeros(3)
+        b.recv([after], 0, 7).wait(WAIT)
+        sender.join(30)
+        assert after.tolist() == [1.0, 2.0, 3.0]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_cutting_a_pair_mid_message_ends_the_wait_at_once() -> None:
+    # The case gloo cannot interrupt (resilient._waiter): the receive's message has
+    # begun to arrive when its connection is cut.
+    raw, b_s = _sockets_between("127.0.6.1", "127.0.6.2", "c/")
+    b = SocketPair(b_s, Engine())
+    try:
+        work = b.recv([torch.zeros(1 << 20)], 0, 8)
+        raw.sendall(_HEADER.pack(8, 4 << 20) + bytes(1 << 16))  # a quarter of it
+        conn = _sockets.Conn(
+            b_s.fileno(), _sockets.norm(b_s.getsockname()[:2]), _sockets.norm(b_s.getpeername()[:2])
+        )
+        threading.Timer(0.3, _sockets.cut, args=([conn],)).start()
+        start = time.monotonic()
+        with pytest.raises(PairError):
+            work.wait(timedelta(seconds=15))
+        assert time.monotonic() - start < 3.0
+    finally:
+        raw.close()
+        b.shutdown()
