@@ -388,4 +388,11 @@ def add_common_flags(p: Any) -> None:
         default="auto",
         help="resilient schedule (DataPlaneConfig.topology, default auto)",
     )
+    p.add_argument(
+        "--data-transport",
+        choices=("socket", "gloo"),
+        default="socket",
+        help="resilient data links: plain sockets or two-rank gloo groups "
+        "(DataPlaneConfig.data_transport, default socket)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

@@ -58,6 +58,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
+    data_transport: str = "socket"
     topology: str = "auto"
     seed: int = 1234
     names: tuple[str, ...] = field(default=())
@@ -127,6 +128,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         op_timeout_s=60.0 + 10 * est,
         sub_chunk_bytes=args.sub_chunk_kb * 1024 if args.sub_chunk_kb else 1 << 20,
         check_mismatch=not args.no_check_mismatch,
+        data_transport=args.data_transport,
         topology=args.topology,
         names=config_names(args.rails),
     )
@@ -170,6 +172,7 @@ class Comms:
             sub_chunk_bytes=plan.sub_chunk_bytes,
             check_mismatch=plan.check_mismatch,
             topology=plan.topology,
+            data_transport=plan.data_transport,
         )
         self.resilient = ResilientProcessGroup(
             rank=rank, world_size=w, rails=addrs, store=store, config=config
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["sub_chunk_bytes"] = plan.sub_chunk_bytes
     summary["check_mismatch"] = plan.check_mismatch
     summary["topology"] = plan.topology
+    summary["data_transport"] = plan.data_transport
     print_report(summary)
     print(json.dumps(summary), flush=True)
     return 0 if summary["correct"] and summary["bitwise_identical"] else 1

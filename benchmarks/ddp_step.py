@@ -52,6 +52,7 @@ class Plan:
     batch: int
     rails: int
     check_mismatch: bool = True
+    data_transport: str = "socket"
     topology: str = "auto"
     lr: float = 0.05
     seed: int = 0
@@ -137,6 +138,7 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
                 op_timeout_floor_s=t,
                 check_mismatch=plan.check_mismatch,
                 topology=plan.topology,
+                data_transport=plan.data_transport,
             ),
         ),
     }
@@ -199,6 +201,7 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "rails": plan.rails,
         "check_mismatch": plan.check_mismatch,
         "topology": plan.topology,
+        "data_transport": plan.data_transport,
         "resilient_step_ms": round(res, 2),
         "gloo_step_ms": round(gloo, 2),
         "overhead": round(res / gloo - 1, 4),
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         rails=args.rails,
         check_mismatch=not args.no_check_mismatch,
+        data_transport=args.data_transport,
         topology=args.topology,
     )
     timeout_s = args.timeout or 300.0 + 2 * (plan.steps + plan.warmup) * 2.0

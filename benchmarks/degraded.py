@@ -78,6 +78,7 @@ class Plan:
     mgmt: tuple[str, ...]
     topology: str = "auto"
     straggler_schedule: bool = True
+    data_transport: str = "socket"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "then needs a few to agree)",
     )  # fmt: skip
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
+    p.add_argument(
+        "--data-transport", choices=("socket", "gloo"), default="socket",
+        help="resilient data links: plain sockets or two-rank gloo groups (default socket)",
+    )  # fmt: skip
     p.add_argument(
         "--no-straggler-schedule", dest="straggler_schedule", action="store_false",
         help="never leave the slow rank out of the reduction (for comparison)",
@@ -121,7 +126,8 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
             rank=rank, world_size=world, rails=[addr], store=store,
             config=DataPlaneConfig(connect_timeout_s=plan.timeout_s,
                                    op_timeout_floor_s=plan.timeout_s, topology=plan.topology,
-                                   straggler_schedule=plan.straggler_schedule),
+                                   straggler_schedule=plan.straggler_schedule,
+                                   data_transport=plan.data_transport),
         ),
     }  # fmt: skip
     times: dict[str, list[float]] = {n: [] for n in (*NAMES, *EXCHANGES)}
@@ -237,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=timeout, run_timeout_s=run_timeout, netns=tuple(str(h.netns) for h in hosts),
             rails=tuple(h.rails[0] for h in hosts), mgmt=tuple(h.mgmt_addr for h in hosts),
             topology=args.topology, straggler_schedule=args.straggler_schedule,
+            data_transport=args.data_transport,
         )  # fmt: skip
         rates = [args.rate_mbit] * args.ranks
         healthy = measure(plan, testbed, rates)
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "topology": args.topology,
         "straggler_schedule": args.straggler_schedule,
+        "data_transport": args.data_transport,
         "healthy_ms": {n: round(healthy[n], 2) for n in NAMES},
         "slow_rank": {"healthy": healthy["slow_rank"], "degraded": degraded["slow_rank"]},
         "resilient_ms": round(degraded["resilient"], 2),

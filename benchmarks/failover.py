@@ -65,6 +65,7 @@ class Plan:
     mgmt: tuple[str, ...]
     run_dir: str
     topology: str
+    data_transport: str = "socket"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--victim", type=int, default=1, help="host whose rail-0 NIC dies (1)")
     p.add_argument("--down-s", type=float, default=0.5, help="seconds the NIC stays down (0.5)")
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
+    p.add_argument(
+        "--data-transport", choices=("socket", "gloo"), default="socket",
+        help="resilient data links: plain sockets or two-rank gloo groups (default socket)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each op (30 s)")
     args = p.parse_args(argv)
     if args.rails < 2 or args.ranks < 2 or not 0 < args.victim < args.ranks:
@@ -106,7 +111,8 @@ def rank_main(
     pg = ResilientProcessGroup(
         rank=rank, world_size=world, rails=list(plan.rails[rank]), store=store,
         config=DataPlaneConfig(connect_timeout_s=plan.timeout_s,
-                               op_timeout_floor_s=plan.timeout_s, topology=plan.topology),
+                               op_timeout_floor_s=plan.timeout_s, topology=plan.topology,
+                               data_transport=plan.data_transport),
     )  # fmt: skip
     src = torch.randn(plan.numel, generator=torch.Generator().manual_seed(rank))
     t, ref = src.clone(), None
@@ -214,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             victim=args.victim, timeout_s=args.timeout,
             netns=tuple(str(h.netns) for h in hosts), rails=tuple(h.rails for h in hosts),
             mgmt=tuple(h.mgmt_addr for h in hosts), run_dir=run_dir, topology=args.topology,
+            data_transport=args.data_transport,
         )  # fmt: skip
         fault = inject(testbed, plan, started, median_ms, args.down_s)
         try:
@@ -247,6 +254,7 @@ def report(
         "ranks": args.ranks, "rails": args.rails, "size_mb": args.size_mb,
         "ops": args.ops, "fault_op": args.fault_op, "victim": args.victim,
         "topology": args.topology,
+        "data_transport": args.data_transport,
         "median_op_ms": round(median, 1),
         "fault_op_ms": None if fault_ms is None else round(fault_ms, 1),
         "after_median_ms": round(statistics.median(after), 1) if after else None,
