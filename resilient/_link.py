@@ -262,6 +262,11 @@ class Link:
                 self._senders.append(tx)
             return not self.broken
 
+    def _interrupt(self, why: str) -> None:
+        """End the waits on this link now that it is broken (before anything that can
+        block, such as publishing the break: the store may be the stopped peer's)."""
+        self._waiters.interrupt()
+
     def unwatch_sender(self, tx: Any) -> None:
         with self._broken_lock:
             if tx in self._senders:
@@ -275,7 +280,7 @@ class Link:
             first, self.broken = not self.broken, True
             receivers, self._receivers = self._receivers, []
             senders, self._senders = self._senders, []
-        self._waiters.interrupt()
+        self._interrupt(message)
         if first:
             events.emit(
                 "link.down",

@@ -45,6 +45,11 @@ class SocketLink(Link):
 
     cut_wakes_waits = True
 
+    def _interrupt(self, why: str) -> None:
+        pg = self.pg
+        if pg is not None:
+            pg.fail(why)
+
     def _rendezvous(
         self,
         store: Store,

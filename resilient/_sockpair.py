@@ -310,6 +310,13 @@ class SocketPair:
         """A two-rank sum of ``tensors[0]`` in place (the repair probe)."""
         return _ProbeWork(self, tensors[0])
 
+    def fail(self, why: str) -> None:
+        """Fail every pending op now (the link above broke), waking their waiters; the
+        connection stays open until :meth:`shutdown`."""
+        with self.engine.lock:
+            self.fail_locked(why)
+            self.engine.ring()
+
     def shutdown(self) -> None:
         """Close the connection; every pending op fails."""
         with self.engine.lock:

@@ -131,9 +131,13 @@ def _weights(pg: Any, rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("topology", ["ring", "mesh"])
-def test_results_bitwise_independent_of_rail_weights(topology: str) -> None:
-    results = run_world(_weights, 4, rails=2, config={"topology": topology})
+@pytest.mark.parametrize(
+    ("topology", "transport"), [("ring", "socket"), ("mesh", "socket"), ("ring", "gloo")]
+)
+def test_results_bitwise_independent_of_rail_weights(topology: str, transport: str) -> None:
+    results = run_world(
+        _weights, 4, rails=2, config={"topology": topology, "data_transport": transport}
+    )
     assert len(set(results[0])) == 1, "rail weights changed the result bits"
     assert all(r == results[0] for r in results)
 

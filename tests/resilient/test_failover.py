@@ -62,18 +62,22 @@ def _faulty_allreduce(
 
 
 @pytest.mark.parametrize(
-    ("topology", "n", "after"),
-    [("ring", 1 << 21, 3), ("mesh", 1 << 16, 1)],  # the mesh gets 2 messages per peer
+    ("topology", "n", "after", "transport"),
+    [
+        ("ring", 1 << 21, 3, "socket"),
+        ("mesh", 1 << 16, 1, "socket"),  # the mesh gets 2 messages per peer
+        ("ring", 1 << 21, 3, "gloo"),  # gloo's large waits run in helper threads
+    ],
 )
 def test_a_rail_cut_mid_allreduce_fails_over_without_loss(
-    topology: str, n: int, after: int
+    topology: str, n: int, after: int, transport: str
 ) -> None:
     out = run_world(
         _faulty_allreduce,
         4,
         rails=2,
         args=(n, 1, after),
-        config={"topology": topology, "single_rail_below_bytes": 0},
+        config={"topology": topology, "single_rail_below_bytes": 0, "data_transport": transport},
     )
     assert out[1]["fired"]
     for rank, res in enumerate(out):

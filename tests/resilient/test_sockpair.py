@@ -208,3 +208,20 @@ def test_cutting_a_pair_mid_message_ends_the_wait_at_once() -> None:
     finally:
         raw.close()
         b.shutdown()
+
+
+def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once() -> None:
+    # How a link marked broken ends the waits on it before it publishes the break.
+    a_s, b_s = _sockets_between("127.0.7.1", "127.0.7.2", "f/")
+    a, b = SocketPair(a_s, Engine()), SocketPair(b_s, Engine())
+    try:
+        work = b.recv([torch.zeros(4)], 0, 1)
+        threading.Timer(0.2, b.fail, args=("the link broke",)).start()
+        start = time.monotonic()
+        with pytest.raises(PairError, match="the link broke"):
+            work.wait(timedelta(seconds=15))
+        assert time.monotonic() - start < 3.0
+        assert b.send([torch.zeros(1)], 0, 2).error == "the link broke"  # stays failed
+    finally:
+        a.shutdown()
+        b.shutdown()
