@@ -52,6 +52,7 @@ class PeerWatch:
         self._tables, self._busy, self._on_closed = tables, busy, on_closed
         self._halt = threading.Event()
         self._seen: set[int] = set()  # links already found closed (by id)
+        self.cut = 0  # links cut as dead with no op waiting on them (for tests, events)
         self._thread = threading.Thread(target=self._run, name=f"peer-watch-{rank}", daemon=True)
 
     def start(self) -> PeerWatch:
@@ -84,6 +85,7 @@ class PeerWatch:
                     dead = link.network_stall()
                     if dead is not None:
                         link.abort(f"network stalled with no op waiting on it: {dead}")
+                        self.cut += 1
                 closed = (link.broken and link.peer_closed) or link.socket_gone
                 if closed and id(link) not in self._seen:
                     self._seen.add(id(link))
