@@ -391,8 +391,8 @@ def add_common_flags(p: Any) -> None:
     p.add_argument(
         "--data-transport",
         choices=("socket", "gloo"),
-        default="socket",
+        default="gloo",
         help="resilient data links: plain sockets or two-rank gloo groups "
-        "(DataPlaneConfig.data_transport, default socket)",
+        "(DataPlaneConfig.data_transport, default gloo)",
     )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

@@ -58,7 +58,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
-    data_transport: str = "socket"
+    data_transport: str = "gloo"
     topology: str = "auto"
     seed: int = 1234
     names: tuple[str, ...] = field(default=())

@@ -52,7 +52,7 @@ class Plan:
     batch: int
     rails: int
     check_mismatch: bool = True
-    data_transport: str = "socket"
+    data_transport: str = "gloo"
     topology: str = "auto"
     lr: float = 0.05
     seed: int = 0

@@ -78,7 +78,7 @@ class Plan:
     mgmt: tuple[str, ...]
     topology: str = "auto"
     straggler_schedule: bool = True
-    data_transport: str = "socket"
+    data_transport: str = "gloo"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
     p.add_argument(
-        "--data-transport", choices=("socket", "gloo"), default="socket",
-        help="resilient data links: plain sockets or two-rank gloo groups (default socket)",
+        "--data-transport", choices=("socket", "gloo"), default="gloo",
+        help="resilient data links: plain sockets or two-rank gloo groups (default gloo)",
     )  # fmt: skip
     p.add_argument(
         "--no-straggler-schedule", dest="straggler_schedule", action="store_false",

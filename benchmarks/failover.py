@@ -65,7 +65,7 @@ class Plan:
     mgmt: tuple[str, ...]
     run_dir: str
     topology: str
-    data_transport: str = "socket"
+    data_transport: str = "gloo"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--down-s", type=float, default=0.5, help="seconds the NIC stays down (0.5)")
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
     p.add_argument(
-        "--data-transport", choices=("socket", "gloo"), default="socket",
-        help="resilient data links: plain sockets or two-rank gloo groups (default socket)",
+        "--data-transport", choices=("socket", "gloo"), default="gloo",
+        help="resilient data links: plain sockets or two-rank gloo groups (default gloo)",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each op (30 s)")
     args = p.parse_args(argv)

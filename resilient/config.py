@@ -190,7 +190,9 @@ class DataPlaneConfig:
     "socket" (plain TCP connections, one per pair and rail; see
     :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups).
     ``data_transport``: the same choice for the CPU data links (CUDA tensors always
-    use NCCL pairs).
+    use NCCL pairs); "socket" is faster on a loaded host and around a slow rank
+    (docs/BENCHMARKS.md), "gloo" stays the default until the timing-sensitive chaos
+    tests are shown stable over sockets.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -209,7 +211,7 @@ class DataPlaneConfig:
     repair_links: bool = True
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
-    data_transport: str = "socket"
+    data_transport: str = "gloo"
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -276,7 +278,7 @@ class DataPlaneConfig:
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
-            data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
+            data_transport=env.get(p + "DATA_TRANSPORT", "gloo").strip().lower() or "gloo",
         )
 
 
