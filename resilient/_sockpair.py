@@ -38,6 +38,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Final
 
@@ -130,6 +131,12 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._rung = False
+        # The process's engines live as long as it does; a test's die with it.
+        self._closer = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+
+    def close(self) -> None:
+        """Close the wake-up pipe; the engine's pairs must be shut down first."""
+        self._closer()
 
     @property
     def driving(self) -> bool:
@@ -223,6 +230,12 @@ class Engine:
             if events & (_IN | _GONE):
                 pair.read_some()
         self.handed_over()
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _late(work: SocketWork) -> str:

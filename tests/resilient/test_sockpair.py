@@ -5,10 +5,11 @@ an Engine of its own, as a process would; its ranks' threads run in this process
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -49,10 +50,26 @@ def _sockets_between(addr0: str, addr1: str, name: str) -> tuple[socket.socket, 
     return out[0], out[1]
 
 
+@pytest.fixture
+def new_engine() -> Iterator[Callable[[], Engine]]:
+    """Engines for the test's simulated ranks, their wake-up pipes closed after it."""
+    made: list[Engine] = []
+
+    def make() -> Engine:
+        made.append(Engine())
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
 @contextlib.contextmanager
-def _ring(n: int) -> Iterator[tuple[list[SocketPair], list[SocketPair]]]:
+def _ring(
+    n: int, new_engine: Callable[[], Engine]
+) -> Iterator[tuple[list[SocketPair], list[SocketPair]]]:
     """``n`` ranks in a ring, one engine each: (to the right, from the left) per rank."""
-    engines = [Engine() for _ in range(n)]
+    engines = [new_engine() for _ in range(n)]
     right: list[SocketPair] = []
     left: list[SocketPair | None] = [None] * n
     try:
@@ -66,14 +83,16 @@ def _ring(n: int) -> Iterator[tuple[list[SocketPair], list[SocketPair]]]:
             pair.shutdown()
 
 
-def test_a_ring_of_messages_larger_than_the_socket_buffers_completes() -> None:
+def test_a_ring_of_messages_larger_than_the_socket_buffers_completes(
+    new_engine: Callable[[], Engine],
+) -> None:
     # Every rank sends to its right and waits for its left neighbour first: with
     # each pair moved only by its own waits, every send would stay queued.
     n = 3
     payloads = [torch.arange(BIG // 4, dtype=torch.int32) * (r + 1) for r in range(n)]
     got = [torch.zeros(BIG // 4, dtype=torch.int32) for _ in range(n)]
     errors: list[BaseException] = []
-    with _ring(n) as (right, left):
+    with _ring(n, new_engine) as (right, left):
 
         def rank(r: int) -> None:
             try:
@@ -94,11 +113,13 @@ def test_a_ring_of_messages_larger_than_the_socket_buffers_completes() -> None:
         assert torch.equal(got[r], payloads[(r - 1) % n])
 
 
-def test_a_send_queued_while_another_thread_drives_still_goes_out() -> None:
+def test_a_send_queued_while_another_thread_drives_still_goes_out(
+    new_engine: Callable[[], Engine],
+) -> None:
     # Rank 0's thread T1 drives its engine, waiting for rank 1's answer on pair X;
     # T2 then queues a large send on pair Y, which rank 1 must receive before it
     # answers. The driver has to notice Y's queued bytes (the wake-up pipe).
-    e0, e1 = Engine(), Engine()
+    e0, e1 = new_engine(), new_engine()
     x0s, x1s = _sockets_between("127.0.3.1", "127.0.3.2", "x/")
     y0s, y1s = _sockets_between("127.0.3.1", "127.0.3.2", "y/")
     x0, y0, x1, y1 = (
@@ -133,8 +154,10 @@ def test_a_send_queued_while_another_thread_drives_still_goes_out() -> None:
             pair.shutdown()
 
 
-def test_threads_waiting_on_one_engine_get_their_ops_handed_over() -> None:
-    e0, e1 = Engine(), Engine()
+def test_threads_waiting_on_one_engine_get_their_ops_handed_over(
+    new_engine: Callable[[], Engine],
+) -> None:
+    e0, e1 = new_engine(), new_engine()
     pairs = [_sockets_between("127.0.4.1", "127.0.4.2", f"h{i}/") for i in range(2)]
     mine = [SocketPair(a, e0) for a, _ in pairs]
     theirs = [SocketPair(b, e1) for _, b in pairs]
@@ -157,8 +180,10 @@ def test_threads_waiting_on_one_engine_get_their_ops_handed_over() -> None:
             pair.shutdown()
 
 
-def test_a_large_message_sent_before_its_receive_is_kept_whole() -> None:
-    e0, e1 = Engine(), Engine()
+def test_a_large_message_sent_before_its_receive_is_kept_whole(
+    new_engine: Callable[[], Engine],
+) -> None:
+    e0, e1 = new_engine(), new_engine()
     a_s, b_s = _sockets_between("127.0.5.1", "127.0.5.2", "s/")
     a, b = SocketPair(a_s, e0), SocketPair(b_s, e1)
     try:
@@ -189,11 +214,11 @@ def test_a_large_message_sent_before_its_receive_is_kept_whole() -> None:
         b.shutdown()
 
 
-def test_cutting_a_pair_mid_message_ends_the_wait_at_once() -> None:
+def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[], Engine]) -> None:
     # The case gloo cannot interrupt (resilient._waiter): the receive's message has
     # begun to arrive when its connection is cut.
     raw, b_s = _sockets_between("127.0.6.1", "127.0.6.2", "c/")
-    b = SocketPair(b_s, Engine())
+    b = SocketPair(b_s, new_engine())
     try:
         work = b.recv([torch.zeros(1 << 20)], 0, 8)
         raw.sendall(_HEADER.pack(8, 4 << 20) + bytes(1 << 16))  # a quarter of it
@@ -210,10 +235,12 @@ def test_cutting_a_pair_mid_message_ends_the_wait_at_once() -> None:
         b.shutdown()
 
 
-def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once() -> None:
+def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once(
+    new_engine: Callable[[], Engine],
+) -> None:
     # How a link marked broken ends the waits on it before it publishes the break.
     a_s, b_s = _sockets_between("127.0.7.1", "127.0.7.2", "f/")
-    a, b = SocketPair(a_s, Engine()), SocketPair(b_s, Engine())
+    a, b = SocketPair(a_s, new_engine()), SocketPair(b_s, new_engine())
     try:
         work = b.recv([torch.zeros(4)], 0, 1)
         threading.Timer(0.2, b.fail, args=("the link broke",)).start()
@@ -225,3 +252,13 @@ def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once() -> None:
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_closing_an_engine_closes_its_wake_up_pipe() -> None:
+    engine = Engine()
+    fds = (engine._wake_r, engine._wake_w)
+    engine.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    engine.close()  # twice is harmless
