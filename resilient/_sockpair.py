@@ -304,15 +304,17 @@ class SocketPair:
         another thread drives the engine: it reads it then)."""
         work = SocketWork(self, _bytes_of(tensors[0]), sending=False)
         with self.engine.lock:
-            if self.error is not None:
-                work.error = self.error
-                return work
+            # A whole message that came before the pair failed is still delivered:
+            # a peer that sends and then exits closes the connection behind it.
             stashed = self._stash.get(tag)
             if stashed:
                 self._stashed -= 1
                 self._fill(work, stashed.popleft())
                 if not stashed:
                     del self._stash[tag]
+                return work
+            if self.error is not None:
+                work.error = self.error
                 return work
             self._pending.setdefault(tag, collections.deque()).append(work)
             if not self.engine.driving:

@@ -262,3 +262,28 @@ def test_closing_an_engine_closes_its_wake_up_pipe() -> None:
         with pytest.raises(OSError):
             os.fstat(fd)
     engine.close()  # twice is harmless
+
+
+def test_messages_that_came_before_the_peer_closed_are_still_delivered(
+    new_engine: Callable[[], Engine],
+) -> None:
+    # A rank that sends a state and exits closes its end behind the bytes; the
+    # receiver may read the close before it posts the receives (test_transfer.py
+    # lost 7 of 20 runs that way).
+    a_s, b_s = _sockets_between("127.0.8.1", "127.0.8.2", "e/")
+    a, b = SocketPair(a_s, new_engine()), SocketPair(b_s, new_engine())
+    try:
+        sent = [torch.randn(1 << 18), torch.randn(16)]  # a body read in place, a small one
+        for i, t in enumerate(sent):
+            a.send([t], 0, 10 + i).wait(WAIT)
+        a.shutdown()
+        with pytest.raises(PairError, match="closed by peer"):
+            b.recv([torch.zeros(1)], 0, 99).wait(WAIT)  # reads both, then the close
+        outs = [torch.zeros_like(t) for t in sent]
+        for i, out in enumerate(outs):
+            b.recv([out], 0, 10 + i).wait(WAIT)
+        assert all(torch.equal(o, t) for o, t in zip(outs, sent, strict=True))
+        with pytest.raises(PairError, match="closed by peer"):
+            b.recv([torch.zeros(16)], 0, 11).wait(WAIT)  # nothing left for it
+    finally:
+        b.shutdown()
