@@ -26,8 +26,10 @@ from types import FrameType
 from typing import Any
 
 from chaos._netns import enter_netns
+from resilient.config import DataPlaneConfig
 
 __all__ = [
+    "DATA_TRANSPORT",
     "CpuMeter",
     "TcShaper",
     "control_barrier",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 RankTarget = Callable[..., Any]
+# The library's own default, so a plain run measures what users get.
+DATA_TRANSPORT = DataPlaneConfig().data_transport
 
 
 def rail_address(rank: int, rail: int) -> str:
@@ -391,8 +395,8 @@ def add_common_flags(p: Any) -> None:
     p.add_argument(
         "--data-transport",
         choices=("socket", "gloo"),
-        default="gloo",
+        default=DATA_TRANSPORT,
         help="resilient data links: plain sockets or two-rank gloo groups "
-        "(DataPlaneConfig.data_transport, default gloo)",
+        f"(DataPlaneConfig.data_transport, default {DATA_TRANSPORT})",
     )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

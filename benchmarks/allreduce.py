@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from _common import (
+    DATA_TRANSPORT,
     CpuMeter,
     TcShaper,
     add_common_flags,
@@ -58,7 +59,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
-    data_transport: str = "gloo"
+    data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
     seed: int = 1234
     names: tuple[str, ...] = field(default=())

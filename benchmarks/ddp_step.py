@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from _common import (
+    DATA_TRANSPORT,
     CpuMeter,
     add_common_flags,
     control_barrier,
@@ -52,7 +53,7 @@ class Plan:
     batch: int
     rails: int
     check_mismatch: bool = True
-    data_transport: str = "gloo"
+    data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
     lr: float = 0.05
     seed: int = 0

@@ -45,6 +45,7 @@ from datetime import timedelta
 from typing import Any
 
 from _common import (
+    DATA_TRANSPORT,
     CpuMeter,
     control_barrier,
     enter_netns,
@@ -78,7 +79,7 @@ class Plan:
     mgmt: tuple[str, ...]
     topology: str = "auto"
     straggler_schedule: bool = True
-    data_transport: str = "gloo"
+    data_transport: str = DATA_TRANSPORT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
     p.add_argument(
-        "--data-transport", choices=("socket", "gloo"), default="gloo",
-        help="resilient data links: plain sockets or two-rank gloo groups (default gloo)",
+        "--data-transport", choices=("socket", "gloo"), default=DATA_TRANSPORT,
+        help=f"resilient data links: sockets or two-rank gloo groups (default {DATA_TRANSPORT})",
     )  # fmt: skip
     p.add_argument(
         "--no-straggler-schedule", dest="straggler_schedule", action="store_false",

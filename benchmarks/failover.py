@@ -39,6 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 from _common import (
+    DATA_TRANSPORT,
     CpuMeter,
     control_barrier,
     enter_netns,
@@ -65,7 +66,7 @@ class Plan:
     mgmt: tuple[str, ...]
     run_dir: str
     topology: str
-    data_transport: str = "gloo"
+    data_transport: str = DATA_TRANSPORT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--down-s", type=float, default=0.5, help="seconds the NIC stays down (0.5)")
     p.add_argument("--topology", default="auto", help="resilient topology: auto, ring, mesh")
     p.add_argument(
-        "--data-transport", choices=("socket", "gloo"), default="gloo",
-        help="resilient data links: plain sockets or two-rank gloo groups (default gloo)",
+        "--data-transport", choices=("socket", "gloo"), default=DATA_TRANSPORT,
+        help=f"resilient data links: sockets or two-rank gloo groups (default {DATA_TRANSPORT})",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each op (30 s)")
     args = p.parse_args(argv)

@@ -190,9 +190,8 @@ class DataPlaneConfig:
     "socket" (plain TCP connections, one per pair and rail; see
     :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups).
     ``data_transport``: the same choice for the CPU data links (CUDA tensors always
-    use NCCL pairs); "socket" is faster on a loaded host and around a slow rank
-    (docs/BENCHMARKS.md), "gloo" stays the default until the timing-sensitive chaos
-    tests are shown stable over sockets.
+    use NCCL pairs); "socket", the default, is faster on a loaded host and around a
+    slow rank (docs/BENCHMARKS.md).
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -211,7 +210,7 @@ class DataPlaneConfig:
     repair_links: bool = True
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
-    data_transport: str = "gloo"
+    data_transport: str = "socket"
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -278,7 +277,7 @@ class DataPlaneConfig:
             repair_timeout_s=_env_float(env, p + "REPAIR_TIMEOUT_S", 5.0),
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
-            data_transport=env.get(p + "DATA_TRANSPORT", "gloo").strip().lower() or "gloo",
+            data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
         )
 
 
