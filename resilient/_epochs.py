@@ -24,7 +24,7 @@ from recovery import events
 from resilient import _repair, _rescue, _transfer
 from resilient._health import HealthBoard
 from resilient._loss import RailLoss
-from resilient._lost import dead_peer
+from resilient._lost import dead_peer, left_in_order
 from resilient._precheck import SignatureChannel
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
@@ -235,6 +235,16 @@ class EpochControl:
             return self._lost
         peer = dead_peer(self._tables(), len(self.rails), self.board)
         if peer is None:
+            return None
+        channel = self._channel
+        if left_in_order(self.board, peer, channel.submitted if channel else None):
+            if peer not in self.board.departed:
+                self.board.departed.add(peer)
+                logger.info(
+                    "rank %d (epoch %d): rank %d shut its group down after all of this "
+                    "rank's calls: its connections closed in order", self.rank(),
+                    self._epoch, self._members[peer],
+                )  # fmt: skip
             return None
         return self._declare_lost(peer, f"its connections closed on all {len(self.rails)} rail(s)")
 

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch._C._distributed_c10d import Store
 
@@ -73,6 +74,8 @@ class HealthBoard:
         # Ranks this rank saw gone, published so that ranks not talking to them
         # learn within one poll (resilient._lost); ``on_lost`` gets peers' reports.
         self._lost: set[int] = set()
+        self._left: int | None = None  # calls succeeded when this rank shut down (leave)
+        self.departed: set[int] = set()  # peers found to have left in order (logged once)
         self.on_lost: Callable[[int, int], None] | None = None
         self._peers: dict[int, PeerState] = {}
         self._version = 0
@@ -159,28 +162,62 @@ class HealthBoard:
         have cut its link to this rank: a NIC of that rail down, or that link
         reported broken. Empty when the record cannot be read (the links' own
         evidence then stands)."""
-        key = f"{self._prefix}/r{peer}"
-        try:
-            if not self._store.check([key]):
-                return set()
-            data = json.loads(bytes(self._store.get(key)).decode())
-        except Exception:
-            logger.warning("rank %d: reading rank %d's health record failed", self.rank, peer)
+        data = self._read_record(peer)
+        if data is None:
             return set()
         mine = {int(r) for p, r in data["broken"] if int(p) == self.rank}
         return {int(r) for r in data["nic_down"]} | mine
+
+    def peer_left_after(self, peer: int) -> int | None:
+        """How many of this epoch's calls had succeeded at ``peer`` when it shut its
+        group down (read from the store now; see :meth:`leave`), or None: it has
+        not left, or its record cannot be read."""
+        data = self._read_record(peer)
+        left = data.get("left") if data is not None else None
+        return int(left) if left is not None else None
+
+    def _read_record(self, peer: int) -> dict[str, Any] | None:
+        key = f"{self._prefix}/r{peer}"
+        try:
+            if not self._store.check([key]):
+                return None
+            data: dict[str, Any] = json.loads(bytes(self._store.get(key)).decode())
+        except Exception:
+            logger.warning("rank %d: reading rank %d's health record failed", self.rank, peer)
+            return None
+        return data
 
     def mark_lost(self, peer: int) -> None:
         """Publish that ``peer`` is gone (never raises)."""
         self._lost.add(peer)
         self.publish()
 
+    def leave(self, succeeded: int) -> None:
+        """Record, before this rank's links close, that it shuts its group down with
+        the first ``succeeded`` calls of this epoch done (never raises; nobody is
+        rung: a peer reads it when it sees the closes).
+
+        A peer still inside a call then knows whether that call is one that
+        succeeded here (all its data was sent: an orderly end, not a loss) or one
+        this rank failed or never made (a program that failed and shut its group
+        down: still a loss; see resilient._lost.left_in_order)."""
+        self._left = succeeded
+        try:
+            self._store.set(f"{self._prefix}/r{self.rank}", self._record())
+        except Exception:  # the peers then judge by the closes alone, as before
+            logger.debug("rank %d (epoch %d): recording the departure failed", self.rank,
+                         self.epoch, exc_info=True)  # fmt: skip
+
+    def _record(self) -> str:
+        broken = sorted({(lk.peer, lk.rail) for t in self._tables for lk in t.broken()})
+        return json.dumps(
+            {"nic_down": sorted(self._nic_down), "broken": broken, "lost": sorted(self._lost),
+             "left": self._left}
+        )  # fmt: skip
+
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""
-        broken = sorted({(lk.peer, lk.rail) for t in self._tables for lk in t.broken()})
-        record = json.dumps(
-            {"nic_down": sorted(self._nic_down), "broken": broken, "lost": sorted(self._lost)}
-        )
+        record = self._record()
         try:
             self._store.set(f"{self._prefix}/r{self.rank}", record)
             self._store.add(f"{self._prefix}/v", 1)

@@ -11,6 +11,16 @@ closed at its end on *every* rail (rails whose links this rank had cut already,
 say a NIC down, aside) and its own health record, read now, does not explain at
 least one of those closes. A hung peer keeps its sockets open: that needs a deadline or a
 lease, not this.
+
+A peer that shuts its group down closes every link too, and a rank still inside
+a call then sees the same closes (seen under CPU contention: the last rank out
+of the final barrier declared its two peers lost at the end of a clean job). So
+a rank records, before its links close, how many of the epoch's calls had
+succeeded there (:meth:`~resilient._health.HealthBoard.leave`): when that covers every
+call this rank has submitted, the peer took part in all of them and sent all
+their data before it left, and its closes are an orderly end
+(:func:`left_in_order`). A peer that left with fewer (a program that failed,
+or whose call failed, and shut its group down in a ``finally``) is lost as before.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from collections.abc import Iterable
 from resilient._health import HealthBoard
 from resilient.links import LinkTable
 
-__all__ = ["closed_rails", "cut_rails", "dead_peer", "gone_rails"]
+__all__ = ["closed_rails", "cut_rails", "dead_peer", "gone_rails", "left_in_order"]
 
 
 def closed_rails(tables: Iterable[LinkTable]) -> dict[int, set[int]]:
@@ -77,3 +87,13 @@ def dead_peer(tables: Iterable[LinkTable], rails: int, board: HealthBoard) -> in
         if closed - board.peer_cut_rails(peer):
             return peer
     return None
+
+
+def left_in_order(board: HealthBoard, peer: int, submitted: int | None) -> bool:
+    """True if ``peer`` shut its group down after every one of the ``submitted``
+    calls this rank has made in the epoch had succeeded there (None: this rank does not
+    count them, so no departure is ever taken as orderly)."""
+    if submitted is None:
+        return False
+    done = board.peer_left_after(peer)
+    return done is not None and done >= submitted

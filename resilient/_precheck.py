@@ -115,6 +115,7 @@ class SignatureChannel:
         self._static = self.engine.weights
         self._submitted = 0
         self._done = 0  # calls the communication thread finished
+        self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
         self._ran_lock = threading.Lock()
         self._queue: Handoff[Ticket | None] = Handoff()
@@ -156,6 +157,16 @@ class SignatureChannel:
         if by_ctl:
             self._queue.put(ticket)
         return ticket
+
+    @property
+    def submitted(self) -> int:
+        """Calls submitted in this epoch (numbered alike on every rank)."""
+        return self._submitted
+
+    @property
+    def succeeded(self) -> int:
+        """How many of this epoch's calls, from the first on, all succeeded here."""
+        return self._succeeded
 
     @property
     def failovers(self) -> list[tuple[int, int, int, int]]:
@@ -201,12 +212,14 @@ class SignatureChannel:
         elif self._ctl_waiting:
             self._turn.ring()
 
-    def mark_done(self, ticket: Ticket) -> None:
-        """Called by the communication thread after each call, failed or not, in order
-        (with its ticket: one it never ran is settled here, failed)."""
+    def mark_done(self, ticket: Ticket, *, ok: bool = True) -> None:
+        """Called by the communication thread after each call, failed (``ok`` False)
+        or not, in order (with its ticket: one it never ran is settled here, failed)."""
         if not ticket.by_ctl and not ticket.settled:
             self._settle(ticket, None, self._failed_with or RuntimeError("call ended first"))
         self._done += 1
+        if ok and self._succeeded == ticket.seq - 1:
+            self._succeeded = ticket.seq
 
     def fail_pending(self, exc: BaseException) -> None:
         """Fail every exchange not started yet with ``exc`` (a peer is gone: the

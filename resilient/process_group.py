@@ -200,12 +200,15 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         verdict = channel.submit(sig, payload, after_previous=after_previous) if channel else None
 
         def run() -> Any:
+            ok = False
             try:
                 if self._lost is not None:
                     raise PeerLost(str(self._lost), peer=self._lost.peer, epoch=self._epoch)
                 exchange = channel.result(verdict) if channel and verdict else None
                 if exchange is None:
-                    return fn(None)
+                    out = fn(None)
+                    ok = True
+                    return out
                 engine = self.engine
                 assert isinstance(engine, RingEngine)
                 if self._learner is not None:
@@ -217,14 +220,16 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 follow_cuts(engine, exchange, announce=True)
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
-                return fn(exchange.inline)
+                out = fn(exchange.inline)
+                ok = True
+                return out
             except CommunicationError as exc:
                 if isinstance(exc, PeerLost) or (lost := self._await_lost()) is None:
                     raise
                 raise lost from exc
             finally:
                 if channel is not None and verdict is not None:
-                    channel.mark_done(verdict)
+                    channel.mark_done(verdict, ok=ok)
                 self._calls_out += 1
 
         fut: Future[Any] = Future()
@@ -327,6 +332,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._thread.join(timeout=60)
         if not self._thread.is_alive():
             self._queue.close()
+            if self._channel is not None:  # before any link closes (resilient._lost)
+                self.board.leave(self._channel.succeeded)
         if self._channel is not None:
             self._channel.close()
         self.engine.close()

@@ -449,9 +449,11 @@ def test_a_killed_rank_0_comes_back_from_a_warm_spare_with_the_fault_free_bits(
     # No fault fires before the spares stand ready (the runner holds them).
     body = _nic_down_then_kill((1, 1, 50, 2.5), 0, 60, "max_recovery_s = 5.0")
     extra = "max_restarts = 1\nwarm_spares = true"
-    # Enough steps for the NIC to come back and rail 1 to be repaired after the kill:
-    # the faults wait for the spares to stand ready, and a step takes ~20 ms here.
-    scenario = _scenario(tmp_path, body, topology="netns", steps=400, job_extra=extra)
+    # Enough steps for the NIC to come back and rail 1 to be repaired after the kill,
+    # however late the faults fire: they wait for the spares to stand ready, which
+    # took until step 274 with one of 2 cores kept busy, and a step takes ~12 ms over
+    # sockets, so 400 steps ended 1.5 s before the NIC came back (as in one CI run).
+    scenario = _scenario(tmp_path, body, topology="netns", steps=1000, job_extra=extra)
     out = tmp_path / "out"
     _, stderr = _passing_run(scenario, out)
     assert "restarting as incarnation 1 (warm spare)" in stderr

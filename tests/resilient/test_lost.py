@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from resilient._lost import dead_peer
+from resilient._lost import dead_peer, left_in_order
 
 
 @dataclass
@@ -29,11 +29,16 @@ class _Table:
 class _Board:
     """What each peer's health record says it cut: ``{peer: rails}``."""
 
-    def __init__(self, cut: dict[int, set[int]] | None = None) -> None:
-        self.cut = cut or {}
+    def __init__(
+        self, cut: dict[int, set[int]] | None = None, left: dict[int, int] | None = None
+    ) -> None:
+        self.cut, self.left = cut or {}, left or {}
 
     def peer_cut_rails(self, peer: int) -> set[int]:
         return self.cut.get(peer, set())
+
+    def peer_left_after(self, peer: int) -> int | None:
+        return self.left.get(peer)
 
 
 CLOSED = _Link(broken=True, peer_closed=True)
@@ -78,3 +83,13 @@ def test_a_rail_cut_before_for_a_nic_down_leaves_the_other_rails_to_tell() -> No
     assert _dead({(2, 0): CUT, (2, 1): CLOSED}, _Board({2: {1}})) is None
     assert _dead({(2, 0): CUT, (2, 1): GONE}) is None
     assert _dead({(2, 0): CUT, (2, 1): STALLED}) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_departure_is_orderly_only_after_every_call_this_rank_made() -> None:
+    board: Any = _Board(left={2: 7})
+    assert left_in_order(board, 2, 7)  # it took part in all 7
+    assert left_in_order(board, 2, 6)
+    assert not left_in_order(board, 2, 8)  # this rank is in call 8, which it left
+    assert not left_in_order(board, 1, 0)  # rank 1 never said it left
+    assert not left_in_order(board, 2, None)  # calls not counted here: never orderly
