@@ -357,9 +357,11 @@ straggler_confirmed_within_steps = 20
 # Rank 2's node at half speed from step 30, and what every eviction run expects.
 # These runs are about the eviction; how soon a slowed rank is confirmed is
 # test_a_rank_stopped_30_percent_of_the_time_is_confirmed_a_straggler's (20 steps,
-# the issue's bound). The stall detector judges samples of wall time, and over
-# socket links a step here takes 15-25 ms: confirmed 0.4-0.6 s after the fault
-# was 14-16 steps alone and 23 in a full test run, so the bound here is looser.
+# the issue's bound). They run at width 512 like it: at 256 a step over socket
+# links took 12-25 ms, far less than the fault's 100 ms stop cycle, the stall
+# detector's 50 ms samples came out stopped-through or clean in turn, and the
+# confirmation (0.2-0.9 s after the fault) took 14-34 steps. At 512 (25-40 ms
+# steps) it took 4-10, alone and with a core kept busy.
 HALF_SPEED_RANK_2 = """
 [[fault]]
 kind = "slow"
@@ -395,7 +397,7 @@ def test_an_evicted_straggler_is_replaced_and_the_bits_stay_fault_free(tmp_path:
     # 300 steps: the slowing waits for the warm spares to stand ready, which took
     # until step 88 of a 120-step job in one CI run (3 ranks and 3 spares starting
     # together on 2 cores), too late for the verdict and the eviction.
-    scenario = _scenario(tmp_path, body, topology="netns", steps=300, job_extra=extra)
+    scenario = _scenario(tmp_path, body, topology="netns", steps=300, job_extra=extra, width=512)
     out = tmp_path / "out"
     # The policy prices the warm spare at 0.5 s by default (it has built the job
     # before the loss); pinned here so the choice stays clear-cut over this short
@@ -425,7 +427,7 @@ def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
     # for it, and the two finish the job.
     body = HALF_SPEED_RANK_2
     extra = "max_restarts = 0\nmin_ranks = 2\nshrink_after_s = 30.0\nevict_stragglers = true"
-    scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra)
+    scenario = _scenario(tmp_path, body, topology="netns", steps=120, job_extra=extra, width=512)
     out = tmp_path / "out"
     report, _ = _passing_run(scenario, out)
     assert report["steps"]["left_out"] == [2]
