@@ -66,8 +66,11 @@ class Route:
     seq: int
     timeout_s: float
     board: Any = None  # HealthBoard | None; typed loosely to keep this module leaf-level
-    # Rails every rank agreed to use in this call (None: all). A repaired link is
-    # chosen as a backup only once it is agreed, i.e. in service at both ends.
+    # Rails every rank agreed are in service in this call (None: all), whatever
+    # their share: a repaired link is chosen as a backup only once it is agreed,
+    # i.e. in service at both ends, and a healthy rail with no share still beats
+    # the store (seen: a rail the weights had left out sent a failover through the
+    # store, +323 ms on benchmarks/failover.py).
     allowed: frozenset[int] | None = None
     # Failovers done, as (peer, from_rail, to_rail, resumed_at): the engine's record.
     log: list[tuple[int, int, int, int]] = field(default_factory=list)

@@ -40,7 +40,7 @@ from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
 from resilient._signature import WIDTH, Exchange, Signature, check_signatures, exchange_of
 from resilient._stolen import StolenTime
-from resilient._weights import agreed_weights
+from resilient._weights import agreed_backups, agreed_weights
 from resilient.collectives import RingEngine
 from resilient.config import DataPlaneConfig
 from resilient.errors import CollectiveMismatch, CommunicationError
@@ -334,6 +334,7 @@ class SignatureChannel:
         follow_cuts(self.engine, exchange)
         if self._rates is not None:
             self.engine.weights = agreed_weights(exchange.rates, self._static, seq)
+            self.engine.backups = agreed_backups(exchange.rates, self.engine.num_rails)
         self.last = (seq, exchange.table)
         self._settle(ticket, exchange)
 

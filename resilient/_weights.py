@@ -36,6 +36,7 @@ __all__ = [
     "PROBE_SHARE",
     "QUANTUM",
     "WeightLearner",
+    "agreed_backups",
     "agreed_weights",
 ]
 
@@ -75,6 +76,16 @@ def agreed_weights(
     if min(per_rail) <= 0:
         return tuple(static)
     return _shares(per_rail, seq, probe_ok=True)
+
+
+def agreed_backups(rates: Sequence[Sequence[int]], rails: int) -> frozenset[int] | None:
+    """The rails a channel of this call may fail over to: those no rank proposed
+    DOWN for, so their links are in service at both ends, whatever share the
+    weights gave them (a rail left out for being slow, or never measured fast
+    yet, is still far better than the store). None without rates."""
+    if not rates:
+        return None
+    return frozenset(r for r in range(rails) if all(int(row[r]) >= 0 for row in rates))
 
 
 def _shares(per_rail: Sequence[int], seq: int, *, probe_ok: bool) -> tuple[float, ...]:

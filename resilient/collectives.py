@@ -120,6 +120,9 @@ class RingEngine:
         self.failover_timeout_s = links.config.op_timeout_floor_s
         self.failovers: list[tuple[int, int, int, int]] = []  # see Route.log
         self.relay = False  # a pair with no rail left may go through the store
+        # The rails every rank agreed are in service (resilient._weights.agreed_backups),
+        # set with the weights of each call; None: those with a share.
+        self.backups: frozenset[int] | None = None
         self._calls = 0
         # A rank whose NICs are all slow (agreed on by every rank, see
         # resilient._slowrank): all_reduce then leaves it out of the reduction work.
@@ -141,7 +144,11 @@ class RingEngine:
             timeout_s=self.failover_timeout_s,
             board=self.board,
             log=self.failovers,
-            allowed=frozenset(r for r, w in enumerate(self.weights) if w > 0),
+            allowed=(
+                self.backups
+                if self.backups is not None
+                else frozenset(r for r, w in enumerate(self.weights) if w > 0)
+            ),
             relay=self.relay,
             epoch=self.links.epoch,
         )

@@ -44,7 +44,7 @@ from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
-from resilient._weights import DOWN, WeightLearner
+from resilient._weights import DOWN, WeightLearner, agreed_backups
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
@@ -215,6 +215,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                     # A safe boundary: every rank sets the same weights before any
                     # data of this call moves.
                     engine.weights = self._learner.weights_for(exchange)
+                    engine.backups = agreed_backups(exchange.rates, engine.num_rails)
                 self._stragglers.observe(exchange)
                 self._install(exchange)
                 follow_cuts(engine, exchange, announce=True)

@@ -92,3 +92,29 @@ def test_a_rail_cut_mid_allreduce_fails_over_without_loss(
     # Afterwards every rank agreed to give rail 0 nothing.
     assert all(res["weights"][0] == 0 for res in out)
     assert all(out[1]["rail0_broken"])
+
+
+def _no_share_for_rail_1(pg: Any, rank: int, world: int, n: int) -> dict[str, Any]:
+    # As if rail 1 had measured too slow for a share: every rank gives it none, so
+    # the whole tensor goes over rail 0 when rail 0 dies.
+    assert pg._learner is not None
+    pg._learner.weights_for = lambda exchange: (1.0, 0.0)
+    return _faulty_allreduce(pg, rank, world, n, 1, 3)
+
+
+def test_a_healthy_rail_with_no_share_is_still_the_backup() -> None:
+    # Seen on benchmarks/failover.py: the learned weights had left rail 1 out, and
+    # the failover went through the store instead (+323 ms on a 64 MB op).
+    out = run_world(
+        _no_share_for_rail_1,
+        4,
+        rails=2,
+        args=(1 << 21,),
+        config={"topology": "ring", "single_rail_below_bytes": 0},
+    )
+    assert out[1]["fired"]
+    for rank, res in enumerate(out):
+        assert res["equal"], rank
+        assert res["again_equal"], rank
+    moved = [m for res in out for m in res["failovers"]]
+    assert moved and all(src == 0 and dst == 1 for _, src, dst, _ in moved), moved

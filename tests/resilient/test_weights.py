@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._weights import PROBE_EVERY, QUANTUM, agreed_weights
+from resilient._weights import DOWN, PROBE_EVERY, QUANTUM, agreed_backups, agreed_weights
 from tests._dist import run_world
 
 
@@ -105,3 +105,13 @@ def test_degraded_and_repaired_events_need_a_streak(tmp_path: Any, monkeypatch: 
     log.close()
     kinds = [e["kind"] for e in ev_mod.read_events(tmp_path)]
     assert kinds == ["link.degraded", "link.repaired"]
+
+
+@pytest.mark.timeout(10)
+def test_every_rail_no_rank_proposes_down_is_a_backup_whatever_its_share() -> None:
+    fast, slow = 100_000_000, 1_000_000  # rail 1 gets no share at all
+    assert agreed_weights([[fast, slow], [fast, slow]], (1.0, 1.0), 1)[1] == 0
+    assert agreed_backups([[fast, slow], [fast, slow]], 2) == frozenset({0, 1})
+    assert agreed_backups([[fast, int(DOWN)], [fast, slow]], 2) == frozenset({0})
+    assert agreed_backups([[0, 0], [0, 0]], 2) == frozenset({0, 1})  # nothing measured yet
+    assert agreed_backups([], 2) is None
