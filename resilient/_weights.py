@@ -82,10 +82,12 @@ def agreed_backups(rates: Sequence[Sequence[int]], rails: int) -> frozenset[int]
     """The rails a channel of this call may fail over to: those no rank proposed
     DOWN for, so their links are in service at both ends, whatever share the
     weights gave them (a rail left out for being slow, or never measured fast
-    yet, is still far better than the store). None without rates."""
+    yet, is still far better than the store). None without rates, or when every
+    rail is DOWN somewhere: then the health board alone decides, as for the
+    static weights :func:`agreed_weights` falls back to."""
     if not rates:
         return None
-    return frozenset(r for r in range(rails) if all(int(row[r]) >= 0 for row in rates))
+    return frozenset(r for r in range(rails) if all(int(row[r]) >= 0 for row in rates)) or None
 
 
 def _shares(per_rail: Sequence[int], seq: int, *, probe_ok: bool) -> tuple[float, ...]:

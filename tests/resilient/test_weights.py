@@ -115,3 +115,4 @@ def test_every_rail_no_rank_proposes_down_is_a_backup_whatever_its_share() -> No
     assert agreed_backups([[fast, int(DOWN)], [fast, slow]], 2) == frozenset({0})
     assert agreed_backups([[0, 0], [0, 0]], 2) == frozenset({0, 1})  # nothing measured yet
     assert agreed_backups([], 2) is None
+    assert agreed_backups([[int(DOWN), slow], [fast, int(DOWN)]], 2) is None  # the board decides
