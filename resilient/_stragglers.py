@@ -41,17 +41,21 @@ __all__ = ["StragglerWatch", "Verdicts"]
 
 logger = logging.getLogger(__name__)
 
-STALL_SAMPLE_S: Final = 0.05
+STALL_SAMPLE_S: Final = 0.1
 COMPUTE_SAMPLE_S: Final = 0.4
 MIN_CALLS: Final = 2
 # Stolen time is a strong signal (a healthy rank's is timer slack), so the stall
 # detector asks for a wider gap and fewer, shorter-smoothed samples: a rank stopped
 # 30 % of the time must be confirmed within 20 steps even on a loaded machine, where
 # every sample is slower and the default (6 of 10 samples) took 13-14 steps.
-# Three flagged samples of six confirmed sooner (a rank stopped in a 100 ms cycle
-# gives 50 ms samples that alternate stopped and clean), but also confirmed a
-# healthy rank starved for a few hundred ms in the link-flap scenario: kept at four.
-STALL_CONFIG: Final = StragglerConfig(recent=3, margin=0.2, confirm_steps=4, confirm_window=6)
+# Samples span a whole 100 ms period, CFS quota throttling's default and the chaos
+# "slow" fault's cycle: 50 ms samples came out stopped-through and clean in turn,
+# their median of three flagged every other one, and 4 of 6 took 11-28 steps in
+# the straggler scenario (28 failed its 20-step bound); with 100 ms samples and 3 of
+# 5 it took 12-16. Three flagged samples still mean 300 ms of stolen time, more
+# than the 200 ms of 4 of 6 at 50 ms (3 of 6 at 50 ms once confirmed a healthy rank
+# starved for a few hundred ms in the link-flap scenario).
+STALL_CONFIG: Final = StragglerConfig(recent=3, margin=0.2, confirm_steps=3, confirm_window=5)
 
 Clock = tuple[int, int, int]  # active, waited, stolen (us)
 
