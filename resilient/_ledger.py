@@ -16,6 +16,17 @@ So the ledger knows which unfinished ops a thread is blocked on (those links
 must be cut), and once the epoch is given up (:meth:`OpLedger.freeze`) a new wait
 for an unfinished op of it fails at once instead of blocking.
 
+Nor is a stale receive whose stale send *does* come: the two match under their
+salt, and the message lands in the receive's buffer whenever the pair is next
+moved, which on a socket pair is by the next epoch's first wait. Schedules reuse
+buffers (scratch, the caller's tensor: DDP's bucket), so it overwrote data the
+replayed step was using; seen as a job that finished with every rank equal and
+all unlike the fault-free run. A socket link therefore drops its stale receives
+and discards their messages when it enters an epoch
+(:meth:`resilient._sockpair.SocketPair.forget`). gloo cannot cancel an op, but its
+own thread completes a matched pair within milliseconds, well before the
+survivors have agreed on the next epoch.
+
 A salt comes round again after :data:`SALTS` epochs. A link that carried stale ops
 under some salt is *dirty* for it and is not kept into an epoch with that salt
 (both ends' records say so; see :mod:`recovery.agree`).
@@ -26,7 +37,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Final
 
-__all__ = ["SALTS", "OpLedger", "salt_of"]
+__all__ = ["SALTS", "OpLedger", "salt_of", "tag_salt"]
 
 SALTS: Final = 16
 SALT_SHIFT: Final = 24
@@ -36,6 +47,12 @@ _PURGE_ABOVE: Final = 256
 def salt_of(epoch: int) -> int:
     """The tag salt of ``epoch``."""
     return epoch % SALTS
+
+
+def tag_salt(tag: int) -> int | None:
+    """The salt a wire tag was sent under; None for the pair's own tags (negative:
+    the repair probe), which carry none."""
+    return None if tag < 0 else (tag >> SALT_SHIFT) % SALTS
 
 
 class OpLedger:

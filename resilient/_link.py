@@ -24,7 +24,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from recovery import events
 from resilient import _connects, _faults, _sockets, _stall, _waiter
-from resilient._ledger import OpLedger
+from resilient._ledger import OpLedger, salt_of
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
@@ -229,6 +229,13 @@ class Link:
 
     def __repr__(self) -> str:
         return f"Link({self.rank}<->{self.peer}, rail {self.rail})"
+
+    def renew(self, epoch: int) -> None:
+        """Carry this link into ``epoch`` (resilient.links keeps it): new ops take the
+        epoch's tag salt; the unfinished ops of earlier epochs stay pending in gloo,
+        unmatched and unwaited (resilient._ledger)."""
+        self.epoch = epoch
+        self.ledger.renew(salt_of(epoch))
 
     def renumber(self, rank: int, peer: int) -> None:
         """Give both ends new numbers (a group that shrank or grew); their order

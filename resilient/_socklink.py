@@ -25,12 +25,14 @@ every link's bytes itself, without a hand-off to an event loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
 from resilient import _sockets
+from resilient._ledger import tag_salt
 from resilient._link import Link
 from resilient._sockconnect import PairError, connect_pair
 from resilient._sockpair import SocketPair, SocketWork, engine
@@ -38,12 +40,37 @@ from resilient.errors import LinkError
 
 __all__ = ["PairError", "SocketLink", "SocketPair", "SocketWork", "connect_pair"]
 
+logger = logging.getLogger(__name__)
+
 
 class SocketLink(Link):
     """A :class:`~resilient._link.Link` over a :class:`SocketPair`; the pairs of one
     kind of link (data, control) share one engine per process."""
 
     cut_wakes_waits = True
+
+    def _init_state(self, salt: int) -> None:
+        super()._init_state(salt)
+        self._left_salts: set[int] = set()  # salts of epochs this link was kept out of
+
+    def renew(self, epoch: int) -> None:
+        """As :meth:`Link.renew`, and drop the receives of every earlier epoch, with
+        their messages: one whose send did come would otherwise land in its buffer
+        during this epoch, which may be using that buffer (resilient._ledger)."""
+        left = self.ledger.salt
+        super().renew(epoch)
+        self._left_salts.add(left)
+        self._left_salts.discard(self.ledger.salt)
+        salts = frozenset(self._left_salts)
+        if self.pg is not None and salts:
+            dropped = self.pg.forget(
+                lambda tag: tag_salt(tag) in salts, f"{self!r}: its call was given up"
+            )
+            if dropped:
+                logger.debug(
+                    "rank %d (epoch %d): %r dropped %d receive(s) of a given-up call",
+                    self.rank, epoch, self, dropped,
+                )  # fmt: skip
 
     def _interrupt(self, why: str) -> None:
         pg = self.pg

@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Final
 
@@ -275,6 +276,8 @@ class SocketPair:
         self._start = self._end = 0
         # A large body being read straight into its destination: (tag, view, got, work).
         self._body: tuple[int, memoryview, int, SocketWork | None] | None = None
+        # Tags of given-up calls (see forget): their messages are discarded.
+        self._forgotten: Callable[[int], bool] | None = None
         self.engine.add(self)
 
     @property
@@ -320,6 +323,32 @@ class SocketPair:
             if not self.engine.driving:
                 self.read_some()
         return work
+
+    def forget(self, stale: Callable[[int], bool], why: str) -> int:
+        """Drop every receive whose tag ``stale`` names (a given-up call's): it fails
+        with ``why`` and never writes into its buffer, which the caller may reuse
+        now; messages with such tags, stashed or still to come, are discarded.
+        Queued sends still go out whole (the framing needs them; the peer drops
+        them in turn). Returns how many receives were dropped."""
+        dropped = 0
+        with self.engine.lock:
+            self._forgotten = stale
+            for tag in [t for t in self._pending if stale(t)]:
+                for work in self._pending.pop(tag):
+                    work.error = why
+                    dropped += 1
+            for tag in [t for t in self._stash if stale(t)]:
+                self._stashed -= len(self._stash.pop(tag))
+            body = self._body
+            if body is not None and body[3] is not None and stale(body[0]):
+                # Half read into a dropped receive's buffer: read the rest aside.
+                tag, view, got, reading = body
+                assert reading is not None
+                reading.error = why
+                self._body = (tag, memoryview(bytearray(len(view))), got, None)
+                dropped += 1
+            self.engine.ring()
+        return dropped
 
     def allreduce(self, tensors: list[torch.Tensor]) -> _ProbeWork:
         """A two-rank sum of ``tensors[0]`` in place (the repair probe)."""
@@ -459,6 +488,8 @@ class SocketPair:
         self._body = (tag, view, got, work)
 
     def _arrived(self, tag: int, body: memoryview | bytearray) -> None:
+        if self._forgotten is not None and self._forgotten(tag):
+            return
         queue = self._pending.get(tag)
         if queue:
             self._fill(queue.popleft(), body)

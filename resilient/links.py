@@ -411,8 +411,7 @@ class LinkTable:
             self._staged = {}
             self.relayed = set()
         for link in kept.values():
-            link.epoch = epoch
-            link.ledger.renew(salt_of(epoch))
+            link.renew(epoch)
         for link in drop:
             link.close(background=True)
         return len(drop)

@@ -64,8 +64,21 @@ def _passing_run(scenario: Path, out: Path) -> tuple[dict[str, Any], str]:
     the run exited 0 and the report says it passed (else the assertion shows why)."""
     code, stdout, stderr = _finish(_chaos(scenario, out, "--json"), 260)
     report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    assert code == 0 and report["passed"], (report["expectations"], stderr[-3000:])
+    if code != 0 or not report["passed"]:
+        # pytest.fail, not assert: pytest cuts a long assertion message short.
+        pytest.fail(f"exit code {code}; {_why_not(report, out, stderr)}")
     return report, stderr
+
+
+def _why_not(report: dict[str, Any], out: Path, stderr: str) -> str:
+    """What a failed run shows: its failed expectations in full, the launcher's last
+    words, and the end of every rank's log (pytest would cut one long repr short)."""
+    failed = [row for row in report["expectations"] if not row["passed"]]
+    logs = "".join(
+        f"\n--- {log.name}:\n" + "\n".join(log.read_text().splitlines()[-25:])
+        for log in sorted((out / "logs").glob("rank*.log"))
+    )
+    return f"failed: {failed}\nstderr:\n{stderr[-1500:]}{logs}"
 
 
 def _nic_down_then_kill(

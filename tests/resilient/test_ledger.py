@@ -111,3 +111,51 @@ def test_a_link_with_stale_ops_carries_the_next_epochs_traffic_intact(transport:
         peer = 1 - rank
         assert r["got"] == [10.0 * peer + i for i in range(3)], (rank, r)
     assert out[0]["stale_untouched"]
+
+
+def _stale_pair_then_reused_buffer(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    """A receive (rank 0) and its send (rank 1) of a given-up call, both left pending:
+    the send's bytes are in the socket, the receive's thread is gone. The next epoch
+    reuses the receive's buffer (the schedules reuse scratch and the caller's
+    tensor), then carries traffic of its own on the kept link."""
+    table = pg.links
+    table.ensure([(1 - rank, 0)])
+    link = table.get(1 - rank, 0)
+    store = table.store
+    reused = torch.zeros(1 << 15)
+    if rank == 0:
+        link.irecv(reused, 5)  # no one drives the pair before the epoch is given up
+        store.set("posted", "1")
+        store.wait(["sent"], timedelta(seconds=30))
+    else:
+        store.wait(["posted"], timedelta(seconds=30))
+        link.isend(torch.ones(1 << 15), 5)  # written to the socket at once
+        store.set("sent", "1")
+    table.freeze()
+    table.renew(table.epoch + 1, [(1 - rank, 0)])
+    kept = table.get(1 - rank, 0) is link
+    reused.fill_(42.0)  # the next epoch's own data in that buffer
+    fresh = torch.full((1 << 15,), float(rank))
+    got = torch.zeros(1 << 15)
+    if rank == 0:
+        link.wait(link.irecv(got, 5), got.numel() * 4)
+        link.wait(link.isend(fresh, 5), fresh.numel() * 4)
+    else:
+        link.wait(link.isend(fresh, 5), fresh.numel() * 4)
+        link.wait(link.irecv(got, 5), got.numel() * 4)
+    return {
+        "kept": kept,
+        "got": sorted(set(got.tolist())),
+        "reused": sorted(set(reused.tolist())),
+    }
+
+
+def test_a_given_up_receive_does_not_write_into_the_next_epochs_buffer() -> None:
+    # Seen in the chaos run of a rank killed while a NIC was down: the survivors'
+    # kept link delivered a given-up call's message into a buffer the replayed
+    # step was using, and the job ended with bits unlike the fault-free run's.
+    out = run_world(_stale_pair_then_reused_buffer, 2, config={"data_transport": "socket"})
+    for rank, r in enumerate(out):
+        assert r["kept"], (rank, r)
+        assert r["got"] == [float(1 - rank)], (rank, r)
+        assert r["reused"] == [42.0], (rank, r)

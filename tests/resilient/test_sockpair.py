@@ -214,6 +214,45 @@ def test_a_large_message_sent_before_its_receive_is_kept_whole(
         b.shutdown()
 
 
+def test_forgotten_receives_never_write_into_their_buffers(
+    new_engine: Callable[[], Engine],
+) -> None:
+    # What a link kept into a new epoch does with a given-up call's receives
+    # (resilient._ledger): one half read into its buffer, one not started, one
+    # message stashed. Afterwards the buffers are the caller's again.
+    e0, e1 = new_engine(), new_engine()
+    a_s, b_s = _sockets_between("127.0.5.3", "127.0.5.4", "f/")
+    a, b = SocketPair(a_s, e0), SocketPair(b_s, e1)
+    try:
+        half, unread = torch.zeros(4 * BIG // 4), torch.zeros(4)
+        first = b.recv([half], 0, 5)
+        second = b.recv([unread], 0, 6)
+        # Nobody moves a's bytes yet: what the sockets' buffers took is all b can read.
+        sends = [a.send([torch.ones(4 * BIG // 4)], 0, 5), a.send([torch.ones(4)], 0, 6)]
+        sends += [a.send([torch.ones(4)], 0, 7), a.send([torch.full((3,), 9.0)], 0, 8)]
+        deadline = time.monotonic() + 20
+        while not half.any() and time.monotonic() < deadline:
+            b.recv([torch.zeros(1)], 0, 99)  # each post reads what the socket holds now
+            time.sleep(0.01)
+        assert half.any() and not half.all(), "the large message should be half read"
+        assert b.forget(lambda tag: tag in (5, 6, 7), "given up") == 2
+        sender = threading.Thread(target=lambda: [w.wait(WAIT) for w in sends])
+        sender.start()
+        half.fill_(42.0)
+        unread.fill_(42.0)
+        after = torch.zeros(3)
+        b.recv([after], 0, 8).wait(WAIT)  # moves the rest of the forgotten messages
+        sender.join(30)
+        assert after.tolist() == [9.0, 9.0, 9.0]
+        assert bool((half == 42.0).all()) and bool((unread == 42.0).all())
+        assert first.error == "given up" and second.error == "given up"
+        with pytest.raises(PairError):  # nothing of tag 7 was kept for a late receive
+            b.recv([torch.zeros(4)], 0, 7).wait(timedelta(seconds=0.5))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[], Engine]) -> None:
     # The case gloo cannot interrupt (resilient._waiter): the receive's message has
     # begun to arrive when its connection is cut.
