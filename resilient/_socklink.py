@@ -49,28 +49,27 @@ class SocketLink(Link):
 
     cut_wakes_waits = True
 
-    def _init_state(self, salt: int) -> None:
-        super()._init_state(salt)
-        self._left_salts: set[int] = set()  # salts of epochs this link was kept out of
-
     def renew(self, epoch: int) -> None:
-        """As :meth:`Link.renew`, and drop the receives of every earlier epoch, with
+        """As :meth:`Link.renew`, and drop the receives of the epoch just left, with
         their messages: one whose send did come would otherwise land in its buffer
-        during this epoch, which may be using that buffer (resilient._ledger)."""
+        during this epoch, which may be using that buffer (resilient._ledger).
+
+        Only that epoch's salt: earlier ones were dropped on entering the epochs
+        after them, and forgetting every salt ever left would, once salts come
+        round (resilient._ledger.SALTS), discard messages of the *next* epoch
+        that a peer entering it first sends ahead."""
         left = self.ledger.salt
         super().renew(epoch)
-        self._left_salts.add(left)
-        self._left_salts.discard(self.ledger.salt)
-        salts = frozenset(self._left_salts)
-        if self.pg is not None and salts:
-            dropped = self.pg.forget(
-                lambda tag: tag_salt(tag) in salts, f"{self!r}: its call was given up"
-            )
-            if dropped:
-                logger.debug(
-                    "rank %d (epoch %d): %r dropped %d receive(s) of a given-up call",
-                    self.rank, epoch, self, dropped,
-                )  # fmt: skip
+        if self.pg is None or left == self.ledger.salt:
+            return
+        dropped = self.pg.forget(
+            lambda tag: tag_salt(tag) == left, f"{self!r}: its call was given up"
+        )
+        if dropped:
+            logger.debug(
+                "rank %d (epoch %d): %r dropped %d receive(s) of a given-up call",
+                self.rank, epoch, self, dropped,
+            )  # fmt: skip
 
     def _interrupt(self, why: str) -> None:
         pg = self.pg
