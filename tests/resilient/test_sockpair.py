@@ -83,6 +83,20 @@ def _ring(
             pair.shutdown()
 
 
+@contextlib.contextmanager
+def _pair(
+    new_engine: Callable[[], Engine], addr0: str, addr1: str, name: str
+) -> Iterator[tuple[SocketPair, SocketPair]]:
+    """The two ends of one pair, an engine each (two simulated ranks), shut down after."""
+    a_s, b_s = _sockets_between(addr0, addr1, name)
+    a, b = SocketPair(a_s, new_engine()), SocketPair(b_s, new_engine())
+    try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_ring_of_messages_larger_than_the_socket_buffers_completes(
     new_engine: Callable[[], Engine],
 ) -> None:
@@ -183,10 +197,7 @@ def test_threads_waiting_on_one_engine_get_their_ops_handed_over(
 def test_a_large_message_sent_before_its_receive_is_kept_whole(
     new_engine: Callable[[], Engine],
 ) -> None:
-    e0, e1 = new_engine(), new_engine()
-    a_s, b_s = _sockets_between("127.0.5.1", "127.0.5.2", "s/")
-    a, b = SocketPair(a_s, e0), SocketPair(b_s, e1)
-    try:
+    with _pair(new_engine, "127.0.5.1", "127.0.5.2", "s/") as (a, b):
         first, second = torch.randn(1 << 20), torch.randn(1 << 20)
         sends = [a.send([first], 0, 4), a.send([second], 0, 4), a.send([torch.ones(1)], 0, 5)]
         sender = threading.Thread(target=lambda: [w.wait(WAIT) for w in sends])
@@ -209,9 +220,6 @@ def test_a_large_message_sent_before_its_receive_is_kept_whole(
         b.recv([after], 0, 7).wait(WAIT)
         sender.join(30)
         assert after.tolist() == [1.0, 2.0, 3.0]
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_forgotten_receives_never_write_into_their_buffers(
@@ -220,10 +228,7 @@ def test_forgotten_receives_never_write_into_their_buffers(
     # What a link kept into a new epoch does with a given-up call's receives
     # (resilient._ledger): one half read into its buffer, one not started, one
     # message stashed. Afterwards the buffers are the caller's again.
-    e0, e1 = new_engine(), new_engine()
-    a_s, b_s = _sockets_between("127.0.5.3", "127.0.5.4", "f/")
-    a, b = SocketPair(a_s, e0), SocketPair(b_s, e1)
-    try:
+    with _pair(new_engine, "127.0.5.3", "127.0.5.4", "f/") as (a, b):
         half, unread = torch.zeros(4 * BIG // 4), torch.zeros(4)
         first = b.recv([half], 0, 5)
         second = b.recv([unread], 0, 6)
@@ -248,9 +253,6 @@ def test_forgotten_receives_never_write_into_their_buffers(
         assert first.error == "given up" and second.error == "given up"
         with pytest.raises(PairError):  # nothing of tag 7 was kept for a late receive
             b.recv([torch.zeros(4)], 0, 7).wait(timedelta(seconds=0.5))
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[], Engine]) -> None:
@@ -278,9 +280,7 @@ def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once(
     new_engine: Callable[[], Engine],
 ) -> None:
     # How a link marked broken ends the waits on it before it publishes the break.
-    a_s, b_s = _sockets_between("127.0.7.1", "127.0.7.2", "f/")
-    a, b = SocketPair(a_s, new_engine()), SocketPair(b_s, new_engine())
-    try:
+    with _pair(new_engine, "127.0.7.1", "127.0.7.2", "f/") as (_, b):
         work = b.recv([torch.zeros(4)], 0, 1)
         threading.Timer(0.2, b.fail, args=("the link broke",)).start()
         start = time.monotonic()
@@ -288,9 +288,6 @@ def test_failing_a_pair_from_another_thread_wakes_its_driver_at_once(
             work.wait(timedelta(seconds=15))
         assert time.monotonic() - start < 3.0
         assert b.send([torch.zeros(1)], 0, 2).error == "the link broke"  # stays failed
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_closing_an_engine_closes_its_wake_up_pipe() -> None:
