@@ -149,7 +149,7 @@ class ControlMesh:
                     continue
                 except LinkError:
                     pass
-            self._from_store(p, seq, table[p])
+            self._from_store(p, seq, table[p], rail)
             self._relayed(link, seq)
         for link, work in sends:
             if work.done:  # written to the socket at once (the usual case)
@@ -171,7 +171,7 @@ class ControlMesh:
             action="control rows go through the store until the link is repaired",
         )
 
-    def _from_store(self, peer: int, seq: int, into: torch.Tensor) -> None:
+    def _from_store(self, peer: int, seq: int, into: torch.Tensor, rail: int) -> None:
         """Read ``peer``'s row ``seq`` from its published rows.
 
         Raises:
@@ -183,22 +183,32 @@ class ControlMesh:
         key, size = self._key(peer), into.numel() * into.element_size()
         deadline = time.monotonic() + links.config.op_timeout_floor_s
         nap = _NAP_S
+        held: list[int] | None = None  # the exchanges the peer's published rows are of
         while True:
             if links.closed or links.abandoned is not None:
                 why = links.abandoned or "links closed"
                 raise LinkError(f"rank {self.rank}: no row of rank {peer}: {why}")
             if links.store.check([key]):
                 blob = bytes(links.store.get(key))
+                held = []
                 for at in range(0, len(blob), _SEQ.size + size):
-                    if _SEQ.unpack_from(blob, at)[0] == seq:
+                    held.append(_SEQ.unpack_from(blob, at)[0])
+                    if held[-1] == seq:
                         start = at + _SEQ.size
                         raw = bytearray(blob[start : start + size])
                         into.view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
                         return
             if time.monotonic() > deadline:
+                # What the store held tells a peer that never published (its link
+                # looked fine to it) from one that was at another exchange.
+                found = "nothing" if held is None else f"rows of exchanges {held}"
+                # links() rather than get(): get() would build a missing link here.
+                link = links.links().get((peer, rail))
+                state = "missing" if link is None else ("broken" if link.broken else "not broken")
                 raise LinkError(
                     f"rank {self.rank}: rank {peer}'s row of exchange {seq} came neither "
-                    f"over its control links nor through the store"
+                    f"over its control links nor through the store (it held {found}; "
+                    f"here the rail-{rail} link is {state})"
                 )
             time.sleep(nap)
             nap = min(nap * 2, _MAX_NAP_S)
