@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import threading
 import time
 import weakref
 from collections import deque
@@ -77,6 +78,7 @@ class ControlMesh:
         # plane's failover record (RingEngine.failovers) for the control links.
         self.failovers: list[tuple[int, int, int, int]] = []
         self._said: weakref.WeakSet[Link] = weakref.WeakSet()
+        self._publishing = threading.Lock()
 
     def _key(self, rank: int) -> str:
         t = self.links
@@ -84,14 +86,22 @@ class ControlMesh:
 
     def publish(self) -> None:
         """Put this rank's last rows in the store (a control link broke)."""
-        recent = list(self._recent)
-        if not recent or len(self.links.rails) < 2:
+        if len(self.links.rails) < 2:
             return
-        blob = b"".join(_SEQ.pack(seq) + row.numpy().tobytes() for seq, row in recent)
-        try:
-            self.links.store.set(self._key(self.rank), blob)  # type: ignore[arg-type]  # bytes work
-        except Exception as exc:  # a peer then waits for our row until its deadline
-            raise LinkError(f"rank {self.rank}: publishing control rows failed: {exc}") from exc
+        # One publisher at a time, the rows read under the lock: a link's break
+        # publishes from whichever thread cut it, while the exchange publishes
+        # from its own, and a thread that read the rows before the exchange's
+        # newest one was added must not store them over the newer set (the peer
+        # waiting for that row would find it gone and give up at its deadline).
+        with self._publishing:
+            recent = list(self._recent)
+            if not recent:
+                return
+            blob = b"".join(_SEQ.pack(seq) + row.numpy().tobytes() for seq, row in recent)
+            try:
+                self.links.store.set(self._key(self.rank), blob)  # type: ignore[arg-type]  # bytes
+            except Exception as exc:  # a peer then waits for our row until its deadline
+                raise LinkError(f"rank {self.rank}: publishing control rows failed: {exc}") from exc
 
     def _link(self, peer: int, rail: int) -> Link:
         link = self.links.get(peer, rail)

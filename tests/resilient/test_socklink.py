@@ -218,6 +218,56 @@ def test_a_control_row_whose_link_broke_comes_through_the_store() -> None:
             t.close()
 
 
+class _HeldStore:
+    """A real store whose first control-row write waits until a second one is tried
+    (which then goes first) or ``hold_s`` passed: a thread preempted between reading
+    its rows and storing them, as on a busy core."""
+
+    def __init__(self, store: Any, hold_s: float) -> None:
+        self._store, self._hold_s = store, hold_s
+        self.first_in, self._second = threading.Event(), threading.Event()
+
+    def set(self, key: str, value: Any) -> None:
+        if "ctlrow/" in key and not self.first_in.is_set():
+            self.first_in.set()
+            self._second.wait(self._hold_s)
+        elif "ctlrow/" in key:
+            self._store.set(key, value)
+            self._second.set()
+            return
+        self._store.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_rows_published_from_two_threads_at_once_keep_the_newest_row() -> None:
+    from resilient._ctlmesh import ControlMesh
+
+    tables = _tables(rails=2)
+    meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
+    held = _HeldStore(tables[0].store, hold_s=1.5)
+    cutter = None
+    try:
+        _exchange(meshes, 1)
+        tables[0].store = held
+        # The link's break publishes rank 0's rows (exchange 1 only) from another
+        # thread, which stalls before storing them; meanwhile exchange 2 starts and
+        # publishes rows 1 and 2 itself. Stored last, the older set would hide row 2
+        # from rank 1, which reads the store once the cut reaches it.
+        link = tables[0].get(1, 0)
+        cutter = threading.Thread(target=link.abort, args=("test: NIC down",), daemon=True)
+        cutter.start()
+        assert held.first_in.wait(10.0)
+        for t in _exchange(meshes, 2):
+            assert t[:, 0].tolist() == [20, 21]
+    finally:
+        if cutter is not None:
+            cutter.join(10.0)
+        for t in tables:
+            t.close()
+
+
 def test_with_one_rail_a_broken_control_link_fails_the_exchange() -> None:
     from resilient._ctlmesh import ControlMesh
     from resilient.errors import LinkError
