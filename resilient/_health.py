@@ -80,6 +80,8 @@ class HealthBoard:
         self._peers: dict[int, PeerState] = {}
         self._version = 0
         self._lock = threading.Lock()
+        # Held across reading the record and storing it: see publish().
+        self._publishing = threading.Lock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         self._bell: Bell | None = None  # made by start(): rings only reach started boards
@@ -203,7 +205,8 @@ class HealthBoard:
         down: still a loss; see resilient._lost.left_in_order)."""
         self._left = succeeded
         try:
-            self._store.set(f"{self._prefix}/r{self.rank}", self._record())
+            with self._publishing:
+                self._store.set(f"{self._prefix}/r{self.rank}", self._record())
         except Exception:  # the peers then judge by the closes alone, as before
             logger.debug("rank %d (epoch %d): recording the departure failed", self.rank,
                          self.epoch, exc_info=True)  # fmt: skip
@@ -217,10 +220,13 @@ class HealthBoard:
 
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""
-        record = self._record()
         try:
-            self._store.set(f"{self._prefix}/r{self.rank}", record)
-            self._store.add(f"{self._prefix}/v", 1)
+            # Threads publish at once (a NIC watch, a link's break, a repair): one
+            # that read the record before a change must not store it after the
+            # record that has the change, which nothing would publish again.
+            with self._publishing:
+                self._store.set(f"{self._prefix}/r{self.rank}", self._record())
+                self._store.add(f"{self._prefix}/v", 1)
         except Exception:  # the peers then learn at their own deadline
             logger.warning("rank %d (epoch %d): publishing health failed", self.rank, self.epoch)
             return

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from resilient import _sockets
 from resilient._proc import free_port
 from resilient._socklink import PairError, SocketPair, connect_pair
+from tests._held import HeldStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -218,35 +219,12 @@ def test_a_control_row_whose_link_broke_comes_through_the_store() -> None:
             t.close()
 
 
-class _HeldStore:
-    """A real store whose first control-row write waits until a second one is tried
-    (which then goes first) or ``hold_s`` passed: a thread preempted between reading
-    its rows and storing them, as on a busy core."""
-
-    def __init__(self, store: Any, hold_s: float) -> None:
-        self._store, self._hold_s = store, hold_s
-        self.first_in, self._second = threading.Event(), threading.Event()
-
-    def set(self, key: str, value: Any) -> None:
-        if "ctlrow/" in key and not self.first_in.is_set():
-            self.first_in.set()
-            self._second.wait(self._hold_s)
-        elif "ctlrow/" in key:
-            self._store.set(key, value)
-            self._second.set()
-            return
-        self._store.set(key, value)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-
 def test_rows_published_from_two_threads_at_once_keep_the_newest_row() -> None:
     from resilient._ctlmesh import ControlMesh
 
     tables = _tables(rails=2)
     meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
-    held = _HeldStore(tables[0].store, hold_s=1.5)
+    held = HeldStore(tables[0].store, "ctlrow/", hold_s=1.5)
     cutter = None
     try:
         _exchange(meshes, 1)
