@@ -38,7 +38,7 @@ def _lose_and_regain_rail(pg: Any, rank: int, world: int, n: int) -> dict[str, A
     before = _snapshot(pg)
     if rank == VICTIM:
         pg.board.nic_changed(0, False)  # what NicMonitor reports when r0 goes down
-    equal, calls, down_weights, healthy = [], 0, [], False
+    equal, calls, down_weights = [], 0, []
     for calls in range(1, 400):  # every rank makes the same calls
         got = x.clone()
         pg.allreduce([got]).wait()
@@ -46,10 +46,7 @@ def _lose_and_regain_rail(pg: Any, rank: int, world: int, n: int) -> dict[str, A
         down_weights.append(pg.engine.weights[0])
         if rank == VICTIM and calls == 3:
             pg.board.nic_changed(0, True)  # the NIC is back
-        # Judged here, not after the loop: a rank done first closes its links, and
-        # a slow rank looking afterwards would see them broken by the teardown.
-        healthy = calls > 3 and _healthy(pg)
-        done = torch.tensor([1.0 if healthy else 0.0])
+        done = torch.tensor([1.0 if calls > 3 and _healthy(pg) else 0.0])
         pg.allreduce([done]).wait()
         if done.item() == world:
             break
@@ -59,7 +56,10 @@ def _lose_and_regain_rail(pg: Any, rank: int, world: int, n: int) -> dict[str, A
         "all_equal": all(equal),
         "calls": calls,
         "rail0_dropped": min(down_weights) == 0,
-        "healthy": healthy and done.item() == world,
+        # Every rank healthy at the call they agreed on. Not judged after the loop:
+        # a rank done first closes its links, and a slow rank looking afterwards
+        # would see them broken by the teardown.
+        "healthy": done.item() == world,
         "same": {k: after[k] is before[k] for k in before},
         "generations": {
             k: t.generation(k[1], k[2]) for t in _tables(pg) for k in before if k[0] == t.name
