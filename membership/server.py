@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from membership._etcd import EtcdClient
 
-from resilient._proc import free_port, spawn, stop_process
+from resilient._proc import free_ports, spawn, stop_process
 from resilient.errors import ConfigError, MembershipError
 
 __all__ = ["EmbeddedEtcd", "EtcdCluster", "ServerTLS", "find_etcd_binary"]
@@ -180,8 +180,9 @@ class EtcdCluster:
         self._start_timeout_s = start_timeout_s
         self._host = host
         self._extra_args = tuple(extra_args)
+        ports = free_ports(2 * size, host)
         self._members = [
-            _Member(f"m{i}", free_port(host), free_port(host), self._root / f"m{i}")
+            _Member(f"m{i}", ports[2 * i], ports[2 * i + 1], self._root / f"m{i}")
             for i in range(size)
         ]
         self._token = f"resilient-{os.getpid()}-{time.monotonic_ns()}"

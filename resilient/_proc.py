@@ -75,18 +75,40 @@ def free_port(host: str = "127.0.0.1") -> int:
     (seen in a test's TCPStore). Ports outside that range only an explicit bind
     takes.
     """
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """Return ``count`` distinct ports free on ``host`` a moment ago (see :func:`free_port`).
+
+    One call for ports one server needs together: picked one at a time, two of
+    them were the same random port once (an etcd member's client and peer URL,
+    so it failed with EADDRINUSE against itself).
+    """
     low = _ephemeral_low()
-    for _ in range(64):
+    chosen: list[int] = []
+    for _ in range(64 * count):
+        if len(chosen) == count:
+            break
         port = random.randrange(max(1024, low - 16384), low)
+        if port not in chosen and _bindable(host, port):
+            chosen.append(port)
+    while len(chosen) < count:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in chosen:
+            chosen.append(port)
+    return tuple(chosen)
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _ephemeral_low() -> int:
