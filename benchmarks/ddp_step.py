@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -97,11 +98,12 @@ class Trainer:
         self.rank = rank
         self.steps = 0
 
-    def step(self) -> float:
-        """One training step; returns its wall time in ms."""
+    def step(self) -> tuple[float, float]:
+        """One training step; returns its wall time and this process's CPU time
+        (every thread's, the library's own included) in ms."""
         from torch import nn
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         x, y = self.example.batch(
             self.plan.seed, self.rank, self.steps, self.plan.width, self.plan.batch
         )
@@ -110,7 +112,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.opt.step()
-        return (time.perf_counter() - start) * 1e3
+        return (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -145,18 +147,22 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
     }
 
 
-def train(trainers: dict[str, Trainer], control: Any, plan: Plan) -> dict[str, list[float]]:
-    """Alternate steps between the replicas; keep the times after warm-up."""
+def train(
+    trainers: dict[str, Trainer], control: Any, plan: Plan
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Alternate steps between the replicas; keep the wall and CPU times after warm-up."""
     times: dict[str, list[float]] = {n: [] for n in NAMES}
+    cpu: dict[str, list[float]] = {n: [] for n in NAMES}
     for step in range(plan.warmup + plan.steps):
         order = NAMES if step % 2 == 0 else NAMES[::-1]
         for name in order:
             control_barrier(control, plan.timeout_s)
-            elapsed = trainers[name].step()
+            elapsed, used = trainers[name].step()
             if step >= plan.warmup:
                 times[name].append(elapsed)
+                cpu[name].append(used)
     control_barrier(control, plan.timeout_s)  # DDP work of the last step is done everywhere
-    return times
+    return times, cpu
 
 
 def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
@@ -168,7 +174,7 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
     groups = make_groups(rank, store, plan)
     try:
         trainers = {n: Trainer(example, groups[n], plan, rank) for n in NAMES}
-        times = train(trainers, groups["control"], plan)
+        times, cpu = train(trainers, groups["control"], plan)
         digests = {n: t.digest() for n, t in trainers.items()}
         diff = max(
             float((a.detach() - b.detach()).abs().max())
@@ -184,7 +190,7 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
         groups.pop("gloo")
         for name in ("gloo_backend", "control"):
             groups.pop(name).shutdown()
-    return {"times": times, "digests": digests, "max_param_diff": diff}
+    return {"times": times, "cpu": cpu, "digests": digests, "max_param_diff": diff}
 
 
 # -- parent side -----------------------------------------------------------------------
@@ -192,6 +198,12 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
     per_step = max_over_ranks([r["times"] for r in results])
     stats = {n: summarise(v) for n, v in per_step.items()}
     res, gloo = stats["resilient"]["median"], stats["gloo"]["median"]
+    # A step's CPU: every rank's, summed (on a host with fewer cores than ranks the
+    # step time follows it).
+    cpu = {
+        n: statistics.median(sum(per) for per in zip(*(r["cpu"][n] for r in results), strict=True))
+        for n in NAMES
+    }
     return {
         "bench": "ddp_step",
         "ranks": plan.world,
@@ -206,6 +218,8 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "resilient_step_ms": round(res, 2),
         "gloo_step_ms": round(gloo, 2),
         "overhead": round(res / gloo - 1, 4),
+        "resilient_step_cpu_ms": round(cpu["resilient"], 2),
+        "gloo_step_cpu_ms": round(cpu["gloo"], 2),
         "min_max_ms": {n: [round(s["min"], 2), round(s["max"], 2)] for n, s in stats.items()},
         "samples_ms": {n: [round(v, 1) for v in vs] for n, vs in per_step.items()},
         "resilient_identical_across_ranks": len({r["digests"]["resilient"] for r in results}) == 1,
@@ -224,10 +238,10 @@ def print_report(s: dict[str, Any]) -> None:
     )
     print_conditions(s)
     rows = [
-        [n, f"{s[f'{n}_step_ms']:.2f}", f"{lo:.2f}", f"{hi:.2f}"]
+        [n, f"{s[f'{n}_step_ms']:.2f}", f"{lo:.2f}", f"{hi:.2f}", f"{s[f'{n}_step_cpu_ms']:.1f}"]
         for n, (lo, hi) in s["min_max_ms"].items()
     ]
-    print_table(["backend", "median ms", "min ms", "max ms"], rows)
+    print_table(["backend", "median ms", "min ms", "max ms", "CPU ms (all ranks)"], rows)
     print(
         f"overhead (resilient/gloo - 1): {s['overhead'] * 100:+.1f}%; replicas identical "
         f"across ranks: resilient {s['resilient_identical_across_ranks']}, gloo "
