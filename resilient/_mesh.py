@@ -134,16 +134,15 @@ class MeshRail:
     def reduce_scatter(self, reduce: Reducer, *, then_gather: bool) -> None:
         """Own chunk ``rank`` ends fully reduced; with ``then_gather`` every chunk does.
 
+        The results' receives are posted as soon as the contributions went out, straight
+        into the buffer: an owner's result for a region cannot exist before the owner
+        consumed our contribution sent from that region, so nothing lands there while
+        a send (or a failover's re-send of an unconsumed message) still reads it.
+
         With ``skip`` (the straggler-aware schedule, always with ``then_gather``) the
-        gather's receives are posted at once, into scratch, and copied in at the end
-        (:meth:`_owner_paced`, :meth:`_send_once_receive_once`). Receiving into the
-        buffer itself has to wait until our reduce-scatter sends (which read it)
-        finished, and gloo sends nothing until the receive is posted, so on
-        bandwidth-bound links the two halves do not overlap: the slow rank would
-        receive the result only after sending all its data. On 400 Mbit/s links,
-        4 MiB, the healthy mesh took 200-231 ms with it, 258-269 ms without; on
-        CPU-bound loopback the extra copy costs 5-8 points of DDP step time, so only
-        the straggler-aware schedule uses it.
+        gather's receives are posted before any send, into scratch, and copied in at
+        the end (:meth:`_owner_paced`, :meth:`_send_once_receive_once`), so the slow
+        rank's results leave as its parts come in.
         """
         own = self.subs[self.rank]
         own_n = len(self.peers) * sum(s.size for s in own)
@@ -153,31 +152,36 @@ class MeshRail:
             else:
                 self._owner_paced(reduce, own_n)
             return
-        scratch, recvs = self._post_contributions(self._scratch(own_n), sending=True)
-        gathers: list[tuple[int, int]] = []
+        # Every receive before any send: a message that comes before its receive is
+        # read into a fresh buffer and copied again. With the results' receives
+        # posted only once our sends had finished, that was a quarter of the results
+        # on 4 ranks sharing 2 cores (and posting a receive reads its socket, which
+        # may already hold a peer's result).
+        scratch, recvs = self._post_contributions(self._scratch(own_n))
+        gathers = self._post_gathers() if then_gather else []
+        for j in range(self.k):
+            for p in self.peers:
+                self._send(self.rs_sends, p, self.subs[p][j], j)
         for j in range(self.k):
             if own[j].size:
                 self._fold(j, reduce, scratch, recvs)
             if then_gather:
-                gathers += self._start_gather(j)
+                self._start_gather(j)
         self._wait_all(self.rs_sends)
         self._finish_gather(gathers)
         self._close()
 
     def _post_contributions(
-        self, pool: torch.Tensor, *, sending: bool
+        self, pool: torch.Tensor
     ) -> tuple[dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
         """Post the receives of every peer's part of our chunk, sub-chunk by sub-chunk,
-        into ``pool``: (buffer, op index) by (peer, j). With ``sending``, our part of
-        each peer's sub-chunk j goes out just before its receive is posted."""
+        into ``pool``: (buffer, op index) by (peer, j)."""
         own = self.subs[self.rank]
         scratch: dict[tuple[int, int], torch.Tensor] = {}
         recvs: dict[tuple[int, int], int] = {}
         offset = 0
         for j in range(self.k):
             for p in self.peers:
-                if sending:
-                    self._send(self.rs_sends, p, self.subs[p][j], j)
                 if own[j].size:
                     scratch[(p, j)] = buf = pool[offset : offset + own[j].size]
                     offset += own[j].size
@@ -192,7 +196,7 @@ class MeshRail:
         own = self.subs[self.rank]
         gather_n = sum(s.size for p in self.peers for s in self.subs[p])
         pool = self._scratch(own_n + gather_n)
-        scratch, recvs = self._post_contributions(pool, sending=False)
+        scratch, recvs = self._post_contributions(pool)
         landed = self._post_gather_into(pool[own_n:])
         for j in range(self.k + PACE_LAG):
             if j < self.k:
@@ -269,27 +273,31 @@ class MeshRail:
             else:
                 reduce(mine, part)
 
-    def _start_gather(self, j: int) -> list[tuple[int, int]]:
-        """Send own sub-chunk j to every peer; receive theirs once our sends of it finished."""
+    def _start_gather(self, j: int) -> None:
+        """Send own sub-chunk j to every peer."""
         for p in self.gather_to:
             self._send(self.ag_sends, p, self.subs[self.rank][j], self.k + j)
-        return [(p, j) for p in self.peers]
 
-    def _finish_gather(self, gathers: list[tuple[int, int]]) -> None:
-        # The reduce-scatter sends read the peers' regions; they have completed, so
-        # receiving into those regions is now safe.
+    def _post_gathers(self) -> list[tuple[int, int, Span]]:
+        """Post the receive of every peer's finished sub-chunks, straight into the
+        buffer: (peer, op index, span), in the order they are waited for."""
         recvs = []
-        for p, j in gathers:
-            span = self.subs[p][j]
-            if span.size:
-                recvs.append((p, self.rx[p].post(self._view(span), self.k + j), span))
+        for j in range(self.k):
+            for p in self.peers:
+                span = self.subs[p][j]
+                if span.size:
+                    recvs.append((p, self.rx[p].post(self._view(span), self.k + j), span))
+        return recvs
+
+    def _finish_gather(self, recvs: list[tuple[int, int, Span]]) -> None:
         for p, idx, span in recvs:
             self.rx[p].wait(idx, span.size * self.elem)
         self._wait_all(self.ag_sends)
 
     def all_gather(self) -> None:
         """Own chunk ``rank`` is filled; fill every other chunk from its owner."""
+        recvs = self._post_gathers()
         for j in range(self.k):
             self._start_gather(j)
-        self._finish_gather([(p, j) for j in range(self.k) for p in self.peers])
+        self._finish_gather(recvs)
         self._close()
