@@ -5,7 +5,10 @@ of ``ProcessGroupGloo`` a :class:`~resilient._link.Link` uses (``send``, ``recv`
 ``allreduce`` for the repair probe, ``shutdown``). Messages are framed (tag,
 length) and meet their receives by tag in arrival order, as gloo matches slots; a
 message that comes before its receive waits in a stash (a large one is read into
-a buffer of its own, so a peer is never blocked by a receive posted late).
+a buffer of its own, so a peer is never blocked by a receive posted late). A
+large message that comes while no receive at all is posted on the pair is left in
+the socket until one is (parked), so the usual early arrival, a peer's next call,
+costs no extra copy.
 
 Nothing runs in the background. Every pair belongs to an :class:`Engine`, and the
 thread that waits for an op moves the bytes of *every* pair of its engine: it polls
@@ -210,7 +213,10 @@ class Engine:
         watched = [(self._wake_r, select.POLLIN)]
         for fd, pair in self._pairs.items():
             if pair.error is None:
-                watched.append((fd, _IN | (select.POLLOUT if pair.has_output else 0)))
+                # A parked pair's socket stays readable: polled for input it would
+                # wake the driver at once, again and again. Hang-ups still show.
+                events = 0 if pair.parked else _IN
+                watched.append((fd, events | (select.POLLOUT if pair.has_output else 0)))
         for fd, events in watched:
             poller.register(fd, events)
         return watched
@@ -228,6 +234,8 @@ class Engine:
                 continue
             if events & select.POLLOUT:
                 pair.write_some()
+            if events & _GONE:
+                pair.unpark()  # the failure behind the parked message must be seen
             if events & (_IN | _GONE):
                 pair.read_some()
         self.handed_over()
@@ -276,6 +284,9 @@ class SocketPair:
         self._start = self._end = 0
         # A large body being read straight into its destination: (tag, view, got, work).
         self._body: tuple[int, memoryview, int, SocketWork | None] | None = None
+        # A large message came while no receive at all was posted here: its header
+        # stays in the buffer and its body in the socket until one is (see _deliver).
+        self._parked = False
         # Tags of given-up calls (see forget): their messages are discarded.
         self._forgotten: Callable[[int], bool] | None = None
         self.engine.add(self)
@@ -283,6 +294,10 @@ class SocketPair:
     @property
     def has_output(self) -> bool:
         return bool(self._outq)
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
 
     # -- the ProcessGroupGloo subset a Link uses ------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SocketWork:
@@ -320,6 +335,9 @@ class SocketPair:
                 work.error = self.error
                 return work
             self._pending.setdefault(tag, collections.deque()).append(work)
+            if self._parked:
+                self.unpark()
+                self.engine.ring()  # a driver polls the socket for input again
             if not self.engine.driving:
                 self.read_some()
         return work
@@ -396,10 +414,17 @@ class SocketPair:
             self._outq.popleft()
 
     # -- receiving (under the engine's lock) ----------------------------------------------
+    def unpark(self) -> None:
+        """Go on reading past a parked message: into its receive when that is posted
+        now, else into a buffer of its own (the old way)."""
+        if self._parked:
+            self._parked = False
+            self._deliver(park=False)
+
     def read_some(self) -> None:
         """Read what the socket holds now and deliver every whole message."""
         try:
-            while self.error is None:
+            while self.error is None and not self._parked:
                 if self._body is not None:
                     if not self._read_body():
                         return
@@ -450,15 +475,27 @@ class SocketPair:
         if self._end == len(self._buf):
             self._buf.extend(bytes(len(self._buf)))
 
-    def _deliver(self) -> None:
+    def _deliver(self, *, park: bool = True) -> None:
         """Hand every whole message in the buffer to its receive, or stash it; start
-        reading a large body straight into its destination."""
+        reading a large body straight into its destination.
+
+        A large message that comes while no receive at all is posted on this pair (a
+        peer one call ahead: its next call's data came while this rank still waits
+        in the last one) is parked instead: left in the socket, not read into a
+        fresh buffer to be copied again once its receive is posted. Any receive
+        posted here unparks it (:meth:`recv`), so a wait for a later message on the
+        pair never waits behind it; the socket's buffers hold what the peer sends
+        meanwhile, and a peer whose send does not fit waits as on a slow link.
+        """
         head = _HEADER.size
         while self._end - self._start >= head:
             tag, nbytes = _HEADER.unpack_from(self._buf, self._start)
             begin = self._start + head
             have = min(self._end - begin, nbytes)
             if have < nbytes and nbytes >= _DIRECT_BYTES:
+                if park and not self._pending and self.error is None:
+                    self._parked = True
+                    return
                 self._start_body(tag, nbytes, memoryview(self._buf)[begin : begin + have])
                 self._start = begin + have
                 break

@@ -323,3 +323,111 @@ def test_messages_that_came_before_the_peer_closed_are_still_delivered(
             b.recv([torch.zeros(16)], 0, 11).wait(WAIT)  # nothing left for it
     finally:
         b.shutdown()
+
+
+def _cpu_s() -> float:
+    return time.process_time()
+
+
+def test_a_large_message_nobody_asked_for_yet_waits_in_the_socket(
+    new_engine: Callable[[], Engine],
+) -> None:
+    # A peer one call ahead: its next call's data comes while this rank's engine is
+    # driven by a wait on another pair. The body is left in the socket (parked), not
+    # read into a buffer of its own, and lands in its receive once that is posted.
+    e0, e1 = new_engine(), new_engine()
+    x0s, x1s = _sockets_between("127.0.9.1", "127.0.9.2", "px/")
+    y0s, y1s = _sockets_between("127.0.9.1", "127.0.9.2", "py/")
+    x0, y0, x1, y1 = (
+        SocketPair(x0s, e0),
+        SocketPair(y0s, e0),
+        SocketPair(x1s, e1),
+        SocketPair(y1s, e1),
+    )
+    ahead = torch.randn(1 << 18)  # 1 MiB, fits the socket buffers
+    try:
+        x0.send([ahead], 0, 3).wait(WAIT)
+        other = y1.recv([torch.zeros(1)], 0, 1)
+        driver = threading.Thread(target=other.wait, args=(WAIT,))
+        driver.start()  # rank 1 drives its engine, waiting on pair Y
+        deadline = time.monotonic() + 10
+        while not x1.parked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert x1.parked, "the message should wait in the socket"
+        cpu = _cpu_s()
+        time.sleep(0.3)  # the driver must not spin on the parked socket
+        assert _cpu_s() - cpu < 0.15
+        assert not x1._stash and x1._body is None
+        out = torch.zeros_like(ahead)
+        x1.recv([out], 0, 3).wait(WAIT)
+        assert torch.equal(out, ahead) and not x1.parked
+        y0.send([torch.ones(1)], 0, 1).wait(WAIT)
+        driver.join(30)
+        assert other.is_completed() and other.error is None
+    finally:
+        for pair in (x0, y0, x1, y1):
+            pair.shutdown()
+
+
+def test_a_receive_of_another_tag_goes_on_past_a_parked_message(
+    new_engine: Callable[[], Engine],
+) -> None:
+    # What is waited for may come behind a message nobody asked for yet: any
+    # receive posted on the pair unparks it (read aside, as before parking).
+    with _pair(new_engine, "127.0.9.3", "127.0.9.4", "pk/") as (a, b):
+        big = torch.randn(1 << 18)
+        sends = [a.send([big], 0, 4), a.send([torch.full((2,), 5.0)], 0, 5)]
+        for w in sends:
+            w.wait(WAIT)
+        deadline = time.monotonic() + 10
+        while not b.parked and time.monotonic() < deadline:
+            with b.engine.lock:  # what a driver does when the socket is readable
+                b.read_some()
+            time.sleep(0.01)
+        assert b.parked
+        small = torch.zeros(2)
+        b.recv([small], 0, 5).wait(WAIT)
+        assert small.tolist() == [5.0, 5.0] and not b.parked
+        out = torch.zeros_like(big)
+        b.recv([out], 0, 4).wait(WAIT)
+        assert torch.equal(out, big)
+
+
+def test_cutting_a_parked_pair_fails_it_without_spinning(
+    new_engine: Callable[[], Engine],
+) -> None:
+    e0, e1 = new_engine(), new_engine()
+    x0s, x1s = _sockets_between("127.0.9.5", "127.0.9.6", "cx/")
+    y0s, y1s = _sockets_between("127.0.9.5", "127.0.9.6", "cy/")
+    x0, y0, x1, y1 = (
+        SocketPair(x0s, e0),
+        SocketPair(y0s, e0),
+        SocketPair(x1s, e1),
+        SocketPair(y1s, e1),
+    )
+    try:
+        x0.send([torch.randn(1 << 18)], 0, 3).wait(WAIT)
+        other = y1.recv([torch.zeros(1)], 0, 1)
+        driver = threading.Thread(target=other.wait, args=(WAIT,))
+        driver.start()
+        deadline = time.monotonic() + 10
+        while not x1.parked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert x1.parked
+        conn = _sockets.Conn(
+            x1s.fileno(), _sockets.norm(x1s.getsockname()[:2]), _sockets.norm(x1s.getpeername()[:2])
+        )
+        _sockets.cut([conn])
+        deadline = time.monotonic() + 5
+        while x1.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert x1.error is not None, "the cut should fail the parked pair"
+        cpu = _cpu_s()
+        time.sleep(0.3)
+        assert _cpu_s() - cpu < 0.15
+        y0.send([torch.ones(1)], 0, 1).wait(WAIT)
+        driver.join(30)
+        assert other.error is None
+    finally:
+        for pair in (x0, y0, x1, y1):
+            pair.shutdown()
