@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -111,13 +111,29 @@ class ControlMesh:
                 self.publish()
         return link
 
+    def ready(self, rail: int) -> bool:
+        """Whether a row can go out on ``rail`` now without building a link (any
+        thread may then call :meth:`send`; building one is a rendezvous)."""
+        return self._built and all(self.links.has(p, rail) for p in self.peers)
+
     def all_gather(self, table: torch.Tensor, seq: int, rail: int) -> None:
         """Fill every row of ``table`` (``(world, width)``, this rank's row set) with
-        the peers' rows of exchange ``seq``, sent on ``rail``.
+        the peers' rows of exchange ``seq``, sent on ``rail``: :meth:`send`, then
+        :meth:`receive`.
 
         Raises:
             LinkError: a peer's row did not come (its links closed, the epoch was
                 given up, one rail only, or the deadline passed).
+        """
+        self.receive(table, seq, rail, self.send(table, seq, rail))
+
+    def send(self, table: torch.Tensor, seq: int, rail: int) -> list[tuple[Link, Any]]:
+        """Send this rank's row of exchange ``seq`` to every peer on ``rail`` (through
+        the store where its link is broken); returns the sends for :meth:`receive`.
+        Exchanges are sent in order, each once.
+
+        Raises:
+            LinkError: the row had to go through the store and could not.
         """
         links = self.links
         if not self._built:
@@ -128,26 +144,36 @@ class ControlMesh:
             self._built = True
         mine = table[self.rank]
         self._recent.append((seq, mine))
-        tag = _TAG
-        nbytes = mine.numel() * mine.element_size()
         sends, published = [], False
         for p in self.peers:
             link = self._link(p, rail)
             try:
                 if not link.broken:
-                    sends.append((link, link.isend(mine, tag)))
+                    sends.append((link, link.isend(mine, _TAG)))
                     continue
             except LinkError:
                 pass
             if not published:  # this row has to go through the store
                 self.publish()
                 published = True
+        return sends
+
+    def receive(
+        self, table: torch.Tensor, seq: int, rail: int, sends: list[tuple[Link, Any]]
+    ) -> None:
+        """Fill the peers' rows of exchange ``seq`` into ``table`` (see :meth:`send`).
+
+        Raises:
+            LinkError: a peer's row did not come (its links closed, the epoch was
+                given up, one rail only, or the deadline passed).
+        """
+        nbytes = table[self.rank].numel() * table.element_size()
         recvs = []
         for p in self.peers:
             link = self._link(p, rail)
             work = None
             with contextlib.suppress(LinkError):  # broken: the row comes through the store
-                work = None if link.broken else link.irecv(table[p], tag)
+                work = None if link.broken else link.irecv(table[p], _TAG)
             recvs.append((p, link, work))
         for p, link, work in recvs:
             if work is not None:

@@ -1,26 +1,30 @@
-"""Signature exchange ahead of the data, on its own links and thread.
+"""Signature exchange ahead of the data: rows sent when the call is made, read when it runs.
 
-Checking every call's signature before its data moves costs one hop. Done on the
-communication thread, that hop adds to every collective. Here a call submitted
-while the communication thread is busy with an earlier one is exchanged on a
-control thread over separate control links (mesh, on the healthiest rail): while
-call k moves its data, call k+1's signature is already being agreed on, so
-back-to-back collectives (DDP's buckets) stop paying for it. A call submitted to
-an idle group is exchanged by the communication thread itself, as it picks the
-call up: handing it to the control thread and its verdict back would add two
-thread wake-ups to the critical path, each of which waits for a core on a busy
-host (every exchange still runs alone and in submission order).
+Every collective first all-gathers a row per rank (its signature, small payload and
+the plan inputs every rank must agree on; see resilient._signature) over control
+links of their own. Waiting for a round of rows before every call's data costs a
+hop, and on a loaded host every hop is wake-ups that wait for a core. So a row goes
+out as early as it can: from the caller's thread when the call is made, if the
+previous exchange has settled here (its verdict decides the rail and the links the
+next row takes), else from the communication thread right after that exchange
+settles. The communication thread reads the peers' rows when it takes the call up:
+DDP's second bucket is made while its first one's data moves, so by the time that
+is through, every rank's row for it is already in the sockets and the verdict
+costs no wait. Exchanges settle one at a time, in submission order, on the
+communication thread; rows go out in the same order, each once, so every pair's
+rows meet in order.
 
 Calls whose exchange reads tensor data (inline payloads) or must mean "everyone got
-here" (barrier) are always exchanged by the communication thread, so only once every
-earlier call finished locally: they see the results of earlier collectives. Every
-rank exchanges in submission order, on links no data phase uses, so the exchanges
-always pair up.
+here" (barrier) send their row only when the communication thread takes them up,
+so only once every earlier call finished locally: they see the results of earlier
+collectives, and no later row goes out before theirs. Over gloo control links
+(``control_transport="gloo"``) a row cannot be sent apart from the all-gather that
+reads the others', and every exchange runs whole on the communication thread.
 
-Each rank also keeps an exchange clock: how long it has waited
-inside exchanges for the other ranks, and all the rest of its time ("active").
-Every row carries the rank's totals, so all ranks see who keeps the others waiting
-(straggler detection) from the same numbers.
+Each rank also keeps an exchange clock: how long it has waited inside exchanges
+for the other ranks, and all the rest of its time ("active"). Every row carries
+the rank's totals, so all ranks see who keeps the others waiting (straggler
+detection) from the same numbers.
 """
 
 from __future__ import annotations
@@ -28,17 +32,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from typing import Any
 
 import torch
 from torch._C._distributed_c10d import Store
 
 from resilient._ctlmesh import ControlMesh
-from resilient._handoff import Bell, Handoff
 from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
-from resilient._signature import WIDTH, Exchange, Signature, check_signatures, exchange_of
+from resilient._signature import (
+    WIDTH,
+    Exchange,
+    Signature,
+    exchange_of,
+    signature_table,
+)
 from resilient._stolen import StolenTime
 from resilient._weights import agreed_backups, agreed_weights
 from resilient.collectives import RingEngine
@@ -54,15 +64,22 @@ Payload = Callable[[], torch.Tensor | None]
 
 
 class Ticket:
-    """One call's exchange: who runs it (``by_ctl``) and its future :class:`Exchange`."""
+    """One call's exchange: its row once sent (``table``, ``rail``, ``sends``) and,
+    once settled, its :class:`Exchange` or the error its call raises."""
 
-    __slots__ = ("by_ctl", "fut", "payload", "seq", "settled", "sig")
+    __slots__ = (
+        "error", "exchange", "payload", "quiet", "rail", "sends", "sent", "seq",
+        "settled", "sig", "table",
+    )  # fmt: skip
 
-    def __init__(self, seq: int, sig: Signature, payload: Payload | None, by_ctl: bool) -> None:
-        self.seq, self.sig, self.payload = seq, sig, payload
-        self.by_ctl = by_ctl
-        self.settled = False
-        self.fut: Future[Exchange] = Future()
+    def __init__(self, seq: int, sig: Signature, payload: Payload | None, quiet: bool) -> None:
+        self.seq, self.sig, self.payload, self.quiet = seq, sig, payload, quiet
+        self.sent = self.settled = False
+        self.table: torch.Tensor | None = None
+        self.rail = 0
+        self.sends: Any = None
+        self.exchange: Exchange | None = None
+        self.error: BaseException | None = None
 
 
 class SignatureChannel:
@@ -114,26 +131,18 @@ class SignatureChannel:
         )
         self._static = self.engine.weights
         self._submitted = 0
-        self._done = 0  # calls the communication thread finished
         self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
-        self._ran_lock = threading.Lock()
-        self._queue: Handoff[Ticket | None] = Handoff()
-        # Rung when the control thread settles an exchange: the communication thread
-        # waits on it (see result) rather than on the future's condition.
-        self._settled = Bell()
-        # Rung when the communication thread settles one while the control thread
-        # waits for its turn (``_ctl_waiting``: no pipe write when nobody waits).
-        self._turn = Bell()
-        self._ctl_waiting = False
+        self._sent = 0  # exchanges whose row went out (each once, in submission order)
+        # Submitted calls whose row has not gone out yet, oldest first; the lock
+        # makes sending a row, and deciding that it may go, one step for the caller's
+        # thread and the communication thread.
+        self._unsent: deque[Ticket] = deque()
+        self._send_lock = threading.Lock()
         self._started = time.monotonic()
-        self._waited_us = 0  # written by whichever thread runs an exchange (one at a time)
+        self._waited_us = 0  # written by the communication thread only
         self._failed_with: BaseException | None = None
         self._stolen = StolenTime(f"resilient-stolen-{rank}")
-        self._thread = threading.Thread(
-            target=self._loop, name=f"resilient-ctl-{rank}", daemon=True
-        )
-        self._thread.start()
 
     def submit(
         self,
@@ -144,18 +153,18 @@ class SignatureChannel:
     ) -> Ticket:
         """Schedule the exchange of ``sig``; :meth:`result` gives its :class:`Exchange`.
 
-        With ``after_previous`` (or a ``payload``) the exchange waits until every
-        earlier call was marked done. Called from one thread at a time, in order.
+        Sends this rank's row now when the previous exchange has settled here (and
+        the call is not ``after_previous`` and has no ``payload``: those go out once
+        every earlier call was marked done). Called from one thread at a time, in
+        order.
         """
         self._submitted += 1
         seq = self._submitted
         quiet = after_previous or payload is not None
-        # The communication thread busy with an earlier call: agree on this one
-        # meanwhile. Otherwise it runs the exchange itself as it takes the call up.
-        by_ctl = not quiet and self._done < seq - 1
-        ticket = Ticket(seq, sig.with_seq(seq), payload, by_ctl)
-        if by_ctl:
-            self._queue.put(ticket)
+        ticket = Ticket(seq, sig.with_seq(seq), payload, quiet)
+        with self._send_lock:
+            self._unsent.append(ticket)
+            self._send_ready()
         return ticket
 
     @property
@@ -176,48 +185,43 @@ class SignatureChannel:
         return self.engine.failovers + extra
 
     def result(self, ticket: Ticket) -> Exchange:
-        """The ticket's exchange, run here when it is the communication thread's, else
-        waited for on the channel's bell (resilient._handoff): the control thread
-        then never wakes this thread with the GIL held. Only the communication
-        thread calls this, in submission order.
+        """The ticket's exchange: its row sent if it has not been, the peers' rows
+        read. Only the communication thread calls this, in submission order.
 
         Raises:
             CollectiveMismatch: the ranks' signatures differ.
             LinkError: a row did not come.
             PeerLost: a peer was lost before the exchange.
         """
-        if not ticket.by_ctl and not ticket.settled:
-            while self._ran < ticket.seq - 1:  # a control-thread exchange still ending
-                self._settled.wait()
-            self._run_item(ticket)
-        fut = ticket.fut
-        while not fut.done():
-            self._settled.wait()
-        return fut.result()
+        if not ticket.settled:
+            self._run(ticket)
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.exchange is not None
+        return ticket.exchange
 
     def _settle(
         self, ticket: Ticket, exchange: Exchange | None, exc: BaseException | None = None
     ) -> None:
-        """Give the ticket its exchange (or ``exc``) and wake whoever waits for it."""
-        fut = ticket.fut
-        if exchange is not None:
-            fut.set_result(exchange)
-        else:
-            fut.set_exception(exc or RuntimeError("an exchange settled without a result"))
+        """Give the ticket its exchange (or ``exc``); the next row may go out."""
+        ticket.exchange = exchange
+        if exchange is None:
+            ticket.error = exc or RuntimeError("an exchange settled without a result")
         ticket.settled = True
-        with self._ran_lock:  # a call given up may settle while the other thread ends one
+        with self._send_lock:
+            if not ticket.sent and self._unsent and self._unsent[0] is ticket:
+                # Its call ended before its row went out (a peer was lost: the
+                # epoch's calls are given up); later rows must not wait for it.
+                self._unsent.popleft()
+                self._sent, ticket.sent = ticket.seq, True
             self._ran += 1
-        if ticket.by_ctl:
-            self._settled.ring()
-        elif self._ctl_waiting:
-            self._turn.ring()
+            self._send_ready()
 
     def mark_done(self, ticket: Ticket, *, ok: bool = True) -> None:
         """Called by the communication thread after each call, failed (``ok`` False)
         or not, in order (with its ticket: one it never ran is settled here, failed)."""
-        if not ticket.by_ctl and not ticket.settled:
+        if not ticket.settled:
             self._settle(ticket, None, self._failed_with or RuntimeError("call ended first"))
-        self._done += 1
         if ok and self._succeeded == ticket.seq - 1:
             self._succeeded = ticket.seq
 
@@ -227,37 +231,21 @@ class SignatureChannel:
         self._failed_with = exc
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop the control thread after the exchanges already queued, keeping the
-        links; False if it is still busy after ``timeout_s`` (waiting on a peer)."""
-        self._queue.put(None)
-        self._thread.join(timeout=timeout_s)
-        if self._thread.is_alive():
-            return False
+        """Stop the channel's meter, keeping the links (exchanges run on the
+        communication thread, which the caller has seen idle); True."""
         self._stolen.close()
         self.engine.close()
-        self._release()
         return True
 
     def abandon(self) -> None:
-        """Close this channel and its links in the background (a stuck exchange
-        may keep its thread for up to a deadline)."""
+        """Close this channel and its links in the background (closing a link can
+        block)."""
         threading.Thread(target=self.close, name=f"ctl-close-{self.rank}", daemon=True).start()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
         self._stolen.close()
         self.engine.close()
         self.engine.links.close()
-        if not self._thread.is_alive():
-            self._release()
-
-    def _release(self) -> None:
-        """Close the hand-off pipes once the control thread is gone (an exchange
-        settled already needs no wake-up; one never settled never had one)."""
-        self._queue.close()
-        self._settled.close()
-        self._turn.close()
 
     def _install(self, exchange: Exchange) -> None:
         """Put control links staged at both ends in service before the next exchange
@@ -266,65 +254,104 @@ class SignatureChannel:
         if installed and self._on_install is not None:
             self._on_install()
 
-    def _loop(self) -> None:
-        while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
-            self._await_turn(ticket.seq)
-            self._run_item(ticket)
+    # -- sending rows (under _send_lock) -------------------------------------------------
+    def _send_ready(self) -> None:
+        """Send the oldest unsent row if it may go now: its predecessor settled here
+        (the rail and links follow from that verdict), it is not quiet, and this
+        thread would build no link for it."""
+        if not self._unsent or self._failed_with is not None or self._mesh is None:
+            return
+        ticket = self._unsent[0]
+        if ticket.quiet or self._ran < ticket.seq - 1:
+            return
+        if not self._mesh.ready(self._rail()):
+            return  # the first exchange builds the links, on the communication thread
+        self._send(ticket)
 
-    def _await_turn(self, seq: int) -> None:
-        """Wait until every exchange before ``seq`` settled (one the communication
-        thread runs may still be on the wire: rows must meet in order)."""
-        while self._ran < seq - 1:
-            self._ctl_waiting = True
-            # Re-checked after the flag is up: a settle in between rang the bell.
-            if self._ran >= seq - 1:
-                break
-            self._turn.wait()
-        self._ctl_waiting = False
+    def _send(self, ticket: Ticket) -> None:
+        """Build and send ``ticket``'s row; a failure is kept for its call to raise."""
+        assert self._unsent[0] is ticket and self._sent == ticket.seq - 1
+        self._unsent.popleft()
+        self._sent = ticket.seq
+        ticket.sent = True
+        ticket.rail = self._rail()
+        try:
+            ticket.table = self._row(ticket)
+            if self._mesh is not None:
+                ticket.sends = self._mesh.send(ticket.table, ticket.seq, ticket.rail)
+        except BaseException as exc:  # the call raises it when it runs
+            ticket.error = exc
 
-    def _run_item(self, ticket: Ticket) -> None:
-        seq, sig, payload = ticket.seq, ticket.sig, ticket.payload
+    def _rail(self) -> int:
+        """The rail of the next exchange: the heaviest by the weights agreed in the
+        previous one (the same rail on every rank)."""
+        engine = self.engine
+        return max(range(engine.num_rails), key=lambda r: engine.weights[r])
+
+    def _row(self, ticket: Ticket) -> torch.Tensor:
+        """The exchange table with this rank's row filled (see signature_table)."""
+        data = ticket.payload() if ticket.payload is not None else None
+        clock = (
+            int((time.monotonic() - self._started) * 1e6) - self._waited_us,
+            self._waited_us,
+            self._stolen.total_us,
+        )
+        return signature_table(
+            self.engine.world,
+            ticket.sig,
+            self.rank,
+            data,
+            self._rates() if self._rates is not None else (),
+            clock,
+            self._lagging() if self._lagging is not None else (-1, 0, 0),
+            self._staged() if self._staged is not None else [],
+            self._cut() if self._cut is not None else (),
+        )
+
+    # -- running an exchange (communication thread) ------------------------------------
+    def _run(self, ticket: Ticket) -> None:
         if self._failed_with is not None:
             self._settle(ticket, None, self._failed_with)
             return
         try:
-            data = payload() if payload is not None else None
-            rates = self._rates() if self._rates is not None else ()
+            if self._mesh is None:
+                self._run_whole(ticket)
+                return
+            with self._send_lock:
+                if not ticket.sent:  # the caller's thread may be sending it right now
+                    self._send(ticket)
+            if ticket.error is not None:
+                raise ticket.error
+            assert ticket.table is not None
             began = time.monotonic()
-            clock = (
-                int((began - self._started) * 1e6) - self._waited_us,
-                self._waited_us,
-                self._stolen.total_us,
-            )
-            lag = self._lagging() if self._lagging is not None else (-1, 0, 0)
-            staged = self._staged() if self._staged is not None else []
-            cut = self._cut() if self._cut is not None else ()
             try:
-                exchange = check_signatures(
-                    self._gather(seq), self.engine.world, sig, self.rank, data, rates, clock,
-                    lag, staged, cut,
-                )  # fmt: skip
+                self._mesh.receive(ticket.table, ticket.seq, ticket.rail, ticket.sends)
             finally:
                 self._waited_us += int((time.monotonic() - began) * 1e6)
-            self._finish(ticket, exchange)
+            self._finish(ticket, exchange_of(ticket.table, ticket.seq))
         except BaseException as exc:  # the waiting collective re-raises it
-            rescued = self._rescued(seq, exc) if payload is not None else None
-            if rescued is not None:
-                self._finish(ticket, rescued)
-            else:
-                self._settle(ticket, None, exc)
+            self._failed(ticket, exc)
 
-    def _gather(self, seq: int) -> Callable[[torch.Tensor], None]:
-        """How exchange ``seq``'s table is filled: on the heaviest rail by the
-        weights agreed in the previous exchange (the same rail on every rank)."""
-        engine, mesh = self.engine, self._mesh
-        if mesh is None:
-            return lambda table: engine.all_gather(table.view(-1))
-        rail = max(range(engine.num_rails), key=lambda r: engine.weights[r])
-        return lambda table: mesh.all_gather(table, seq, rail)
+    def _run_whole(self, ticket: Ticket) -> None:
+        """The exchange over gloo control links: row and all-gather in one go."""
+        with self._send_lock:
+            self._unsent.popleft()
+            self._sent = ticket.seq
+        ticket.sent = True
+        table = self._row(ticket)
+        began = time.monotonic()
+        try:
+            self.engine.all_gather(table.view(-1))
+        finally:
+            self._waited_us += int((time.monotonic() - began) * 1e6)
+        self._finish(ticket, exchange_of(table, ticket.seq))
+
+    def _failed(self, ticket: Ticket, exc: BaseException) -> None:
+        rescued = self._rescued(ticket.seq, exc) if ticket.payload is not None else None
+        if rescued is not None:
+            self._finish(ticket, rescued)
+        else:
+            self._settle(ticket, None, exc)
 
     def _finish(self, ticket: Ticket, exchange: Exchange) -> None:
         seq = ticket.seq

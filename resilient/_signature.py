@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 
     from resilient.collectives import Reduce
 
-__all__ = ["WIDTH", "Exchange", "Signature", "check_signatures", "exchange_of"]
+__all__ = [
+    "WIDTH",
+    "Exchange",
+    "Signature",
+    "check_signatures",
+    "exchange_of",
+    "signature_table",
+]
 
 _OPS = (
     "allreduce",
@@ -201,8 +208,7 @@ class Exchange:
         return frozenset((min(r, p), max(r, p)) for r, peers in enumerate(self.cut) for p in peers)
 
 
-def check_signatures(
-    gather: Callable[[torch.Tensor], None],
+def signature_table(
     world: int,
     sig: Signature,
     rank: int,
@@ -212,16 +218,13 @@ def check_signatures(
     lagging: tuple[int, int, int] = (-1, 0, 0),
     staged: Sequence[tuple[int, int, int, int]] = (),
     cut: Sequence[int] = (),
-) -> Exchange:
-    """All-gather every rank's signature, rail ``rates`` and up to INLINE_BYTES of
-    ``payload`` with ``gather`` (which fills every row of the ``(world, WIDTH)``
-    table from this rank's). Raises on all ranks if signatures differ, before any
-    data moved. ``cut``: the peers this rank reaches on no rail (the first MAX_CUT
-    are sent).
+) -> torch.Tensor:
+    """A ``(world, WIDTH)`` exchange table with row ``rank`` holding ``sig``, rail
+    ``rates``, the exchange ``clock``, ``lagging``, ``staged`` links, ``cut`` peers
+    (the first MAX_CUT) and up to INLINE_BYTES of ``payload``; the other rows zero.
 
     Raises:
-        CollectiveMismatch: names the ranks of each distinct call and the fields.
-        LinkError: the exchange itself failed.
+        ValueError: the payload is larger than INLINE_BYTES.
     """
     # The row before the payload is built as one list and written once: this runs
     # for every collective, and each small tensor op costs microseconds.
@@ -239,6 +242,30 @@ def check_signatures(
         if raw.numel() > INLINE_BYTES:
             raise ValueError(f"inline payload of {raw.numel()} B exceeds {INLINE_BYTES} B")
         table[rank, _BODY:].view(torch.uint8)[: raw.numel()].copy_(raw)
+    return table
+
+
+def check_signatures(
+    gather: Callable[[torch.Tensor], None],
+    world: int,
+    sig: Signature,
+    rank: int,
+    payload: torch.Tensor | None = None,
+    rates: Sequence[float] = (),
+    clock: tuple[int, int, int] = (0, 0, 0),
+    lagging: tuple[int, int, int] = (-1, 0, 0),
+    staged: Sequence[tuple[int, int, int, int]] = (),
+    cut: Sequence[int] = (),
+) -> Exchange:
+    """All-gather every rank's row (see :func:`signature_table`) with ``gather``
+    (which fills every row of the table from this rank's). Raises on all ranks if
+    signatures differ, before any data moved.
+
+    Raises:
+        CollectiveMismatch: names the ranks of each distinct call and the fields.
+        LinkError: the exchange itself failed.
+    """
+    table = signature_table(world, sig, rank, payload, rates, clock, lagging, staged, cut)
     gather(table)
     return exchange_of(table, sig.seq)
 

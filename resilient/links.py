@@ -257,6 +257,10 @@ class LinkTable:
     def links(self) -> dict[tuple[int, int], Link]:
         return dict(self._links)
 
+    def has(self, peer: int, rail: int) -> bool:
+        """Whether a link to ``peer`` on ``rail`` exists (built, broken or not)."""
+        return (peer, rail) in self._links
+
     def generation(self, peer: int, rail: int) -> int:
         return self._generation.get((peer, rail), 0)
 
