@@ -409,7 +409,10 @@ class SocketPair:
                 else:
                     bufs[0], n = head[n:], 0
             if bufs and any(len(b) for b in bufs):
-                continue
+                # The socket took part: it is full now. Asking again would only
+                # raise BlockingIOError (a system call and an exception, each
+                # tens of microseconds on a busy host); the poll says when it drains.
+                return
             work.done = True
             self._outq.popleft()
 
@@ -430,19 +433,25 @@ class SocketPair:
                         return
                     continue
                 self._room()
+                room = len(self._buf) - self._end
                 n = self._sock.recv_into(memoryview(self._buf)[self._end :])
                 if n == 0:
                     self.fail_locked("Connection closed by peer")
                     return
                 self._end += n
                 self._deliver()
+                if n < room:
+                    # Less than asked for: the socket is empty now, and asking
+                    # again would only raise BlockingIOError (see write_some).
+                    return
         except BlockingIOError:
             return
         except OSError as exc:
             self.fail_locked(f"receive failed: {exc.strerror or exc}")
 
     def _read_body(self) -> bool:
-        """Read on into the large body's destination; True once it is whole.
+        """Read on into the large body's destination; True once it is whole, False
+        when the pair failed or the socket holds nothing more now.
 
         Raises:
             BlockingIOError: nothing more to read now.
@@ -450,12 +459,15 @@ class SocketPair:
         assert self._body is not None
         tag, view, got, work = self._body
         while got < len(view):
+            want = len(view) - got
             n = self._sock.recv_into(view[got:])
             if n == 0:
                 self.fail_locked("Connection closed by peer")
                 return False
             got += n
             self._body = (tag, view, got, work)
+            if n < want:
+                return False  # the socket is empty now (see read_some)
         self._body = None
         if work is not None:
             work.done = True
