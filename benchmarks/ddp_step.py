@@ -61,15 +61,37 @@ class Plan:
     timeout_s: float = 120.0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_flags(p: argparse.ArgumentParser, steps_help: str) -> None:
+    """The run's flags (shared with benchmarks/ddp_threads.py)."""
     p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per backend (default 50)")
+    p.add_argument("--steps", type=int, default=50, help=steps_help)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
     add_common_flags(p)
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    """The :class:`Plan` of parsed flags; SystemExit when they make no run."""
+    if args.ranks < 2 or args.steps < 1 or args.warmup < 0 or args.rails < 1:
+        raise SystemExit("need --ranks >= 2, --steps >= 1, --warmup >= 0, --rails >= 1")
+    return Plan(
+        world=args.ranks,
+        steps=args.steps,
+        warmup=args.warmup,
+        width=args.width,
+        batch=args.batch,
+        rails=args.rails,
+        check_mismatch=not args.no_check_mismatch,
+        data_transport=args.data_transport,
+        topology=args.topology,
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_flags(p, "timed steps per backend (default 50)")
     return p.parse_args(argv)
 
 
@@ -147,6 +169,14 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
     }
 
 
+def close_groups(groups: dict[str, Any]) -> None:
+    """Shut the groups of :func:`make_groups` down (gloo's wrapper dropped first)."""
+    groups["resilient"].shutdown()
+    groups.pop("gloo")
+    for name in ("gloo_backend", "control"):
+        groups.pop(name).shutdown()
+
+
 def train(
     trainers: dict[str, Trainer], control: Any, plan: Plan
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -186,10 +216,7 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
         )
         del trainers
     finally:
-        groups["resilient"].shutdown()
-        groups.pop("gloo")
-        for name in ("gloo_backend", "control"):
-            groups.pop(name).shutdown()
+        close_groups(groups)
     return {"times": times, "cpu": cpu, "digests": digests, "max_param_diff": diff}
 
 
@@ -252,19 +279,7 @@ def print_report(s: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.ranks < 2 or args.steps < 1 or args.warmup < 0 or args.rails < 1:
-        raise SystemExit("need --ranks >= 2, --steps >= 1, --warmup >= 0, --rails >= 1")
-    plan = Plan(
-        world=args.ranks,
-        steps=args.steps,
-        warmup=args.warmup,
-        width=args.width,
-        batch=args.batch,
-        rails=args.rails,
-        check_mismatch=not args.no_check_mismatch,
-        data_transport=args.data_transport,
-        topology=args.topology,
-    )
+    plan = plan_of(args)
     timeout_s = args.timeout or 300.0 + 2 * (plan.steps + plan.warmup) * 2.0
     loads, meter = [load_line()], CpuMeter()
     results = run_ranks(rank_main, plan.world, (plan,), timeout_s)

@@ -25,7 +25,6 @@ from typing import Any
 
 from _common import (
     CpuMeter,
-    add_common_flags,
     control_barrier,
     load_line,
     print_conditions,
@@ -33,7 +32,16 @@ from _common import (
     run_ranks,
     tcp_store,
 )
-from ddp_step import NAMES, Plan, Trainer, load_example, make_groups
+from ddp_step import (
+    NAMES,
+    Plan,
+    Trainer,
+    add_step_flags,
+    close_groups,
+    load_example,
+    make_groups,
+    plan_of,
+)
 
 _SWITCHES = re.compile(r"^(?:non)?voluntary_ctxt_switches:\s+(\d+)", re.M)
 
@@ -112,10 +120,7 @@ def rank_main(rank: int, world: int, port: int, plan: Plan, rounds: int) -> dict
                     acc[1] += cs - was[1]
         del trainers
     finally:
-        groups["resilient"].shutdown()
-        groups.pop("gloo")
-        for name in ("gloo_backend", "control"):
-            groups.pop(name).shutdown()
+        close_groups(groups)
     return {"used": used, "wall": wall, "caller_us": caller.ns / max(1, caller.calls) / 1e3}
 
 
@@ -182,30 +187,14 @@ def print_report(s: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
-    p.add_argument("--steps", type=int, default=50, help="steps per block (default 50)")
+    add_step_flags(p, "steps per block (default 50)")
     p.add_argument("--rounds", type=int, default=4, help="blocks per backend (default 4)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
-    p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
-    p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
-    add_common_flags(p)
     args = p.parse_args(argv)
-    if args.ranks < 2 or args.steps < 1 or args.rounds < 1 or args.warmup < 0:
-        raise SystemExit("need --ranks >= 2, --steps >= 1, --rounds >= 1, --warmup >= 0")
+    if args.rounds < 1:
+        raise SystemExit("need --rounds >= 1")
     if not os.path.exists("/proc/self/task"):
         raise SystemExit("ddp_threads needs Linux's /proc/self/task")
-    plan = Plan(
-        world=args.ranks,
-        steps=args.steps,
-        warmup=args.warmup,
-        width=args.width,
-        batch=args.batch,
-        rails=args.rails,
-        check_mismatch=not args.no_check_mismatch,
-        data_transport=args.data_transport,
-        topology=args.topology,
-    )
+    plan = plan_of(args)
     timeout_s = args.timeout or 300.0 + 2 * (args.steps * args.rounds + args.warmup) * 2.0
     loads, meter = [load_line()], CpuMeter()
     results = run_ranks(rank_main, plan.world, (plan, args.rounds), timeout_s)

@@ -23,7 +23,6 @@ import torch
 from resilient.errors import CollectiveMismatch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from resilient.collectives import Reduce
 
@@ -31,7 +30,6 @@ __all__ = [
     "WIDTH",
     "Exchange",
     "Signature",
-    "check_signatures",
     "exchange_of",
     "signature_table",
 ]
@@ -245,33 +243,9 @@ def signature_table(
     return table
 
 
-def check_signatures(
-    gather: Callable[[torch.Tensor], None],
-    world: int,
-    sig: Signature,
-    rank: int,
-    payload: torch.Tensor | None = None,
-    rates: Sequence[float] = (),
-    clock: tuple[int, int, int] = (0, 0, 0),
-    lagging: tuple[int, int, int] = (-1, 0, 0),
-    staged: Sequence[tuple[int, int, int, int]] = (),
-    cut: Sequence[int] = (),
-) -> Exchange:
-    """All-gather every rank's row (see :func:`signature_table`) with ``gather``
-    (which fills every row of the table from this rank's). Raises on all ranks if
-    signatures differ, before any data moved.
-
-    Raises:
-        CollectiveMismatch: names the ranks of each distinct call and the fields.
-        LinkError: the exchange itself failed.
-    """
-    table = signature_table(world, sig, rank, payload, rates, clock, lagging, staged, cut)
-    gather(table)
-    return exchange_of(table, sig.seq)
-
-
 def exchange_of(table: torch.Tensor, seq: int) -> Exchange:
-    """The verdict of a complete table: every rank's rows (see :func:`check_signatures`).
+    """The verdict of a complete table: every rank's row (see :func:`signature_table`),
+    all-gathered.
 
     Raises:
         CollectiveMismatch: names the ranks of each distinct call and the fields.

@@ -97,6 +97,23 @@ def _pair(
         b.shutdown()
 
 
+@contextlib.contextmanager
+def _two_pairs(
+    new_engine: Callable[[], Engine], addr0: str, addr1: str, name: str
+) -> Iterator[tuple[SocketPair, SocketPair, SocketPair, SocketPair]]:
+    """Two pairs X and Y between two simulated ranks, an engine each: (x0, y0, x1,
+    y1), ends 0 on rank 0's engine; shut down after."""
+    e0, e1 = new_engine(), new_engine()
+    x0s, x1s = _sockets_between(addr0, addr1, f"{name}x/")
+    y0s, y1s = _sockets_between(addr0, addr1, f"{name}y/")
+    pairs = (SocketPair(x0s, e0), SocketPair(y0s, e0), SocketPair(x1s, e1), SocketPair(y1s, e1))
+    try:
+        yield pairs
+    finally:
+        for pair in pairs:
+            pair.shutdown()
+
+
 def test_a_ring_of_messages_larger_than_the_socket_buffers_completes(
     new_engine: Callable[[], Engine],
 ) -> None:
@@ -133,24 +150,15 @@ def test_a_send_queued_while_another_thread_drives_still_goes_out(
     # Rank 0's thread T1 drives its engine, waiting for rank 1's answer on pair X;
     # T2 then queues a large send on pair Y, which rank 1 must receive before it
     # answers. The driver has to notice Y's queued bytes (the wake-up pipe).
-    e0, e1 = new_engine(), new_engine()
-    x0s, x1s = _sockets_between("127.0.3.1", "127.0.3.2", "x/")
-    y0s, y1s = _sockets_between("127.0.3.1", "127.0.3.2", "y/")
-    x0, y0, x1, y1 = (
-        SocketPair(x0s, e0),
-        SocketPair(y0s, e0),
-        SocketPair(x1s, e1),
-        SocketPair(y1s, e1),
-    )
     big = torch.randn(2 * BIG)  # 64 MiB: more than both sockets' buffers hold together
     into = torch.zeros_like(big)
     answer = torch.zeros(1)
+    with _two_pairs(new_engine, "127.0.3.1", "127.0.3.2", "q") as (x0, y0, x1, y1):
 
-    def rank1() -> None:
-        y1.recv([into], 0, 1).wait(WAIT)
-        x1.send([torch.ones(1)], 0, 2).wait(WAIT)
+        def rank1() -> None:
+            y1.recv([into], 0, 1).wait(WAIT)
+            x1.send([torch.ones(1)], 0, 2).wait(WAIT)
 
-    try:
         peer = threading.Thread(target=rank1)
         peer.start()
         waiting = x0.recv([answer], 0, 2)
@@ -163,9 +171,6 @@ def test_a_send_queued_while_another_thread_drives_still_goes_out(
         peer.join(30)
         assert waiting.is_completed() and waiting.error is None
         assert answer.item() == 1.0 and torch.equal(into, big)
-    finally:
-        for pair in (x0, y0, x1, y1):
-            pair.shutdown()
 
 
 def test_threads_waiting_on_one_engine_get_their_ops_handed_over(
@@ -335,17 +340,8 @@ def test_a_large_message_nobody_asked_for_yet_waits_in_the_socket(
     # A peer one call ahead: its next call's data comes while this rank's engine is
     # driven by a wait on another pair. The body is left in the socket (parked), not
     # read into a buffer of its own, and lands in its receive once that is posted.
-    e0, e1 = new_engine(), new_engine()
-    x0s, x1s = _sockets_between("127.0.9.1", "127.0.9.2", "px/")
-    y0s, y1s = _sockets_between("127.0.9.1", "127.0.9.2", "py/")
-    x0, y0, x1, y1 = (
-        SocketPair(x0s, e0),
-        SocketPair(y0s, e0),
-        SocketPair(x1s, e1),
-        SocketPair(y1s, e1),
-    )
     ahead = torch.randn(1 << 18)  # 1 MiB, fits the socket buffers
-    try:
+    with _two_pairs(new_engine, "127.0.9.1", "127.0.9.2", "p") as (x0, y0, x1, y1):
         x0.send([ahead], 0, 3).wait(WAIT)
         other = y1.recv([torch.zeros(1)], 0, 1)
         driver = threading.Thread(target=other.wait, args=(WAIT,))
@@ -364,9 +360,6 @@ def test_a_large_message_nobody_asked_for_yet_waits_in_the_socket(
         y0.send([torch.ones(1)], 0, 1).wait(WAIT)
         driver.join(30)
         assert other.is_completed() and other.error is None
-    finally:
-        for pair in (x0, y0, x1, y1):
-            pair.shutdown()
 
 
 def test_a_receive_of_another_tag_goes_on_past_a_parked_message(
@@ -396,16 +389,7 @@ def test_a_receive_of_another_tag_goes_on_past_a_parked_message(
 def test_cutting_a_parked_pair_fails_it_without_spinning(
     new_engine: Callable[[], Engine],
 ) -> None:
-    e0, e1 = new_engine(), new_engine()
-    x0s, x1s = _sockets_between("127.0.9.5", "127.0.9.6", "cx/")
-    y0s, y1s = _sockets_between("127.0.9.5", "127.0.9.6", "cy/")
-    x0, y0, x1, y1 = (
-        SocketPair(x0s, e0),
-        SocketPair(y0s, e0),
-        SocketPair(x1s, e1),
-        SocketPair(y1s, e1),
-    )
-    try:
+    with _two_pairs(new_engine, "127.0.9.5", "127.0.9.6", "c") as (x0, y0, x1, y1):
         x0.send([torch.randn(1 << 18)], 0, 3).wait(WAIT)
         other = y1.recv([torch.zeros(1)], 0, 1)
         driver = threading.Thread(target=other.wait, args=(WAIT,))
@@ -414,8 +398,11 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
         while not x1.parked and time.monotonic() < deadline:
             time.sleep(0.01)
         assert x1.parked
+        sock = x1._sock
         conn = _sockets.Conn(
-            x1s.fileno(), _sockets.norm(x1s.getsockname()[:2]), _sockets.norm(x1s.getpeername()[:2])
+            sock.fileno(),
+            _sockets.norm(sock.getsockname()[:2]),
+            _sockets.norm(sock.getpeername()[:2]),
         )
         _sockets.cut([conn])
         deadline = time.monotonic() + 5
@@ -428,6 +415,3 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
         y0.send([torch.ones(1)], 0, 1).wait(WAIT)
         driver.join(30)
         assert other.error is None
-    finally:
-        for pair in (x0, y0, x1, y1):
-            pair.shutdown()
