@@ -61,9 +61,11 @@ def _large_mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[s
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rails", [1, 2])
-def test_large_calls_that_differ_raise_on_every_rank(rails: int) -> None:
-    for seen in run_world(_large_mismatches, 4, rails=rails):
+@pytest.mark.parametrize(("rails", "control"), [(1, "socket"), (2, "socket"), (1, "gloo")])
+def test_large_calls_that_differ_raise_on_every_rank(rails: int, control: str) -> None:
+    # Over gloo control links every exchange runs whole when its call runs.
+    config = {"control_transport": control}
+    for seen in run_world(_large_mismatches, 4, rails=rails, config=config):
         assert [name for name, _ in seen] == ["shape", "dtype", "op", "collective"]
         fields = dict(seen)
         assert "shape" in fields["shape"] and "dtype" in fields["dtype"]
