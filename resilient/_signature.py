@@ -23,7 +23,6 @@ import torch
 from resilient.errors import CollectiveMismatch
 
 if TYPE_CHECKING:
-
     from resilient.collectives import Reduce
 
 __all__ = [
