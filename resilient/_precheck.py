@@ -314,9 +314,6 @@ class SignatureChannel:
             self._settle(ticket, None, self._failed_with)
             return
         try:
-            if self._mesh is None:
-                self._run_whole(ticket)
-                return
             with self._send_lock:
                 if not ticket.sent:  # the caller's thread may be sending it right now
                     self._send(ticket)
@@ -325,26 +322,15 @@ class SignatureChannel:
             assert ticket.table is not None
             began = time.monotonic()
             try:
-                self._mesh.receive(ticket.table, ticket.seq, ticket.rail, ticket.sends)
+                if self._mesh is None:  # gloo control links: one all-gather sends and reads
+                    self.engine.all_gather(ticket.table.view(-1))
+                else:
+                    self._mesh.receive(ticket.table, ticket.seq, ticket.rail, ticket.sends)
             finally:
                 self._waited_us += int((time.monotonic() - began) * 1e6)
             self._finish(ticket, exchange_of(ticket.table, ticket.seq))
         except BaseException as exc:  # the waiting collective re-raises it
             self._failed(ticket, exc)
-
-    def _run_whole(self, ticket: Ticket) -> None:
-        """The exchange over gloo control links: row and all-gather in one go."""
-        with self._send_lock:
-            self._unsent.popleft()
-            self._sent = ticket.seq
-        ticket.sent = True
-        table = self._row(ticket)
-        began = time.monotonic()
-        try:
-            self.engine.all_gather(table.view(-1))
-        finally:
-            self._waited_us += int((time.monotonic() - began) * 1e6)
-        self._finish(ticket, exchange_of(table, ticket.seq))
 
     def _failed(self, ticket: Ticket, exc: BaseException) -> None:
         rescued = self._rescued(ticket.seq, exc) if ticket.payload is not None else None
