@@ -437,6 +437,12 @@ class Link:
                 (the link is then broken); or ``work`` belongs to a given-up call and
                 has not finished (the link stays as it is: see resilient._ledger).
         """
+        if getattr(work, "done", False) and _faults.hook() is None:
+            # A socket op that already completed (most are by the time they are
+            # waited for: a send the socket took, a receive the driver filled) has
+            # nothing to watch or time; only its ledger entry is closed.
+            self.ledger.end_wait(work, finished=True)
+            return
         if not self.ledger.begin_wait(work):
             raise LinkError(f"{self}: an op of a given-up call is not waited for")
         finished = False
