@@ -12,8 +12,8 @@ hand, stalls everyone in its process until it runs again. Measured with py-spy
 Here the wake-up is a byte written to a pipe: ``os.write`` releases the GIL
 around the system call, so a woken thread that preempts the waker finds the GIL
 free and gets on with its work. Waiting is ``os.read`` on the pipe (also without
-the GIL). A byte per hand-off; the reader drains them in bulk, and a byte left
-over only costs a spurious wake-up.
+the GIL). A byte per hand-off to a consumer that sleeps (or is about to); the
+reader drains them in bulk, and a byte left over only costs a spurious wake-up.
 """
 
 from __future__ import annotations
@@ -72,10 +72,18 @@ class Handoff(Generic[T]):
     def __init__(self) -> None:
         self._items: collections.deque[T] = collections.deque()
         self._bell = Bell()
+        # Set by the consumer before it looks at an empty queue a last time and
+        # sleeps: a producer rings only then. A busy consumer (DDP's second bucket
+        # comes while the first one's data moves) takes the item without a system
+        # call on either side.
+        self._sleeping = False
 
     def put(self, item: T) -> None:
         self._items.append(item)
-        self._bell.ring()
+        # Read after the append: a consumer that set the flag after this read
+        # looks at the queue after setting it, so it finds the item.
+        if self._sleeping:
+            self._bell.ring()
 
     def get(self) -> T:
         """The oldest item, waiting for one (the only consumer calls this)."""
@@ -83,7 +91,13 @@ class Handoff(Generic[T]):
             try:
                 return self._items.popleft()
             except IndexError:
-                self._bell.wait()
+                pass
+            self._sleeping = True
+            try:
+                if not self._items:
+                    self._bell.wait()
+            finally:
+                self._sleeping = False
 
     def close(self) -> None:
         """Release the pipe (after the consumer is gone)."""

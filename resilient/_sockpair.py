@@ -318,8 +318,9 @@ class SocketPair:
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SocketWork:
         """Post a receive into ``tensors[0]``; it completes at once when its message
-        is stashed or already in the socket (read now, without blocking, unless
-        another thread drives the engine: it reads it then)."""
+        is stashed, or is already in the socket and no other receive is pending on
+        the pair (read now, without blocking, unless another thread drives the
+        engine: it reads it then). Otherwise the thread that waits reads it."""
         work = SocketWork(self, _bytes_of(tensors[0]), sending=False)
         with self.engine.lock:
             # A whole message that came before the pair failed is still delivered:
@@ -334,11 +335,16 @@ class SocketPair:
             if self.error is not None:
                 work.error = self.error
                 return work
+            # With a receive posted already, the read that posting it made found
+            # the socket empty, or found it again only moments ago: a collective
+            # posts several receives per pair at once, and reading again for each
+            # is a system call and a BlockingIOError for nothing.
+            first = not self._pending
             self._pending.setdefault(tag, collections.deque()).append(work)
             if self._parked:
                 self.unpark()
                 self.engine.ring()  # a driver polls the socket for input again
-            if not self.engine.driving:
+            if first and not self.engine.driving:
                 self.read_some()
         return work
 

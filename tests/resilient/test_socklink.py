@@ -285,6 +285,40 @@ def test_a_handoff_keeps_order_and_wakes_its_consumer() -> None:
     box.put(1)  # after close: no write to a descriptor number that is not ours any more
 
 
+def test_a_handoff_to_a_busy_consumer_rings_no_bell(monkeypatch: pytest.MonkeyPatch) -> None:
+    from resilient import _handoff
+    from resilient._handoff import Handoff
+
+    rings = []
+    ring = _handoff.Bell.ring
+    monkeypatch.setattr(_handoff.Bell, "ring", lambda self: (rings.append(1), ring(self)))
+    box: Handoff[int | None] = Handoff()
+    busy, got = threading.Event(), []
+
+    def consume() -> None:
+        while (item := box.get()) is not None:
+            got.append(item)
+            busy.wait(10)  # busy with the first item while the others are put
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(0.05)  # asleep on an empty queue: the first put must wake it
+    box.put(0)
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for i in range(1, 50):
+        box.put(i)
+    busy.set()
+    box.put(None)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and got == list(range(50))
+    # One ring woke it for item 0; the rest found it busy (a last one may come
+    # when it drained the queue and went to sleep just before None was put).
+    assert 1 <= len(rings) <= 2
+    box.close()
+
+
 def test_a_message_followed_at_once_by_the_peers_close_is_still_delivered() -> None:
     # A job's final barrier: the peer sends its last row and closes right away.
     for _ in range(20):
