@@ -397,6 +397,9 @@ def _tcp_info(conn: Conn, size: int) -> bytes | None:
             return None
 
 
+SENT_INFO_BYTES: Final = 184  # what sent_of reads of TCP_INFO
+
+
 def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     """``(bytes_acked, busy_us, retransmitted, segments_out)`` of ``conn``'s sending
     side, or None (gone, old kernel).
@@ -408,7 +411,12 @@ def sent(conn: Conn) -> tuple[int, int, int, int] | None:
     path allowed, whatever either application did in between; the last two give
     the share of segments that had to be sent again (loss).
     """
-    raw = _tcp_info(conn, 184)
+    return sent_of(_tcp_info(conn, SENT_INFO_BYTES))
+
+
+def sent_of(raw: bytes | None) -> tuple[int, int, int, int] | None:
+    """:func:`sent` from the first :data:`SENT_INFO_BYTES` of a ``TCP_INFO`` (None
+    when there is none, or an old kernel's is too short)."""
     if raw is None or len(raw) < 176:
         return None
     # struct tcp_info: u32 tcpi_total_retrans at 100, u64 tcpi_bytes_acked at 120,

@@ -49,6 +49,12 @@ class SocketLink(Link):
 
     cut_wakes_waits = True
 
+    def sent(self) -> tuple[int, int, int, int] | None:
+        """As :meth:`Link.sent`, read on the pair's own socket (the send-rate meter
+        reads every data link's after most large reductions)."""
+        pg = self.pg
+        return _sockets.sent_of(pg.tcp_info(_sockets.SENT_INFO_BYTES)) if pg is not None else None
+
     def renew(self, epoch: int) -> None:
         """As :meth:`Link.renew`, and drop the receives of the epoch just left, with
         their messages: one whose send did come would otherwise land in its buffer

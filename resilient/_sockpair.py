@@ -374,6 +374,16 @@ class SocketPair:
             self.engine.ring()
         return dropped
 
+    def tcp_info(self, size: int) -> bytes | None:
+        """The first ``size`` bytes of the connection's ``TCP_INFO``, or None once it
+        is closed: one system call on the pair's own socket, where reading through a
+        descriptor number (resilient._sockets) has to duplicate and verify it first.
+        (A close racing this call may, at worst, read another socket's counters once.)"""
+        try:
+            return self._sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), size)
+        except OSError:
+            return None
+
     def allreduce(self, tensors: list[torch.Tensor]) -> _ProbeWork:
         """A two-rank sum of ``tensors[0]`` in place (the repair probe)."""
         return _ProbeWork(self, tensors[0])

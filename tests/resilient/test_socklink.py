@@ -79,6 +79,32 @@ def test_messages_meet_their_receives_by_tag_in_any_order() -> None:
         assert late.tolist() == [7, 8]
 
 
+def test_a_pairs_send_counters_come_from_its_own_socket() -> None:
+    # What the send-rate meter reads (SocketLink.sent): the same counters as a
+    # reading through the descriptor number, and None once the pair is closed.
+    a, b = _pair()
+    try:
+        out = torch.zeros(1 << 18)
+        work = b.recv([out], 0, 3)
+        a.send([torch.ones(1 << 18)], 0, 3).wait(timedelta(seconds=10))
+        work.wait(timedelta(seconds=10))
+        own = _sockets.sent_of(a.tcp_info(_sockets.SENT_INFO_BYTES))
+        sock = a._sock  # the descriptor the other reading goes through
+        conn = _sockets.Conn(
+            sock.fileno(),
+            _sockets.norm(sock.getsockname()[:2]),
+            _sockets.norm(sock.getpeername()[:2]),
+        )
+        via_fd = _sockets.sent(conn)
+        assert own is not None and via_fd is not None
+        assert own[0] >= 4 << 18  # every byte of the message was acknowledged
+        assert own[0] == via_fd[0] and own[3] <= via_fd[3]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert a.tcp_info(_sockets.SENT_INFO_BYTES) is None
+
+
 def test_a_message_larger_than_its_receive_fails_the_receive_not_the_process() -> None:
     with _opened_pair() as (a, b):
         a.send([torch.zeros(8)], 0, 5)
