@@ -74,6 +74,21 @@ def test_a_rank_that_cannot_run_30_percent_is_confirmed_within_20_steps(seed: in
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rank_stopped_for_one_sample_only_is_not_confirmed(seed: int) -> None:
+    # One 100 ms sample's worth of stolen time (a rank starved for a moment) is not
+    # evidence enough: confirming takes two such samples in a row.
+    job, watch = _Job(seed), StragglerWatch(rank=1)
+    for _ in range(200):
+        watch.observe(job.call())
+    for _ in range(4):  # 4 calls of 25 ms: one sample
+        watch.observe(job.call(stopped=3))
+    for _ in range(200):
+        watch.observe(job.call())
+        assert watch.stalled.state(3) != "confirmed"
+
+
+@pytest.mark.timeout(30)
 def test_a_rank_its_peers_wait_for_is_a_compute_straggler() -> None:
     job, watch = _Job(11), StragglerWatch(rank=2)
     for _ in range(200):
