@@ -47,6 +47,14 @@ class _Job:
         )
 
 
+def _settled(seed: int) -> tuple[_Job, StragglerWatch]:
+    """A job and rank 1's watch after 200 clean calls (100 steps)."""
+    job, watch = _Job(seed), StragglerWatch(rank=1)
+    for _ in range(200):
+        watch.observe(job.call())
+    return job, watch
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("seed", range(3))
 def test_clean_jittery_calls_confirm_nobody(seed: int) -> None:
@@ -59,9 +67,7 @@ def test_clean_jittery_calls_confirm_nobody(seed: int) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("seed", range(3))
 def test_a_rank_that_cannot_run_30_percent_is_confirmed_within_20_steps(seed: int) -> None:
-    job, watch = _Job(seed), StragglerWatch(rank=1)
-    for _ in range(200):
-        watch.observe(job.call())
+    job, watch = _settled(seed)
     calls = 0
     while watch.stalled.state(3) != "confirmed":
         watch.observe(job.call(stopped=3))
@@ -78,9 +84,7 @@ def test_a_rank_that_cannot_run_30_percent_is_confirmed_within_20_steps(seed: in
 def test_a_rank_stopped_for_one_sample_only_is_not_confirmed(seed: int) -> None:
     # One 100 ms sample's worth of stolen time (a rank starved for a moment) is not
     # evidence enough: confirming takes two such samples in a row.
-    job, watch = _Job(seed), StragglerWatch(rank=1)
-    for _ in range(200):
-        watch.observe(job.call())
+    job, watch = _settled(seed)
     for _ in range(4):  # 4 calls of 25 ms: one sample
         watch.observe(job.call(stopped=3))
     for _ in range(200):
