@@ -56,11 +56,13 @@ MIN_CALLS: Final = 2
 # than the 200 ms of 4 of 6 at 50 ms (3 of 6 at 50 ms once confirmed a healthy rank
 # starved for a few hundred ms in the link-flap scenario).
 # With shorter steps (2026-12-04) the same detection time is more steps: the
-# straggler scenario (width 256) took 19-24 of its 20. Two samples in a row at a
-# 25 % gap took 8-14 there, but a rank stopped 30 % of the time read 0.72-0.75 of
-# its peers in the 3-rank CI test, at that gap's edge: one run in five missed and
-# took 39 steps. Kept as it was; see docs/BENCHMARKS.md (2026-12-04 evening).
-STALL_CONFIG: Final = StragglerConfig(recent=3, margin=0.2, confirm_steps=3, confirm_window=5)
+# straggler scenario (width 256) took 19-24 of its 20. Each sample is now judged
+# alone and 3 flagged of the last 4 confirm: the evidence the medians of three
+# asked for (they confirmed on 3 flagged within 4 samples, a sample later), 11-17
+# steps there and 9-12 in the 3-rank test at width 512. Two in a row at a 25 % gap
+# was faster but missed one run in five there: a rank stopped 30 % of the time
+# read 0.72-0.75 of its peers, at that gap's edge.
+STALL_CONFIG: Final = StragglerConfig(recent=1, margin=0.2, confirm_steps=3, confirm_window=4)
 
 Clock = tuple[int, int, int]  # active, waited, stolen (us)
 
