@@ -183,8 +183,7 @@ class Exchange:
     """What one signature exchange agreed on.
 
     ``inline``: every rank's payload bytes, ``(world, INLINE_BYTES)`` uint8 (zero
-    rows where none was given), or None: :meth:`payloads` then reads them from
-    ``table``; ``rates``: every rank's measured rail rates;
+    rows where none was given); ``rates``: every rank's measured rail rates;
     ``clocks``: every rank's ``(active_us, waited_us, stolen_us)`` totals when it began this
     exchange (see :class:`~resilient._precheck.SignatureChannel`); ``lagging``:
     every rank's ``(peer, permille, count)``: who held its latest measured reduction
@@ -194,21 +193,13 @@ class Exchange:
     """
 
     seq: int
-    inline: torch.Tensor | None  # None: read from ``table`` when asked (payloads())
+    inline: torch.Tensor
     rates: list[list[int]]
     clocks: list[tuple[int, int, int]] = field(default_factory=list)
     lagging: list[tuple[int, int, int]] = field(default_factory=list)
     staged: list[list[tuple[int, int, int, int]]] = field(default_factory=list)
     cut: list[list[int]] = field(default_factory=list)
     table: torch.Tensor | None = None  # the int64 rows it was decided from
-
-    def payloads(self) -> torch.Tensor:
-        """``inline``, from the table's payload columns unless given (most calls carry
-        none, so the view is made only for those that do)."""
-        if self.inline is not None:
-            return self.inline
-        assert self.table is not None
-        return self.table[:, _BODY:].view(torch.uint8)
 
     def cut_pairs(self) -> frozenset[tuple[int, int]]:
         """Pairs (low, high) that one of their ends reaches on no rail."""
@@ -279,7 +270,7 @@ def exchange_of(table: torch.Tensor, seq: int) -> Exchange:
         return Exchange(
             seq=seq,
             table=table,
-            inline=None,
+            inline=table[:, _BODY:].view(torch.uint8),
             rates=[r[_HEADER:_CLOCK] for r in rows],
             clocks=[(r[_CLOCK], r[_CLOCK + 1], r[_CLOCK + 2]) for r in rows],
             lagging=[(r[_LAG], r[_LAG + 1], r[_LAG + 2]) for r in rows],

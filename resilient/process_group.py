@@ -221,7 +221,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 follow_cuts(engine, exchange, announce=True)
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
-                out = fn(exchange.payloads())
+                out = fn(exchange.inline)
                 ok = True
                 return out
             except CommunicationError as exc:
