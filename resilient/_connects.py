@@ -108,7 +108,7 @@ def _syn_sent(fd: int, local: tuple[str, int]) -> socket.socket | None:
     except OSError:
         return None
     try:
-        state = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 8)[0]
+        state = s.getsockopt(socket.IPPROTO_TCP, _sockets.TCP_INFO, 8)[0]
         if state == _TCP_SYN_SENT and _sockets.norm(s.getsockname()[:2]) == local:
             return s
     except OSError:

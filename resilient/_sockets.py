@@ -52,6 +52,8 @@ from typing import Any, Final
 
 __all__ = [
     "PEER_GONE_STATES",
+    "SENT_INFO_BYTES",
+    "TCP_INFO",
     "Conn",
     "Progress",
     "capture",
@@ -63,11 +65,14 @@ __all__ = [
     "peer_closed",
     "progress",
     "sent",
+    "sent_of",
     "tcp_state",
 ]
 
 logger = logging.getLogger(__name__)
 
+# The socket option number of TCP_INFO (Python names it only on some platforms).
+TCP_INFO: Final = getattr(socket, "TCP_INFO", 11)
 _POLL_S: Final = 0.001
 # How far past its own bound a build in the gate is waited for (gloo's constructor
 # returns a little after its timeout even when nothing is wrong).
@@ -158,7 +163,7 @@ def _scan(owned: set[int]) -> tuple[dict[int, Conn], set[int]]:
                     socket.AF_INET6,
                 ):
                     continue
-                state = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), 1)[0]
+                state = s.getsockopt(socket.IPPROTO_TCP, TCP_INFO, 1)[0]
                 if state == _TCP_LISTEN:
                     listening.add(int(s.getsockname()[1]))
                 elif state == _TCP_ESTABLISHED:
@@ -392,7 +397,7 @@ def _tcp_info(conn: Conn, size: int) -> bytes | None:
         if s is None:
             return None
         try:
-            return s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), size)
+            return s.getsockopt(socket.IPPROTO_TCP, TCP_INFO, size)
         except OSError:
             return None
 

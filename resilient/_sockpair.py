@@ -380,7 +380,7 @@ class SocketPair:
         descriptor number (resilient._sockets) has to duplicate and verify it first.
         (A close racing this call may, at worst, read another socket's counters once.)"""
         try:
-            return self._sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", 11), size)
+            return self._sock.getsockopt(socket.IPPROTO_TCP, _sockets.TCP_INFO, size)
         except OSError:
             return None
 
