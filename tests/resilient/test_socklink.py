@@ -326,18 +326,20 @@ def test_a_handoff_to_a_busy_consumer_rings_no_bell(monkeypatch: pytest.MonkeyPa
             got.append(item)
             busy.wait(10)  # busy with the first item while the others are put
 
-    thread = threading.Thread(target=consume)
+    thread = threading.Thread(target=consume, daemon=True)
     thread.start()
-    time.sleep(0.05)  # asleep on an empty queue: the first put must wake it
-    box.put(0)
-    deadline = time.monotonic() + 5
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.001)
-    for i in range(1, 50):
-        box.put(i)
-    busy.set()
-    box.put(None)
-    thread.join(timeout=10)
+    try:
+        time.sleep(0.05)  # asleep on an empty queue: the first put must wake it
+        box.put(0)
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for i in range(1, 50):
+            box.put(i)
+    finally:  # the consumer ends even when a step above failed
+        busy.set()
+        box.put(None)
+        thread.join(timeout=10)
     assert not thread.is_alive() and got == list(range(50))
     # One ring woke it for item 0; the rest found it busy (a last one may come
     # when it drained the queue and went to sleep just before None was put).

@@ -83,7 +83,7 @@ def test_a_rank_that_cannot_run_30_percent_is_confirmed_within_20_steps(seed: in
 @pytest.mark.parametrize("seed", range(3))
 def test_a_rank_stopped_for_one_sample_only_is_not_confirmed(seed: int) -> None:
     # One 100 ms sample's worth of stolen time (a rank starved for a moment) is not
-    # evidence enough: confirming takes two such samples in a row.
+    # evidence enough: confirming takes three flagged samples of the last four.
     job, watch = _settled(seed)
     for _ in range(4):  # 4 calls of 25 ms: one sample
         watch.observe(job.call(stopped=3))
