@@ -8,6 +8,12 @@ a ``ProcessGroupGloo`` bound to rail 0's address, and alternates training steps
 between them (order swapped every step), each step started after a barrier. A step
 (batch, forward, backward with gradient all-reduce, SGD update) is timed on every
 rank; a step's time is the slowest rank's. Prints a table, then one JSON line.
+
+One launch's overhead moves by several points from launch to launch on a shared
+2-core host (where the ranks' threads land, what the host does meanwhile), more
+than between two steps of one launch. ``--launches N`` starts the ranks N times
+over and reports medians over the launches (each launch's figures are kept
+in the JSON).
 """
 
 from __future__ import annotations
@@ -92,7 +98,16 @@ def plan_of(args: argparse.Namespace) -> Plan:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_step_flags(p, "timed steps per backend (default 50)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="start the ranks this many times; report medians over the launches (default 1)",
+    )
+    args = p.parse_args(argv)
+    if args.launches < 1:
+        p.error("--launches must be at least 1")
+    return args
 
 
 def load_example() -> ModuleType:
@@ -263,6 +278,9 @@ def print_report(s: dict[str, Any]) -> None:
         f"resilient over {s['rails']} rail(s); median of {s['steps']} steps each "
         f"(max over ranks), torch.set_num_threads(1) per rank"
     )
+    if "launches" in s:
+        each = ", ".join(f"{x['overhead'] * 100:+.1f}%" for x in s["launches"])
+        print(f"{len(s['launches'])} launches, medians over them below; overheads: {each}")
     print_conditions(s)
     rows = [
         [n, f"{s[f'{n}_step_ms']:.2f}", f"{lo:.2f}", f"{hi:.2f}", f"{s[f'{n}_step_cpu_ms']:.1f}"]
@@ -277,14 +295,55 @@ def print_report(s: dict[str, Any]) -> None:
     )
 
 
+def combined(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of several launches' (see :func:`summary_of`): the medians over
+    them of step times, CPU and overhead; each launch's own under ``launches``."""
+    if len(launches) == 1:
+        return launches[0]
+    out = dict(launches[0])
+    for key in ("resilient_step_ms", "gloo_step_ms", "resilient_step_cpu_ms", "gloo_step_cpu_ms"):
+        out[key] = round(statistics.median(s[key] for s in launches), 2)
+    out["overhead"] = round(statistics.median(s["overhead"] for s in launches), 4)
+    out["min_max_ms"] = {
+        n: [
+            min(s["min_max_ms"][n][0] for s in launches),
+            max(s["min_max_ms"][n][1] for s in launches),
+        ]
+        for n in NAMES
+    }
+    for key in ("resilient_identical_across_ranks", "gloo_identical_across_ranks"):
+        out[key] = all(s[key] for s in launches)
+    out["max_param_diff_vs_gloo"] = max(s["max_param_diff_vs_gloo"] for s in launches)
+    out["load"] = [launches[0]["load"][0], launches[-1]["load"][-1]]
+    del out["samples_ms"]  # each launch keeps its own
+    out["launches"] = [
+        {k: s[k] for k in ("overhead", "resilient_step_ms", "gloo_step_ms", "samples_ms")}
+        for s in launches
+    ]
+    return out
+
+
+def launch(plan: Plan, timeout_s: float) -> dict[str, Any]:
+    """Start the ranks once; their summary (see :func:`summary_of`)."""
+    loads = [load_line()]
+    results = run_ranks(rank_main, plan.world, (plan,), timeout_s)
+    loads.append(load_line())
+    return summary_of(plan, results, loads)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = plan_of(args)
     timeout_s = args.timeout or 300.0 + 2 * (plan.steps + plan.warmup) * 2.0
-    loads, meter = [load_line()], CpuMeter()
-    results = run_ranks(rank_main, plan.world, (plan,), timeout_s)
-    loads.append(load_line())
-    summary = summary_of(plan, results, loads)
+    meter, launches = CpuMeter(), []
+    for i in range(args.launches):
+        launches.append(launch(plan, timeout_s))
+        if args.launches > 1:  # progress: a launch takes ~15 s at the defaults
+            print(
+                f"launch {i + 1}/{args.launches}: overhead {launches[-1]['overhead'] * 100:+.1f}%",
+                flush=True,
+            )
+    summary = combined(launches)
     summary["cpu"] = meter.report()
     print_report(summary)
     print(json.dumps(summary), flush=True)
