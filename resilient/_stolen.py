@@ -2,48 +2,152 @@
 
 A process that is SIGSTOPped, CPU-throttled by its cgroup or starved by a noisy
 neighbour is slow at everything, compute and communication alike, so its peers'
-clocks show little: they block in the same collectives it blocks in. From inside,
-though, it shows plainly: a thread that asks to sleep for a short period wakes up
-late by however long the process could not run. :class:`StolenTime` keeps that
-lateness as a running total (straggler detection compares it across ranks).
+clocks show little: they block in the same collectives it blocks in. From outside,
+though, it shows plainly, and :class:`StolenTime` keeps it as a running total
+(straggler detection compares it across ranks).
+
+The meter is a small child process, not a thread. Every :data:`PERIOD_S` it reads
+the rank's state (``/proc/<pid>/stat``): a stopped rank's period counts whole. A
+throttled or starved rank shows as the meter's own lateness (it shares the
+rank's cgroup and cores): a sleep that wakes more than :data:`_SLACK_S` late
+counts the excess. The total goes into 8 bytes of shared memory the rank reads
+without a system call.
+
+Why not a thread of the rank, as it was until 2026-12-04: a thread that wakes 100
+times a second needs the GIL each time, and on a busy host the hand-overs with
+the rank's own Python threads cost its collectives ~1.5-2 points of DDP step
+time (docs/BENCHMARKS.md). A thread's late wake-up also counted its wait for the
+GIL as stolen, and it saw only the part of a stop after its planned wake-up.
+
+The child leaves the rank's process group (its own session), so a chaos fault
+that stops the rank's group does not stop the meter that measures it. It ends
+when the rank closes the meter or dies: its end of a pipe then reads end-of-file,
+or its parent changes (a forked worker may still hold the pipe).
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import contextlib
+import logging
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import weakref
 from typing import Final
 
-__all__ = ["StolenTime"]
+__all__ = ["PERIOD_S", "StolenTime"]
+
+logger = logging.getLogger(__name__)
 
 PERIOD_S: Final = 0.01
-# The meter sleeps with time.sleep, not Event.wait: a wake-up costs what the process
-# can least spare on a busy host (CPU), and Event.wait's condition and lock
-# hand-overs made it ~95 us of CPU against ~57 us (this machine, 2026-12-04), 100
-# times a second per rank. close() waits out at most one period.
-# Late wake-ups below this are ordinary timer slack and GIL hand-over, not stolen.
+# Late wake-ups below this are ordinary timer slack, not stolen.
 _SLACK_S: Final = 0.002
+_TOTAL: Final = struct.Struct("<q")
+
+# The meter's program (stdlib only: it runs with -I -S, ~15 ms to start). argv:
+# shared-memory fd, the rank's pid, the pipe's read end, period, slack.
+_METER = r"""
+import mmap, os, select, struct, sys, time
+fd, pid, pipe = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+period, slack = float(sys.argv[4]), float(sys.argv[5])
+total = mmap.mmap(fd, 8)
+stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+poller = select.poll()
+poller.register(pipe, select.POLLIN)
+before, stolen = time.monotonic(), 0
+while not poller.poll(period * 1000) and os.getppid() == pid:
+    now = time.monotonic()
+    try:
+        raw = os.pread(stat, 512, 0)
+    except OSError:
+        break
+    state = raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3]
+    if state in (b"T", b"t"):
+        stolen += now - before
+    elif now - before - period > slack:
+        stolen += now - before - period
+    before = now
+    struct.pack_into("<q", total, 0, int(stolen * 1e6))
+"""
 
 
 class StolenTime:
-    """Running total, in microseconds, of time the process was not running."""
+    """Running total, in microseconds, of time the process was not running.
+
+    If the meter process cannot start (no ``memfd_create``, no ``/proc``, no
+    processes left), the total stays 0 and a warning says so: straggler detection
+    then has no stall signal, and nothing else changes.
+    """
 
     def __init__(self, name: str) -> None:
-        self.total_us = 0  # written by the meter thread only
-        self._halted = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.name = name
+        self._shared: mmap.mmap | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pipe = -1
+        self._last = 0
+        self._finalizer: weakref.finalize[[int], StolenTime] | None = None
+        try:
+            self._start()
+        except OSError as exc:
+            logger.warning("pid %d: %s: stolen-time meter not started (%s)", os.getpid(), name, exc)
+            self.close()
+
+    def _start(self) -> None:
+        fd = os.memfd_create(self.name)
+        try:
+            os.ftruncate(fd, _TOTAL.size)
+            self._shared = mmap.mmap(fd, _TOTAL.size)
+            read, self._pipe = os.pipe()
+            self._finalizer = weakref.finalize(self, _close_pipe, self._pipe)
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _METER, str(fd), str(os.getpid()),
+                     str(read), str(PERIOD_S), str(_SLACK_S)],
+                    pass_fds=(fd, read), start_new_session=True, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+            finally:
+                os.close(read)
+        finally:
+            os.close(fd)
+
+    @property
+    def pid(self) -> int | None:
+        """The meter process's pid (None when it did not start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def total_us(self) -> int:
+        shared = self._shared
+        if shared is not None:
+            # try/except rather than contextlib.suppress: this runs for every row.
+            try:  # noqa: SIM105
+                self._last = _TOTAL.unpack_from(shared)[0]
+            except ValueError:  # closed by another thread meanwhile
+                pass
+        return self._last
 
     def close(self) -> None:
-        self._halted = True
-        self._thread.join(timeout=1.0)
+        """End the meter (idempotent); the total keeps its last value."""
+        self._last = self.total_us
+        if self._finalizer is not None:
+            self._finalizer()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:  # stopped by someone: do not wait it out
+                proc.kill()
+                proc.wait(timeout=1.0)
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            with contextlib.suppress(BufferError):  # being read this instant: GC closes it
+                shared.close()
 
-    def _run(self) -> None:
-        before = time.monotonic()
-        while not self._halted:
-            time.sleep(PERIOD_S)
-            now = time.monotonic()
-            late = now - before - PERIOD_S
-            if late > _SLACK_S:
-                self.total_us += int(late * 1e6)
-            before = now
+
+def _close_pipe(fd: int) -> None:
+    """Close the meter's pipe: it reads end-of-file and exits (also when a meter
+    is dropped unclosed)."""
+    with contextlib.suppress(OSError):  # closed already
+        os.close(fd)

@@ -10,42 +10,96 @@ import time
 
 import pytest
 
+from resilient._stolen import StolenTime
+
 _CHILD = """
 import sys, time
 from resilient._stolen import StolenTime
 meter = StolenTime("test-stolen")
-print("ready", flush=True)
+print(meter.pid, flush=True)
 time.sleep(float(sys.argv[1]))
 print(meter.total_us, flush=True)
 meter.close()
 """
 
 
-def _run(stop_s: float) -> int:
-    """Stolen microseconds of a child living 1.5 s, stopped ``stop_s`` in the middle."""
+def _start(live_s: float) -> tuple[subprocess.Popen[str], int]:
+    """A child in a process group of its own (as a launched rank is) running a
+    meter for ``live_s``; the child and its meter's pid."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, "1.5"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CHILD, str(live_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _run(stop_s: float) -> int:
+    """Stolen microseconds of a child living 1.5 s, its process group stopped
+    ``stop_s`` in the middle (as chaos stops a rank)."""
+    proc, _ = _start(1.5)
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.3)
         if stop_s:
-            os.kill(proc.pid, signal.SIGSTOP)
+            os.killpg(proc.pid, signal.SIGSTOP)
             time.sleep(stop_s)
-            os.kill(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=20)
         return int(out.strip())
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(timeout=5)
+        _end(proc)
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` exits (or is a zombie nobody reaped) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return True
+        if raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] == b"Z":
+            return True
+        time.sleep(0.02)
+    return False
 
 
 @pytest.mark.timeout(60)
 def test_a_stopped_process_counts_its_stop_and_a_running_one_little() -> None:
     stopped_us = _run(0.5)
     running_us = _run(0.0)
-    assert 400_000 <= stopped_us <= 800_000, stopped_us
+    # The meter is outside the stopped group, so the whole stop counts (to a period).
+    assert 450_000 <= stopped_us <= 800_000, stopped_us
     assert running_us < 200_000, running_us
+
+
+@pytest.mark.timeout(60)
+def test_the_meter_ends_with_its_process_even_when_killed() -> None:
+    proc, meter = _start(30.0)
+    try:
+        assert not _gone(meter, 0.2)  # it runs while its process does
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert _gone(meter, 5.0)
+    finally:
+        _end(proc)
+
+
+@pytest.mark.timeout(30)
+def test_close_ends_the_meter_and_keeps_the_total() -> None:
+    meter = StolenTime("test-close")
+    pid = meter.pid
+    assert pid is not None
+    meter.close()
+    assert _gone(pid, 2.0)
+    meter.close()  # twice is fine
+    assert meter.total_us >= 0
