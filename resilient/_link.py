@@ -356,12 +356,19 @@ class Link:
         peer shows none of that (its ACKs still come, or its window is shut), nor
         does a throttled link.
         """
-        for conn in self._conns:
-            p = _sockets.progress(conn)
+        for p in self._progresses():
             why = p.dead(min_ms) if p is not None else None
             if why is not None:
                 return why
         return None
+
+    def _progresses(self) -> list[_sockets.Progress | None]:
+        """Each connection's TCP progress (None: its descriptor is gone)."""
+        return [_sockets.progress(conn) for conn in self._conns]
+
+    def _states(self) -> list[int | None]:
+        """Each connection's TCP state (None: its descriptor is gone)."""
+        return [_sockets.tcp_state(conn) for conn in self._conns]
 
     def check_closed(self) -> bool:
         """Mark the link broken if the kernel saw its peer close or reset the
@@ -373,7 +380,7 @@ class Link:
         """
         if self.broken:
             return False
-        states = [_sockets.tcp_state(conn) for conn in self._conns]
+        states = self._states()
         self.socket_gone = bool(states) and all(s is None for s in states)
         if not any(s in _sockets.PEER_GONE_STATES for s in states):
             return False

@@ -52,6 +52,7 @@ from typing import Any, Final
 
 __all__ = [
     "PEER_GONE_STATES",
+    "PROGRESS_INFO_BYTES",
     "SENT_INFO_BYTES",
     "TCP_INFO",
     "Conn",
@@ -64,8 +65,10 @@ __all__ = [
     "pair_up",
     "peer_closed",
     "progress",
+    "progress_of",
     "sent",
     "sent_of",
+    "state_of",
     "tcp_state",
 ]
 
@@ -449,13 +452,25 @@ def peer_closed(conn: Conn) -> bool:
 def tcp_state(conn: Conn) -> int | None:
     """``conn``'s TCP state (``tcpi_state``), or None once its descriptor is gone
     (gloo closes a pair's socket itself when it reads the peer's FIN or RST)."""
-    raw = _tcp_info(conn, 8)
-    return raw[0] if raw is not None and len(raw) >= 1 else None
+    return state_of(_tcp_info(conn, 8))
+
+
+def state_of(raw: bytes | None) -> int | None:
+    """:func:`tcp_state` from the start of a ``TCP_INFO`` (None when there is none)."""
+    return raw[0] if raw else None
+
+
+PROGRESS_INFO_BYTES: Final = 232  # what progress_of reads of TCP_INFO
 
 
 def progress(conn: Conn) -> Progress | None:
     """``conn``'s TCP progress, or None if it is gone (or not Linux)."""
-    raw = _tcp_info(conn, 232)
+    return progress_of(_tcp_info(conn, PROGRESS_INFO_BYTES))
+
+
+def progress_of(raw: bytes | None) -> Progress | None:
+    """:func:`progress` from the first :data:`PROGRESS_INFO_BYTES` of a ``TCP_INFO``
+    (None when there is none)."""
     if raw is None or len(raw) < 60:
         return None
     # struct tcp_info: u8 state, ca_state, retransmits, probes, ...; u32 rto, ato,

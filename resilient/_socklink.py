@@ -55,6 +55,19 @@ class SocketLink(Link):
         pg = self.pg
         return _sockets.sent_of(pg.tcp_info(_sockets.SENT_INFO_BYTES)) if pg is not None else None
 
+    # The peer watch reads these of every link 20 times a second while calls run:
+    # on the pair's own socket that is one system call, where through the
+    # descriptor number it is a duplicate and a check of it first (7.8 -> 1.6 us).
+    def _states(self) -> list[int | None]:
+        pg = self.pg
+        return [_sockets.state_of(pg.tcp_info(1))] if pg is not None else super()._states()
+
+    def _progresses(self) -> list[_sockets.Progress | None]:
+        pg = self.pg
+        if pg is None:
+            return super()._progresses()
+        return [_sockets.progress_of(pg.tcp_info(_sockets.PROGRESS_INFO_BYTES))]
+
     def renew(self, epoch: int) -> None:
         """As :meth:`Link.renew`, and drop the receives of the epoch just left, with
         their messages: one whose send did come would otherwise land in its buffer

@@ -105,6 +105,34 @@ def test_a_pairs_send_counters_come_from_its_own_socket() -> None:
     assert a.tcp_info(_sockets.SENT_INFO_BYTES) is None
 
 
+def test_a_pairs_state_and_progress_come_from_its_own_socket() -> None:
+    # What the peer watch reads of a socket link (SocketLink._states, _progresses).
+    a, b = _pair()
+    try:
+        sock = a._sock
+        conn = _sockets.Conn(
+            sock.fileno(),
+            _sockets.norm(sock.getsockname()[:2]),
+            _sockets.norm(sock.getpeername()[:2]),
+        )
+        assert _sockets.state_of(a.tcp_info(1)) == _sockets.tcp_state(conn) == 1  # ESTABLISHED
+        own = _sockets.progress_of(a.tcp_info(_sockets.PROGRESS_INFO_BYTES))
+        via_fd = _sockets.progress(conn)
+        assert own is not None and via_fd is not None and own.mss == via_fd.mss
+        assert own.dead(0) is None
+        b.shutdown()
+        deadline = time.monotonic() + 5.0
+        while _sockets.state_of(a.tcp_info(1)) not in _sockets.PEER_GONE_STATES:
+            assert time.monotonic() < deadline, "the peer's close never showed"
+            time.sleep(0.01)
+        assert _sockets.tcp_state(conn) in _sockets.PEER_GONE_STATES
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert _sockets.state_of(a.tcp_info(1)) is None
+    assert _sockets.progress_of(a.tcp_info(_sockets.PROGRESS_INFO_BYTES)) is None
+
+
 def test_a_message_larger_than_its_receive_fails_the_receive_not_the_process() -> None:
     with _opened_pair() as (a, b):
         a.send([torch.zeros(8)], 0, 5)
