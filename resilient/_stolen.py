@@ -20,9 +20,11 @@ time (docs/BENCHMARKS.md). A thread's late wake-up also counted its wait for the
 GIL as stolen, and it saw only the part of a stop after its planned wake-up.
 
 The child leaves the rank's process group (its own session), so a chaos fault
-that stops the rank's group does not stop the meter that measures it. It ends
-when the rank closes the meter or dies: its end of a pipe then reads end-of-file,
-or its parent changes (a forked worker may still hold the pipe).
+that stops the rank's group does not stop the meter that measures it. The rank
+kills it on close; a rank that dies closes its end of a pipe the meter polls, so
+the meter reads end-of-file and exits (and it exits if its parent changes). A
+rank killed outright on a host whose init does not reap orphans leaves the meter
+a zombie: no CPU, one process table entry.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ import mmap, os, select, struct, sys, time
 fd, pid, pipe = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 period, slack = float(sys.argv[4]), float(sys.argv[5])
 total = mmap.mmap(fd, 8)
-stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+try:
+    stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+except OSError as exc:
+    sys.exit(f"resilient stolen-time meter of pid {pid}: {exc}; no stall signal")
 poller = select.poll()
 poller.register(pipe, select.POLLIN)
 before, stolen = time.monotonic(), 0
@@ -100,6 +105,7 @@ class StolenTime:
             os.ftruncate(fd, _TOTAL.size)
             self._shared = mmap.mmap(fd, _TOTAL.size)
             read, self._pipe = os.pipe()
+            _PIPES.add(self._pipe)
             self._finalizer = weakref.finalize(self, _close_pipe, self._pipe)
             try:
                 self._proc = subprocess.Popen(
@@ -135,19 +141,39 @@ class StolenTime:
             self._finalizer()
         proc, self._proc = self._proc, None
         if proc is not None:
+            # Killed rather than waited for: it holds nothing to flush, and a pipe
+            # end some other process still holds would keep it reading. Not
+            # reaped yet, so its pid cannot have been reused.
+            proc.kill()
             try:
                 proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:  # stopped by someone: do not wait it out
-                proc.kill()
-                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                logger.warning("pid %d: %s: stolen-time meter %d did not end", os.getpid(),
+                               self.name, proc.pid)  # fmt: skip
         shared, self._shared = self._shared, None
         if shared is not None:
             with contextlib.suppress(BufferError):  # being read this instant: GC closes it
                 shared.close()
 
 
+# The rank's ends of its meters' pipes. A child forked from the rank (a data
+# loader's worker) must not hold one: the meter would outlive the rank.
+_PIPES: set[int] = set()
+
+
 def _close_pipe(fd: int) -> None:
-    """Close the meter's pipe: it reads end-of-file and exits (also when a meter
-    is dropped unclosed)."""
+    """Close a meter's pipe: it reads end-of-file and exits (also when a meter is
+    dropped unclosed)."""
+    _PIPES.discard(fd)
     with contextlib.suppress(OSError):  # closed already
         os.close(fd)
+
+
+def _forked() -> None:
+    for fd in list(_PIPES):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _PIPES.clear()
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -103,3 +103,29 @@ def test_close_ends_the_meter_and_keeps_the_total() -> None:
     assert _gone(pid, 2.0)
     meter.close()  # twice is fine
     assert meter.total_us >= 0
+
+
+_FORKS = """
+import os, sys
+from resilient._stolen import StolenTime
+meter = StolenTime("test-fork")
+mine = os.readlink(f"/proc/self/fd/{meter._pipe}")  # pipe:[inode]
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # a data loader's worker, say
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    os.write(write, str(mine in held).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.read(read, 16).decode(), mine.startswith("pipe:"), flush=True)
+meter.close()
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_child_does_not_hold_the_meters_pipe() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKS], capture_output=True, text=True, timeout=20, check=True
+    )
+    assert out.stdout.split() == ["False", "True"], out
