@@ -57,7 +57,8 @@ class SocketLink(Link):
 
     # The peer watch reads these of every link 20 times a second while calls run:
     # on the pair's own socket that is one system call, where through the
-    # descriptor number it is a duplicate and a check of it first (7.8 -> 1.6 us).
+    # descriptor number it is a duplicate and a check of it first (both reads:
+    # 15.9 -> 3.6 us a link, warm).
     def _states(self) -> list[int | None]:
         pg = self.pg
         return [_sockets.state_of(pg.tcp_info(1))] if pg is not None else super()._states()
