@@ -163,10 +163,12 @@ _PIPES: set[int] = set()
 
 def _close_pipe(fd: int) -> None:
     """Close a meter's pipe: it reads end-of-file and exits (also when a meter is
-    dropped unclosed)."""
-    _PIPES.discard(fd)
-    with contextlib.suppress(OSError):  # closed already
-        os.close(fd)
+    dropped unclosed). Only while it is still this process's: in a forked child
+    the number may name another file by now."""
+    if fd in _PIPES:
+        _PIPES.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _forked() -> None:

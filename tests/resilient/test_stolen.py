@@ -115,10 +115,16 @@ pid = os.fork()
 if pid == 0:  # a data loader's worker, say
     held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{fd}")]
+    # The meter's end is closed here, so its number may be another file's now;
+    # the copy of the meter must not close that when it is dropped.
+    other = os.open("/dev/null", os.O_RDONLY)
+    meter._finalizer()
+    os.fstat(other)  # raises if it was closed
     os.write(write, str(mine in held).encode())
     os._exit(0)
+os.close(write)  # a child that failed leaves the read below empty, not blocked
 os.waitpid(pid, 0)
-print(os.read(read, 16).decode(), mine.startswith("pipe:"), flush=True)
+print(os.read(read, 16).decode() or "failed", mine.startswith("pipe:"), flush=True)
 meter.close()
 """
 
