@@ -135,3 +135,22 @@ def test_a_forked_child_does_not_hold_the_meters_pipe() -> None:
         [sys.executable, "-c", _FORKS], capture_output=True, text=True, timeout=20, check=True
     )
     assert out.stdout.split() == ["False", "True"], out
+
+
+@pytest.mark.timeout(30)
+def test_a_meter_that_cannot_start_reads_zero_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    with caplog.at_level("WARNING", logger="resilient._stolen"):
+        meter = StolenTime("test-refused")
+    assert meter.pid is None and meter.total_us == 0
+    warned = [
+        r for r in caplog.records if r.name == "resilient._stolen" and r.levelname == "WARNING"
+    ]
+    assert len(warned) == 1, caplog.records
+    meter.close()
+    assert meter.total_us == 0
