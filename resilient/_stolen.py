@@ -43,7 +43,10 @@ __all__ = ["PERIOD_S", "StolenTime"]
 
 logger = logging.getLogger(__name__)
 
-PERIOD_S: Final = 0.01
+# A stopped period counts whole, so a stop is counted to a period: at 10 ms a rank
+# stopped 30 % of every 100 ms read 20-40 % per sample, and the 3-rank CI test's
+# confirmation took 11-18 steps (bound 20); at 5 ms, 10-14 (2026-12-04).
+PERIOD_S: Final = 0.005
 # Late wake-ups below this are ordinary timer slack, not stolen.
 _SLACK_S: Final = 0.002
 _TOTAL: Final = struct.Struct("<q")
@@ -83,9 +86,9 @@ class StolenTime:
 
     If the meter process cannot start (no ``memfd_create``, no ``/proc``, no
     processes left), the total stays 0 and a warning says so: straggler detection
-    then has no stall signal, and nothing else changes. The meter costs ~6 ms of
-    CPU a second and ~9 MB of memory (measured 2026-12-04), about what the thread
-    cost, without taking the rank's GIL.
+    then has no stall signal, and nothing else changes. The meter costs ~10 ms of
+    CPU a second and ~9 MB of memory (measured 2026-12-04; the thread cost ~6 ms
+    a second, taken from the rank's GIL).
     """
 
     def __init__(self, name: str) -> None:
