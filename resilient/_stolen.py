@@ -13,11 +13,11 @@ rank's cgroup and cores): a sleep that wakes more than :data:`_SLACK_S` late
 counts the excess. The total goes into 8 bytes of shared memory the rank reads
 without a system call.
 
-Why not a thread of the rank, as it was until 2026-12-04: a thread that wakes 100
-times a second needs the GIL each time, and on a busy host the hand-overs with
-the rank's own Python threads cost its collectives ~1.5-2 points of DDP step
-time (docs/BENCHMARKS.md). A thread's late wake-up also counted its wait for the
-GIL as stolen, and it saw only the part of a stop after its planned wake-up.
+Why not a thread of the rank, as it was until 2026-12-04: a thread's late wake-up
+counts its wait for the GIL as stolen (31-37 ms of every 100 beside a main
+thread busy in Python, on a healthy rank), and each wake-up takes the GIL from
+the rank's own threads (what that costs a DDP step was within the benchmark's
+noise: docs/BENCHMARKS.md).
 
 The child leaves the rank's process group (its own session), so a chaos fault
 that stops the rank's group does not stop the meter that measures it. The rank
