@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from resilient._launch_io import describe_exit, shell_exit_code
 from resilient.config import RankEnv
 from resilient.errors import ConfigError, LauncherError
 from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, RankVar, loopback_rails
+from tests._procs import gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,22 +82,6 @@ def read(out: Path, kind: str, rank: int, inc: int) -> dict[str, Any]:
 
 def records(out: Path, kind: str) -> list[str]:
     return sorted(p.name for p in out.glob(f"{kind}-*.json"))
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from resilient._stolen import StolenTime
+from tests._procs import gone, wait_until
 
 _CHILD = """
 import sys, time
@@ -59,21 +60,6 @@ def _run(stop_s: float) -> int:
         _end(proc)
 
 
-def _gone(pid: int, within_s: float) -> bool:
-    """Whether process ``pid`` exits (or is a zombie nobody reaped) within ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return True
-        if raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3] == b"Z":
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @pytest.mark.timeout(60)
 def test_a_stopped_process_counts_its_stop_and_a_running_one_little() -> None:
     stopped_us = _run(0.5)
@@ -87,9 +73,9 @@ def test_a_stopped_process_counts_its_stop_and_a_running_one_little() -> None:
 def test_the_meter_ends_with_its_process_even_when_killed() -> None:
     proc, meter = _start(30.0)
     try:
-        assert not _gone(meter, 0.2)  # it runs while its process does
+        assert not wait_until(lambda: gone(meter), 0.2)  # it runs while its process does
         os.killpg(proc.pid, signal.SIGKILL)
-        assert _gone(meter, 5.0)
+        assert wait_until(lambda: gone(meter), 5.0)
     finally:
         _end(proc)
 
@@ -100,7 +86,7 @@ def test_close_ends_the_meter_and_keeps_the_total() -> None:
     pid = meter.pid
     assert pid is not None
     meter.close()
-    assert _gone(pid, 2.0)
+    assert wait_until(lambda: gone(pid), 2.0)
     meter.close()  # twice is fine
     assert meter.total_us >= 0
 
