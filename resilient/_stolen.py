@@ -71,8 +71,8 @@ while not poller.poll(period * 1000) and os.getppid() == pid:
         raw = os.pread(stat, 512, 0)
     except OSError:
         break
-    state = raw[raw.rindex(b")") + 2 : raw.rindex(b")") + 3]
-    if state in (b"T", b"t"):
+    at = raw.rindex(b")") + 2  # the state follows the command name, which may hold ")"
+    if raw[at : at + 1] in (b"T", b"t"):
         stolen += now - before
     elif now - before - period > slack:
         stolen += now - before - period
