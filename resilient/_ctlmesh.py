@@ -39,6 +39,7 @@ import torch
 
 from recovery import events
 from resilient._relay import RELAY_RAIL
+from resilient._socklink import SocketLink
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
 
@@ -48,6 +49,15 @@ _TAG: Final = 1 << 29
 _SEQ: Final = struct.Struct("<q")
 _NAP_S: Final = 0.001
 _MAX_NAP_S: Final = 0.02
+
+
+def _rows_of(table: torch.Tensor) -> list[memoryview]:
+    """Each row of a (contiguous, CPU) exchange table as a byte view: what a socket
+    link sends and receives, without viewing a tensor as bytes again per op."""
+    array: Any = table.numpy()  # numpy's stubs do not say ndarray is a buffer
+    whole = memoryview(array).cast("B")
+    size = len(whole) // len(table)
+    return [whole[i : i + size] for i in range(0, len(whole), size)]
 
 
 class _Publisher:
@@ -144,12 +154,17 @@ class ControlMesh:
             self._built = True
         mine = table[self.rank]
         self._recent.append((seq, mine))
-        sends, published = [], False
+        view = _rows_of(table)[self.rank]
+        sends: list[tuple[Link, Any]] = []
+        published = False
         for p in self.peers:
             link = self._link(p, rail)
             try:
                 if not link.broken:
-                    sends.append((link, link.isend(mine, _TAG)))
+                    if isinstance(link, SocketLink):
+                        sends.append((link, link.isend_bytes(view, _TAG)))
+                    else:
+                        sends.append((link, link.isend(mine, _TAG)))
                     continue
             except LinkError:
                 pass
@@ -167,14 +182,20 @@ class ControlMesh:
             LinkError: a peer's row did not come (its links closed, the epoch was
                 given up, one rail only, or the deadline passed).
         """
-        nbytes = table[self.rank].numel() * table.element_size()
+        rows = _rows_of(table)
+        nbytes = len(rows[self.rank])
         recvs = []
         for p in self.peers:
             link = self._link(p, rail)
             # try/except rather than contextlib.suppress: this runs per peer and call,
             # and suppress is three Python calls.
             try:
-                work = None if link.broken else link.irecv(table[p], _TAG)
+                if link.broken:
+                    work = None
+                elif isinstance(link, SocketLink):
+                    work = link.irecv_bytes(rows[p], _TAG)
+                else:
+                    work = link.irecv(table[p], _TAG)
             except LinkError:  # broken: the row comes through the store
                 work = None
             recvs.append((p, link, work))

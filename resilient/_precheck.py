@@ -285,8 +285,9 @@ class SignatureChannel:
     def _rail(self) -> int:
         """The rail of the next exchange: the heaviest by the weights agreed in the
         previous one (the same rail on every rank)."""
-        engine = self.engine
-        return max(range(engine.num_rails), key=lambda r: engine.weights[r])
+        weights = self.engine.weights
+        # Twice per call on the caller's thread: one rail needs no search.
+        return 0 if len(weights) == 1 else max(range(len(weights)), key=weights.__getitem__)
 
     def _row(self, ticket: Ticket) -> torch.Tensor:
         """The exchange table with this rank's row filled (see signature_table)."""

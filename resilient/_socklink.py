@@ -69,6 +69,38 @@ class SocketLink(Link):
             return super()._progresses()
         return [_sockets.progress_of(pg.tcp_info(_sockets.PROGRESS_INFO_BYTES))]
 
+    # Control rows (resilient._ctlmesh) are byte views: one per row serves every
+    # peer, where a tensor is viewed as bytes again for each op. As isend/irecv.
+    def isend_bytes(self, view: memoryview, tag: int) -> SocketWork:
+        """Post a send of ``view``; as :meth:`Link.isend`.
+
+        Raises:
+            LinkError: the link is not built or is closed, or a fault is injected.
+        """
+        self._injected_failure("send")
+        pg = self.pg
+        if pg is None:
+            raise self._failed(f"{self}: send on a link that is not built or is closed")
+        work: SocketWork = pg.send_bytes(view, self.ledger.tag(tag))
+        self.tx_ops += 1
+        self.ledger.posted(work)
+        return work
+
+    def irecv_bytes(self, view: memoryview, tag: int) -> SocketWork:
+        """Post a receive into ``view``; as :meth:`Link.irecv`.
+
+        Raises:
+            LinkError: the link is not built or is closed, or a fault is injected.
+        """
+        self._injected_failure("recv")
+        pg = self.pg
+        if pg is None:
+            raise self._failed(f"{self}: recv on a link that is not built or is closed")
+        work: SocketWork = pg.recv_bytes(view, self.ledger.tag(tag))
+        self.rx_ops += 1
+        self.ledger.posted(work)
+        return work
+
     def renew(self, epoch: int) -> None:
         """As :meth:`Link.renew`, and drop the receives of the epoch just left, with
         their messages: one whose send did come would otherwise land in its buffer

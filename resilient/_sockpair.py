@@ -302,7 +302,10 @@ class SocketPair:
     # -- the ProcessGroupGloo subset a Link uses ------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SocketWork:
         """Queue ``tensors[0]`` for the peer and write what the socket takes now."""
-        payload = _bytes_of(tensors[0])
+        return self.send_bytes(_bytes_of(tensors[0]), tag)
+
+    def send_bytes(self, payload: memoryview, tag: int) -> SocketWork:
+        """:meth:`send` of a byte view (one view of a control row serves every peer)."""
         work = SocketWork(self, payload, sending=True)
         bufs = [memoryview(_HEADER.pack(tag, len(payload))), payload]
         with self.engine.lock:
@@ -321,7 +324,11 @@ class SocketPair:
         is stashed, or is already in the socket and no other receive is pending on
         the pair (read now, without blocking, unless another thread drives the
         engine: it reads it then). Otherwise the thread that waits reads it."""
-        work = SocketWork(self, _bytes_of(tensors[0]), sending=False)
+        return self.recv_bytes(_bytes_of(tensors[0]), tag)
+
+    def recv_bytes(self, into: memoryview, tag: int) -> SocketWork:
+        """:meth:`recv` into a byte view."""
+        work = SocketWork(self, into, sending=False)
         with self.engine.lock:
             # A whole message that came before the pair failed is still delivered:
             # a peer that sends and then exits closes the connection behind it.

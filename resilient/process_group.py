@@ -46,7 +46,7 @@ from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._weights import DOWN, WeightLearner, agreed_backups
 from resilient._work import Failed, ResilientWork, _Flat, _packed
-from resilient.collectives import RingEngine, fold_rows
+from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
 from resilient.errors import CommunicationError, PeerLost, ResilientError
 from resilient.links import LinkTable
@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
+# Distinct allreduce calls kept checked (DDP makes a few buckets; anything more is
+# a program whose shapes vary, which gains nothing from the cache).
+_KNOWN_CALLS = 64
 
 
 @atexit.register
@@ -146,6 +149,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             self.gpu.start()
         # Calls submitted and finished: the peer watch looks only while some run.
         self._calls_in, self._calls_out = 0, 0
+        # Checked allreduce calls by (dtype, shape, device, reduce op): see _allreduce_call.
+        self._known_calls: dict[tuple[Any, ...], tuple[Reduce, Signature]] = {}
         self._peer_watch = PeerWatch(rank, self._tables, self._busy, self._check_lost)
         self._peer_watch.start()
         # This rank's member lease in etcd, when the backend joined one (closed at
@@ -385,14 +390,38 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         return topo == "mesh" or (topo == "auto" and world <= self.config.mesh_max_world)
 
     # -- collectives -------------------------------------------------------------------
-    def allreduce(  # type: ignore[override]
-        self, tensors: list[torch.Tensor], opts: Any = None
-    ) -> ResilientWork:
+    def _allreduce_call(self, tensors: list[torch.Tensor], opts: Any) -> tuple[Reduce, Signature]:
+        """The checked reduce op and signature of an allreduce call.
+
+        One tensor is the usual call (a DDP bucket, the same few every step): its
+        checks and signature are kept by dtype, shape, device and reduce op. On a
+        host where the training thread shares its cores with the other ranks, the
+        checks and the signature's hashing cost ~60 us of its CPU per call.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: see check_tensors, reduce_op.
+        """
+        key = None
+        if len(tensors) == 1 and opts is not None:
+            t = tensors[0]
+            key = (t.dtype, t.shape, t.device, getattr(opts.reduceOp, "op", opts.reduceOp))
+            known = self._known_calls.get(key)
+            if known is not None:
+                return known
         opts = opts or dist.AllreduceOptions()
         check_tensors("allreduce", tensors)
         red = reduce_op("allreduce", opts)
-        sig = Signature.of("allreduce", tensors, reduce=red)
+        known = (red, Signature.of("allreduce", tensors, reduce=red))
+        if key is not None:
+            if len(self._known_calls) >= _KNOWN_CALLS:
+                self._known_calls.clear()
+            self._known_calls[key] = known
+        return known
 
+    def allreduce(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        red, sig = self._allreduce_call(tensors, opts)
         inline = self._inline(tensors)
 
         def run(table: torch.Tensor | None) -> list[torch.Tensor]:

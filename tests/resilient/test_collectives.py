@@ -189,6 +189,33 @@ def test_mismatch_raises_on_every_rank_and_group_stays_usable() -> None:
         assert "reduce" in fields["op"] and "op" in fields["collective"]
 
 
+def _checked_after_known(pg: Any, rank: int, world: int) -> list[str]:
+    """A call known by dtype, shape and op (ResilientProcessGroup._allreduce_call)
+    does not vouch for one that differs in any of them."""
+    t = torch.full((8,), float(rank + 1))
+    pg.allreduce([t], _opts(dist.ReduceOp.SUM)).wait()
+    assert torch.equal(t, torch.full((8,), float(sum(range(1, world + 1)))))
+    seen = []
+    for bad in (
+        lambda: pg.allreduce([torch.ones(8, dtype=torch.uint8)], _opts(dist.ReduceOp.SUM)),
+        lambda: pg.allreduce([torch.ones(8)], _opts(dist.ReduceOp.BAND)),
+    ):
+        try:
+            bad()
+        except (TypeError, NotImplementedError) as exc:
+            seen.append(type(exc).__name__)
+    # Same dtype and shape, another op: its own reduction.
+    t = torch.full((8,), float(rank + 1))
+    pg.allreduce([t], _opts(dist.ReduceOp.MAX)).wait()
+    assert torch.equal(t, torch.full((8,), float(world)))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_known_calls_keep_their_checks() -> None:
+    assert run_world(_checked_after_known, 2) == [["TypeError", "NotImplementedError"]] * 2
+
+
 def _unsupported(pg: Any, rank: int, world: int) -> str:
     try:
         pg.alltoall([torch.zeros(1)], [torch.zeros(1)])
