@@ -81,14 +81,17 @@ class _Sampler:
             self._mark, self._calls = clocks, 0
             return None
         self._calls += 1
-        delta = [
-            (a - a0, w - w0, s - s0)
-            for (a, w, s), (a0, w0, s0) in zip(clocks, self._mark, strict=True)
-        ]
-        if self._calls < MIN_CALLS or max(a + w for a, w, _ in delta) < self.span_us:
+        if self._calls < MIN_CALLS:
+            return None
+        mark = self._mark
+        # The span first, the deltas only for a sample: this runs for every call.
+        span = max(c[0] + c[1] - m[0] - m[1] for c, m in zip(clocks, mark, strict=True))
+        if span < self.span_us:
             return None
         self._mark, self._calls = clocks, 0
-        return delta
+        return [
+            (a - a0, w - w0, s - s0) for (a, w, s), (a0, w0, s0) in zip(clocks, mark, strict=True)
+        ]
 
 
 class Verdicts:

@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
+# What a call without payloads gets for its table once the signatures matched (its
+# function only asks whether they were checked: None means checks are off).
+_CHECKED = torch.empty(0, dtype=torch.uint8)
 # Distinct allreduce calls kept checked (DDP makes a few buckets; anything more is
 # a program whose shapes vary, which gains nothing from the cache).
 _KNOWN_CALLS = 64
@@ -198,7 +201,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         after_previous: bool = False,
     ) -> ResilientWork:
         """Queue ``fn(table)``: ``table`` holds every rank's inline bytes once the
-        signatures matched (None with checks off); a mismatch raises before ``fn``."""
+        signatures matched (an empty tensor for a call without ``payload``; None with
+        checks off); a mismatch raises before ``fn``."""
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
@@ -226,7 +230,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 follow_cuts(engine, exchange, announce=True)
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
-                out = fn(exchange.inline)
+                # Only calls that carry payloads read them (a view per call otherwise).
+                out = fn(exchange.payloads() if payload is not None else _CHECKED)
                 ok = True
                 return out
             except CommunicationError as exc:

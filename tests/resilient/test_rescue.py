@@ -27,17 +27,19 @@ VICTIM = 2
 def _die_without_reaching(peer: int) -> None:
     """The next control-link send to ``peer`` never arrives, and this process dies
     0.5 s after posting it (meanwhile the rest of the exchange goes through)."""
-    from resilient import _link
+    from resilient import _link, _socklink
 
-    isend = _link.Link.isend
+    # Control rows go out through isend_bytes on socket links, isend on gloo ones.
+    for cls, name in ((_link.Link, "isend"), (_socklink.SocketLink, "isend_bytes")):
+        send = getattr(cls, name)
 
-    def lost_send(self: Any, tensor: torch.Tensor, tag: int) -> Any:
-        if self.peer == peer and self.prefix.startswith("ctl/"):
-            threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
-            tag += 1 << 21  # a message the peer never posts a receive for
-        return isend(self, tensor, tag)
+        def lost_send(self: Any, data: Any, tag: int, send: Any = send) -> Any:
+            if self.peer == peer and self.prefix.startswith("ctl/"):
+                threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGKILL)).start()
+                tag += 1 << 21  # a message the peer never posts a receive for
+            return send(self, data, tag)
 
-    _link.Link.isend = lost_send  # type: ignore[method-assign]
+        setattr(cls, name, lost_send)
 
 
 def _lagging_survivor(pg: Any, rank: int, world: int) -> dict[str, Any]:
