@@ -279,7 +279,9 @@ def print_report(s: dict[str, Any]) -> None:
         f"(max over ranks), torch.set_num_threads(1) per rank"
     )
     if "launches" in s:
-        each = ", ".join(f"{x['overhead'] * 100:+.1f}%" for x in s["launches"])
+        each = ", ".join(
+            f"{x['overhead'] * 100:+.1f}% (gloo {x['gloo_step_ms']:.1f})" for x in s["launches"]
+        )
         print(f"{len(s['launches'])} launches, medians over them below; overheads: {each}")
     print_conditions(s)
     rows = [
@@ -339,8 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.launches):
         launches.append(launch(plan, timeout_s))
         if args.launches > 1:  # progress: a launch takes ~15 s at the defaults
+            last = launches[-1]
+            # gloo's step says which state the host was in (docs/BENCHMARKS.md,
+            # 2026-12-05): the overhead is about twice as large when gloo is fast.
             print(
-                f"launch {i + 1}/{args.launches}: overhead {launches[-1]['overhead'] * 100:+.1f}%",
+                f"launch {i + 1}/{args.launches}: overhead {last['overhead'] * 100:+.1f}% "
+                f"(resilient {last['resilient_step_ms']:.2f} ms, gloo {last['gloo_step_ms']:.2f})",
                 flush=True,
             )
     summary = combined(launches)
