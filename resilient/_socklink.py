@@ -72,32 +72,25 @@ class SocketLink(Link):
     # Control rows (resilient._ctlmesh) are byte views: one per row serves every
     # peer, where a tensor is viewed as bytes again for each op. As isend/irecv.
     def isend_bytes(self, view: memoryview, tag: int) -> SocketWork:
-        """Post a send of ``view``; as :meth:`Link.isend`.
-
-        Raises:
-            LinkError: the link is not built or is closed, or a fault is injected.
-        """
-        self._injected_failure("send")
-        pg = self.pg
-        if pg is None:
-            raise self._failed(f"{self}: send on a link that is not built or is closed")
-        work: SocketWork = pg.send_bytes(view, self.ledger.tag(tag))
-        self.tx_ops += 1
-        self.ledger.posted(work)
-        return work
+        """Post a send of ``view``; raises LinkError as :meth:`Link.isend` does."""
+        return self._post_bytes("send", view, tag)
 
     def irecv_bytes(self, view: memoryview, tag: int) -> SocketWork:
-        """Post a receive into ``view``; as :meth:`Link.irecv`.
+        """Post a receive into ``view``; raises LinkError as :meth:`Link.irecv` does."""
+        return self._post_bytes("recv", view, tag)
 
-        Raises:
-            LinkError: the link is not built or is closed, or a fault is injected.
-        """
-        self._injected_failure("recv")
+    def _post_bytes(self, what: str, view: memoryview, tag: int) -> SocketWork:
+        self._injected_failure(what)
         pg = self.pg
         if pg is None:
-            raise self._failed(f"{self}: recv on a link that is not built or is closed")
-        work: SocketWork = pg.recv_bytes(view, self.ledger.tag(tag))
-        self.rx_ops += 1
+            raise self._failed(f"{self}: {what} on a link that is not built or is closed")
+        sending = what == "send"
+        post = pg.send_bytes if sending else pg.recv_bytes
+        work: SocketWork = post(view, self.ledger.tag(tag))
+        if sending:
+            self.tx_ops += 1
+        else:
+            self.rx_ops += 1
         self.ledger.posted(work)
         return work
 
