@@ -153,12 +153,18 @@ class StragglerWatch:
     def _report(self, t: Transition, signal: str) -> None:
         if t.kind == "confirmed" and self.sink is not None:
             self.sink.add(t.rank, signal, t.relative)
+        # A sample in which a rank's stolen time covered all of it (its meter saw it
+        # stopped throughout, or the meter itself was held up as long) makes its
+        # slowdown its whole span in us, and its relative score rounds to 0 (it is
+        # kept to four decimals). Seen in CI as a ZeroDivisionError here that failed
+        # every rank's call at once.
+        times = f"{1 / t.relative:.2f}x" if t.relative > 0 else "over 20000x"
         what = (
-            "took {:.2f}x its peers' median time: it could not run part of the time "
+            f"took {times} its peers' median time: it could not run part of the time "
             "(stopped, throttled or starved)"
             if signal == "stalled"
-            else "was active {:.2f}x its peers' median time while they waited for it"
-        ).format(1 / t.relative)
+            else f"was active {times} its peers' median time while they waited for it"
+        )
         events.emit(
             f"straggler.{t.kind}",
             epoch=self.epoch,

@@ -113,3 +113,19 @@ def test_verdicts_name_job_wide_ranks_and_are_taken_once() -> None:
     verdicts.add(2, "link", 0.4)
     assert verdicts.take() == [(2, "stalled", 0.7), (3, "link", 0.4)]
     assert verdicts.take() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_stolen_for_a_whole_sample_is_reported_not_raised() -> None:
+    # Its stolen time covers the whole sample (stopped throughout, or its meter held
+    # up as long): its slowdown is the sample's span in us, its relative score rounds
+    # to 0, and reporting it must not divide by that.
+    job, watch = _settled(0)
+    for _ in range(8):
+        exchange = job.call()
+        a, w, _ = exchange.clocks[3]
+        exchange.clocks[3] = (a, w, a + w)  # all of its time so far, stolen
+        job.clocks[3][2] = a + w
+        watch.observe(exchange)
+    assert watch.stalled.state(3) in ("suspected", "confirmed")
+    assert [watch.state(r) for r in range(3)] == ["ok"] * 3
