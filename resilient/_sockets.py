@@ -90,6 +90,15 @@ class Conn:
     local: tuple[str, int]
     remote: tuple[str, int]
 
+    @classmethod
+    def of(cls, sock: socket.socket) -> Conn:
+        """The connection of a connected TCP socket (addresses normalised, see norm).
+
+        Raises:
+            OSError: the socket is not connected (or closed).
+        """
+        return cls(sock.fileno(), norm(sock.getsockname()[:2]), norm(sock.getpeername()[:2]))
+
     def text(self) -> str:
         return f"{self.local[0]}:{self.local[1]}>{self.remote[0]}:{self.remote[1]}"
 
@@ -170,7 +179,7 @@ def _scan(owned: set[int]) -> tuple[dict[int, Conn], set[int]]:
                 if state == _TCP_LISTEN:
                     listening.add(int(s.getsockname()[1]))
                 elif state == _TCP_ESTABLISHED:
-                    out[fd] = Conn(fd, norm(s.getsockname()[:2]), norm(s.getpeername()[:2]))
+                    out[fd] = Conn.of(s)
             except OSError:
                 continue
     return out, listening

@@ -142,10 +142,4 @@ class SocketLink(Link):
                 f"socket rendezvous failed: {exc}"
             ) from exc
         self.pg = SocketPair(sock, engine(self.prefix.split("/", 1)[0]))
-        self._conns = [
-            _sockets.Conn(
-                sock.fileno(),
-                _sockets.norm(sock.getsockname()[:2]),
-                _sockets.norm(sock.getpeername()[:2]),
-            )
-        ]
+        self._conns = [_sockets.Conn.of(sock)]

@@ -90,11 +90,7 @@ def test_a_pairs_send_counters_come_from_its_own_socket() -> None:
         work.wait(timedelta(seconds=10))
         own = _sockets.sent_of(a.tcp_info(_sockets.SENT_INFO_BYTES))
         sock = a._sock  # the descriptor the other reading goes through
-        conn = _sockets.Conn(
-            sock.fileno(),
-            _sockets.norm(sock.getsockname()[:2]),
-            _sockets.norm(sock.getpeername()[:2]),
-        )
+        conn = _sockets.Conn.of(sock)
         via_fd = _sockets.sent(conn)
         assert own is not None and via_fd is not None
         assert own[0] >= 4 << 18  # every byte of the message was acknowledged
@@ -110,11 +106,7 @@ def test_a_pairs_state_and_progress_come_from_its_own_socket() -> None:
     a, b = _pair()
     try:
         sock = a._sock
-        conn = _sockets.Conn(
-            sock.fileno(),
-            _sockets.norm(sock.getsockname()[:2]),
-            _sockets.norm(sock.getpeername()[:2]),
-        )
+        conn = _sockets.Conn.of(sock)
         assert _sockets.state_of(a.tcp_info(1)) == _sockets.tcp_state(conn) == 1  # ESTABLISHED
         own = _sockets.progress_of(a.tcp_info(_sockets.PROGRESS_INFO_BYTES))
         via_fd = _sockets.progress(conn)
@@ -172,11 +164,7 @@ def test_a_receive_past_its_deadline_fails() -> None:
 def test_cutting_the_connection_ends_a_blocked_wait_at_once() -> None:
     with _opened_pair() as (_a, b):
         sock = b._sock
-        conn = _sockets.Conn(
-            sock.fileno(),
-            _sockets.norm(sock.getsockname()[:2]),
-            _sockets.norm(sock.getpeername()[:2]),
-        )
+        conn = _sockets.Conn.of(sock)
         work = b.recv([torch.zeros(1)], 0, 1)
         threading.Timer(0.2, _sockets.cut, args=([conn],)).start()
         start = time.monotonic()

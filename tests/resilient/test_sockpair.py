@@ -269,9 +269,7 @@ def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[
     try:
         work = b.recv([torch.zeros(1 << 20)], 0, 8)
         raw.sendall(_HEADER.pack(8, 4 << 20) + bytes(1 << 16))  # a quarter of it
-        conn = _sockets.Conn(
-            b_s.fileno(), _sockets.norm(b_s.getsockname()[:2]), _sockets.norm(b_s.getpeername()[:2])
-        )
+        conn = _sockets.Conn.of(b_s)
         threading.Timer(0.3, _sockets.cut, args=([conn],)).start()
         start = time.monotonic()
         with pytest.raises(PairError):
@@ -400,11 +398,7 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
             time.sleep(0.01)
         assert x1.parked
         sock = x1._sock
-        conn = _sockets.Conn(
-            sock.fileno(),
-            _sockets.norm(sock.getsockname()[:2]),
-            _sockets.norm(sock.getpeername()[:2]),
-        )
+        conn = _sockets.Conn.of(sock)
         _sockets.cut([conn])
         deadline = time.monotonic() + 5
         while x1.error is None and time.monotonic() < deadline:
