@@ -113,8 +113,10 @@ class ControlMesh:
             except Exception as exc:  # a peer then waits for our row until its deadline
                 raise LinkError(f"rank {self.rank}: publishing control rows failed: {exc}") from exc
 
-    def _link(self, peer: int, rail: int) -> Link:
+    def _link(self, peer: int, rail: int) -> SocketLink:
         link = self.links.get(peer, rail)
+        # A control mesh exists only over socket control links (resilient._precheck).
+        assert isinstance(link, SocketLink), f"{link!r} is not a socket link"
         if id(link) not in self._watched:
             self._watched[id(link)] = link
             if not link.watch_sender(self._publisher):
@@ -161,10 +163,7 @@ class ControlMesh:
             link = self._link(p, rail)
             try:
                 if not link.broken:
-                    if isinstance(link, SocketLink):
-                        sends.append((link, link.isend_bytes(view, _TAG)))
-                    else:
-                        sends.append((link, link.isend(mine, _TAG)))
+                    sends.append((link, link.isend_bytes(view, _TAG)))
                     continue
             except LinkError:
                 pass
@@ -190,12 +189,7 @@ class ControlMesh:
             # try/except rather than contextlib.suppress: this runs per peer and call,
             # and suppress is three Python calls.
             try:
-                if link.broken:
-                    work = None
-                elif isinstance(link, SocketLink):
-                    work = link.irecv_bytes(rows[p], _TAG)
-                else:
-                    work = link.irecv(table[p], _TAG)
+                work = None if link.broken else link.irecv_bytes(rows[p], _TAG)
             except LinkError:  # broken: the row comes through the store
                 work = None
             recvs.append((p, link, work))
@@ -211,12 +205,12 @@ class ControlMesh:
                     pass
             self._from_store(p, seq, table[p], rail)
             self._relayed(link, seq)
-        for link, work in sends:
+        for sent_on, work in sends:
             if work.done:  # written to the socket at once (the usual case)
-                link.ledger.end_wait(work, finished=True)
+                sent_on.ledger.end_wait(work, finished=True)
                 continue
             with contextlib.suppress(LinkError):  # its break published the rows already
-                link.wait(work, nbytes, watch=False)
+                sent_on.wait(work, nbytes, watch=False)
 
     def _relayed(self, link: Link, seq: int) -> None:
         """Record a row that came through the store; say so once per broken link."""
