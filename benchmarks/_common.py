@@ -49,6 +49,7 @@ __all__ = [
 RankTarget = Callable[..., Any]
 # The library's own default, so a plain run measures what users get.
 DATA_TRANSPORT = DataPlaneConfig().data_transport
+ELIDE_EVERY = DataPlaneConfig().elide_every
 
 
 def rail_address(rank: int, rail: int) -> str:
@@ -398,5 +399,13 @@ def add_common_flags(p: Any) -> None:
         default=DATA_TRANSPORT,
         help="resilient data links: plain sockets or two-rank gloo groups "
         f"(DataPlaneConfig.data_transport, default {DATA_TRANSPORT})",
+    )
+    p.add_argument(
+        "--elide-every",
+        type=int,
+        default=ELIDE_EVERY,
+        metavar="K",
+        help="resilient: keep the signature exchange for every K-th call only, check the "
+        f"others by a digest in their data (DataPlaneConfig.elide_every, default {ELIDE_EVERY})",
     )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

@@ -32,6 +32,7 @@ from typing import Any
 
 from _common import (
     DATA_TRANSPORT,
+    ELIDE_EVERY,
     CpuMeter,
     add_common_flags,
     control_barrier,
@@ -60,6 +61,7 @@ class Plan:
     batch: int
     rails: int
     check_mismatch: bool = True
+    elide_every: int = ELIDE_EVERY
     data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
     lr: float = 0.05
@@ -90,6 +92,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
         batch=args.batch,
         rails=args.rails,
         check_mismatch=not args.no_check_mismatch,
+        elide_every=args.elide_every,
         data_transport=args.data_transport,
         topology=args.topology,
     )
@@ -177,6 +180,7 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
                 connect_timeout_s=t,
                 op_timeout_floor_s=t,
                 check_mismatch=plan.check_mismatch,
+                elide_every=plan.elide_every,
                 topology=plan.topology,
                 data_transport=plan.data_transport,
             ),
@@ -255,6 +259,7 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "batch": plan.batch,
         "rails": plan.rails,
         "check_mismatch": plan.check_mismatch,
+        "elide_every": plan.elide_every,
         "topology": plan.topology,
         "data_transport": plan.data_transport,
         "resilient_step_ms": round(res, 2),

@@ -80,6 +80,10 @@ class Route:
     # of a call given up may outlive its epoch; it must not fail over into the
     # next one (a rendezvous there nobody answers holds the table for its timeout).
     epoch: int = -1
+    # Calls checked by digest (resilient._elide): what every message's tag carries
+    # from CALL_SHIFT on, and the digest it is sent with and received against.
+    base: int = 0
+    digest: int = 0
 
     @property
     def store(self) -> Store:
@@ -178,7 +182,12 @@ class _Channel:
         return self.route.links.rank
 
     def _ack_tag(self) -> int:
-        return _ACK_TAG + ((self.route.seq % 256) << 8) + (self.rail << 4) + self.gen
+        route = self.route
+        return _ACK_TAG + ((route.seq % 256) << 8) + (self.rail << 4) + self.gen + route.base
+
+    def _wire(self, tag: int) -> int:
+        """``tag`` as this channel posts it now (rail, failover generation, call)."""
+        return _shift(tag, self.rail, self.gen) + self.route.base
 
     def _event(self, n: int, old: Link | StoreLink, kind: str = "link.rerouted") -> None:
         relayed = self.route.links.relayed
@@ -250,7 +259,7 @@ class Tx(_Channel):
             if self._works[idx] is None and not self._delivered:
                 link = self.link
                 try:
-                    self._works[idx] = link.isend(tensor, _shift(tag, self.rail, self.gen))
+                    self._works[idx] = link.isend(tensor, self._wire(tag), self.route.digest)
                 except LinkError:
                     self._failover(link)  # re-posts this one too
             return idx
@@ -293,6 +302,12 @@ class Tx(_Channel):
             with self._lock:
                 if self.gen == gen:
                     self._delivered = True
+
+    def release(self) -> None:
+        """Let go of the link: the call was refused (resilient._elide), so none of
+        it is re-sent or failed over."""
+        with self._lock:
+            self.link.unwatch_sender(self)
 
     def cut(self, link: Link) -> None:
         """``link`` was cut from elsewhere: fail over in a thread of our own."""
@@ -341,9 +356,10 @@ class Tx(_Channel):
             if not self.link.watch_sender(self):
                 continue  # the receiver fails over again too: read the next record
             try:
+                digest = self.route.digest
                 for i, (tensor, tag) in enumerate(self._msgs):
-                    shifted = _shift(tag, self.rail, self.gen)
-                    self._works[i] = None if i < n else self.link.isend(tensor, shifted)
+                    wire = self._wire(tag)
+                    self._works[i] = None if i < n else self.link.isend(tensor, wire, digest)
                 if self.acks:
                     self._ack_work = self.link.irecv(self._ack, self._ack_tag())
             except LinkError:
@@ -382,7 +398,7 @@ class Rx(_Channel):
             # have failed this channel over (its receivers are told at once).
             link = self.link
             try:
-                self._works[idx] = link.irecv(into, _shift(tag, self.rail, self.gen))
+                self._works[idx] = link.irecv(into, self._wire(tag), self.route.digest)
             except LinkError:
                 self.failover(link)
             return idx
@@ -448,6 +464,11 @@ class Rx(_Channel):
         if broken:  # broke between the ack and now: the sender may need it
             self.route.store.set(key, "done")
 
+    def release(self) -> None:
+        """Let go of the link (see Tx.release)."""
+        with self._lock:
+            self.link.unwatch_receiver(self)
+
     def failover(self, failed: Link | StoreLink) -> None:
         """Resume on a backup rail from the first unconsumed message (never blocks).
 
@@ -501,7 +522,8 @@ class Rx(_Channel):
             try:
                 for i in range(n, len(self._msgs)):
                     into, tag = self._msgs[i]
-                    self._works[i] = self.link.irecv(into, _shift(tag, self.rail, self.gen))
+                    wire = self._wire(tag)
+                    self._works[i] = self.link.irecv(into, wire, self.route.digest)
             except LinkError:
                 continue
             self._event(n, old)

@@ -43,9 +43,12 @@ from resilient._socklink import SocketLink
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
 
-__all__ = ["ControlMesh"]
+__all__ = ["FALLBACK_TAG", "ControlMesh"]
 
 _TAG: Final = 1 << 29
+# The rows of elided calls that fall back (resilient._elide): in order among
+# themselves, whatever full rows went out meanwhile.
+FALLBACK_TAG: Final = _TAG + 1
 _SEQ: Final = struct.Struct("<q")
 _NAP_S: Final = 0.001
 _MAX_NAP_S: Final = 0.02
@@ -139,10 +142,12 @@ class ControlMesh:
         """
         self.receive(table, seq, rail, self.send(table, seq, rail))
 
-    def send(self, table: torch.Tensor, seq: int, rail: int) -> list[tuple[Link, Any]]:
+    def send(
+        self, table: torch.Tensor, seq: int, rail: int, *, tag: int = _TAG
+    ) -> list[tuple[Link, Any]]:
         """Send this rank's row of exchange ``seq`` to every peer on ``rail`` (through
         the store where its link is broken); returns the sends for :meth:`receive`.
-        Exchanges are sent in order, each once.
+        Exchanges are sent in order, each once (per ``tag``).
 
         Raises:
             LinkError: the row had to go through the store and could not.
@@ -163,7 +168,7 @@ class ControlMesh:
             link = self._link(p, rail)
             try:
                 if not link.broken:
-                    sends.append((link, link.isend_bytes(view, _TAG)))
+                    sends.append((link, link.isend_bytes(view, tag)))
                     continue
             except LinkError:
                 pass
@@ -173,7 +178,13 @@ class ControlMesh:
         return sends
 
     def receive(
-        self, table: torch.Tensor, seq: int, rail: int, sends: list[tuple[Link, Any]]
+        self,
+        table: torch.Tensor,
+        seq: int,
+        rail: int,
+        sends: list[tuple[Link, Any]],
+        *,
+        tag: int = _TAG,
     ) -> None:
         """Fill the peers' rows of exchange ``seq`` into ``table`` (see :meth:`send`).
 
@@ -189,7 +200,7 @@ class ControlMesh:
             # try/except rather than contextlib.suppress: this runs per peer and call,
             # and suppress is three Python calls.
             try:
-                work = None if link.broken else link.irecv_bytes(rows[p], _TAG)
+                work = None if link.broken else link.irecv_bytes(rows[p], tag)
             except LinkError:  # broken: the row comes through the store
                 work = None
             recvs.append((p, link, work))

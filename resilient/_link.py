@@ -396,26 +396,34 @@ class Link:
             except Exception:  # the sender then fails at its own deadline, typed
                 logger.warning("rank %d: publishing %s failed", self.rank, key, exc_info=True)
 
-    def isend(self, tensor: torch.Tensor, tag: int) -> Any:
-        """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on."""
+    def isend(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
+        """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on.
+        ``digest``: the call's, on socket links only (resilient._elide)."""
         self._injected_failure("send")
         if self.pg is None:
             raise self._failed(f"{self}: send on a link that is not built or is closed")
         try:
-            work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag))
+            if digest:
+                work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag), digest)
+            else:
+                work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: send failed: {exc}") from exc
         self.tx_ops += 1
         self.ledger.posted(work)
         return work
 
-    def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
-        """Post a receive into a contiguous tensor."""
+    def irecv(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
+        """Post a receive into a contiguous tensor (``digest``: see :meth:`isend`;
+        a message of another call fails its wait with DigestMismatch)."""
         self._injected_failure("recv")
         if self.pg is None:
             raise self._failed(f"{self}: recv on a link that is not built or is closed")
         try:
-            work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag))
+            if digest:
+                work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag), digest)
+            else:
+                work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag))
         except (RuntimeError, dist.DistError) as exc:
             raise self._failed(f"{self}: recv failed: {exc}") from exc
         self.rx_ops += 1

@@ -14,6 +14,7 @@ fold the local contribution in at its rank position without an extra copy.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 
 from resilient._channel import Route, Rx, Tx
 from resilient._ring import Span, even_bounds, rail_pieces, skip_bounds, sub_count, sub_spans
+from resilient._sockpair import DigestMismatch
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
@@ -86,9 +88,14 @@ class MeshRail:
         subs: list[list[Span]],
         scratch: Callable[[int], torch.Tensor],
         skip: int | None = None,
+        gated: bool = False,
     ) -> None:
-        """``skip``: the straggler-aware schedule's slow rank (it owns no chunk)."""
+        """``skip``: the straggler-aware schedule's slow rank (it owns no chunk).
+        ``gated``: an elided call's (resilient._elide): the reduce-scatter checks
+        every peer's first message before it folds anything."""
         self.rank, self.world, self.rail = rank, world, rail
+        self.gated = gated
+        self.gate_waited_s = 0.0
         self.skip = skip
         self.flat = flat
         self.subs = subs  # subs[chunk][j] (MeshPlan.subs of this rail)
@@ -162,14 +169,37 @@ class MeshRail:
         for j in range(self.k):
             for p in self.peers:
                 self._send(self.rs_sends, p, self.subs[p][j], j)
+        if self.gated:
+            self._gate(recvs)
         for j in range(self.k):
             if own[j].size:
-                self._fold(j, reduce, scratch, recvs)
+                self._fold(j, reduce, scratch, recvs, waited=self.gated and j == 0)
             if then_gather:
                 self._start_gather(j)
         self._wait_all(self.rs_sends)
         self._finish_gather(gathers)
         self._close()
+
+    def _gate(self, recvs: dict[tuple[int, int], int]) -> None:
+        """Wait for every peer's first contribution before anything folds (an elided
+        call's check: its digest is the peer's call's). On a refused one the
+        channels are let go, so no failover of this call starts later.
+
+        Raises:
+            DigestMismatch: a peer's call differs.
+        """
+        began = time.monotonic()
+        nbytes = self.subs[self.rank][0].size * self.elem
+        try:
+            for p in self.peers:
+                self.rx[p].wait(recvs[(p, 0)], nbytes)
+        except DigestMismatch:
+            for p in self.peers:
+                self.tx[p].release()
+                self.rx[p].release()
+            raise
+        finally:
+            self.gate_waited_s += time.monotonic() - began
 
     def _post_contributions(
         self, pool: torch.Tensor
@@ -253,8 +283,11 @@ class MeshRail:
         reduce: Reducer,
         scratch: dict[tuple[int, int], torch.Tensor],
         recvs: dict[tuple[int, int], int],
+        *,
+        waited: bool = False,
     ) -> None:
-        """Reduce sub-chunk j of the own chunk in rank order 0..P-1."""
+        """Reduce sub-chunk j of the own chunk in rank order 0..P-1 (``waited``: its
+        receives were waited for already, by the gate)."""
         mine = self._view(self.subs[self.rank][j])
         nbytes = mine.numel() * self.elem
         acc: torch.Tensor | None = None
@@ -263,7 +296,8 @@ class MeshRail:
                 if acc is not None:
                     reduce(mine, acc)  # acc op x_rank, computed in place as x_rank op acc
                 continue
-            self.rx[q].wait(recvs[(q, j)], nbytes)
+            if not waited:
+                self.rx[q].wait(recvs[(q, j)], nbytes)
             part = scratch[(q, j)]
             if q < self.rank and acc is None:
                 acc = part

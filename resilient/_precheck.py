@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import Store
 
-from resilient._ctlmesh import ControlMesh
+from resilient._ctlmesh import FALLBACK_TAG, ControlMesh
+from resilient._elide import elided
 from resilient._reorder import follow_cuts
 from resilient._repair import CTL_TABLE, install_agreed
 from resilient._signature import (
@@ -68,13 +69,13 @@ class Ticket:
     once settled, its :class:`Exchange` or the error its call raises."""
 
     __slots__ = (
-        "error", "exchange", "payload", "quiet", "rail", "sends", "sent", "seq",
+        "elided", "error", "exchange", "payload", "quiet", "rail", "sends", "sent", "seq",
         "settled", "sig", "table",
     )  # fmt: skip
 
     def __init__(self, seq: int, sig: Signature, payload: Payload | None, quiet: bool) -> None:
         self.seq, self.sig, self.payload, self.quiet = seq, sig, payload, quiet
-        self.sent = self.settled = False
+        self.sent = self.settled = self.elided = False
         self.table: torch.Tensor | None = None
         self.rail = 0
         self.sends: Any = None
@@ -130,6 +131,11 @@ class SignatureChannel:
             else None
         )
         self._static = self.engine.weights
+        # Calls that skip their exchange (resilient._elide): every K-th keeps it.
+        sockets = config.control_transport == "socket" and config.data_transport == "socket"
+        self.elide_every = config.elide_every if sockets else 0
+        # Elided calls numbered past _ran (which counts settled calls in order).
+        self._elided_ahead: set[int] = set()
         self._submitted = 0
         self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
@@ -163,7 +169,15 @@ class SignatureChannel:
         quiet = after_previous or payload is not None
         ticket = Ticket(seq, sig.with_seq(seq), payload, quiet)
         with self._send_lock:
-            self._unsent.append(ticket)
+            if elided(self.elide_every, seq):
+                # No row: settled as it is made, in order with the exchanges.
+                ticket.elided = ticket.settled = ticket.sent = True
+                if self._ran == seq - 1:
+                    self._ran = seq
+                else:
+                    self._elided_ahead.add(seq)
+            else:
+                self._unsent.append(ticket)
             self._send_ready()
         return ticket
 
@@ -215,7 +229,43 @@ class SignatureChannel:
                 self._unsent.popleft()
                 self._sent, ticket.sent = ticket.seq, True
             self._ran += 1
+            while self._ran + 1 in self._elided_ahead:
+                self._elided_ahead.discard(self._ran + 1)
+                self._ran += 1
             self._send_ready()
+
+    def check_elided(self, ticket: Ticket) -> None:
+        """Before an elided call's data: raises what every pending call raises (a
+        peer was lost)."""
+        if self._failed_with is not None:
+            raise self._failed_with
+
+    def add_waited(self, seconds: float) -> None:
+        """Time an elided call waited at its gate for the others: the clock counts
+        it as time waited inside an exchange (communication thread only)."""
+        self._waited_us += int(seconds * 1e6)
+
+    def fallback(self, ticket: Ticket) -> Exchange:
+        """Exchange full rows for an elided call that a rank refused (every rank
+        does, see resilient._elide), on the control links under a tag of their own.
+        Its news is not acted on: later rows went out under the previous verdict.
+
+        Raises:
+            CollectiveMismatch: the ranks' calls differ (the usual case).
+            LinkError: a row did not come.
+            PeerLost: a peer was lost.
+        """
+        self.check_elided(ticket)
+        assert self._mesh is not None  # elided calls need socket control links
+        table = self._row(ticket)
+        rail = self._rail()
+        began = time.monotonic()
+        try:
+            sends = self._mesh.send(table, ticket.seq, rail, tag=FALLBACK_TAG)
+            self._mesh.receive(table, ticket.seq, rail, sends, tag=FALLBACK_TAG)
+        finally:
+            self._waited_us += int((time.monotonic() - began) * 1e6)
+        return exchange_of(table, ticket.seq)
 
     def mark_done(self, ticket: Ticket, *, ok: bool = True) -> None:
         """Called by the communication thread after each call, failed (``ok`` False)
@@ -270,7 +320,7 @@ class SignatureChannel:
 
     def _send(self, ticket: Ticket) -> None:
         """Build and send ``ticket``'s row; a failure is kept for its call to raise."""
-        assert self._unsent[0] is ticket and self._sent == ticket.seq - 1
+        assert self._unsent[0] is ticket and self._sent < ticket.seq
         self._unsent.popleft()
         self._sent = ticket.seq
         ticket.sent = True

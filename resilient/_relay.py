@@ -88,8 +88,10 @@ class StoreLink:
     def abort(self, reason: str) -> None:
         self.broken = True
 
-    def isend(self, tensor: torch.Tensor, tag: int) -> Any:
-        """Write ``tensor`` to the store now (the sender's thread does the work)."""
+    def isend(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
+        """Write ``tensor`` to the store now (the sender's thread does the work);
+        ``digest`` is not carried: a message relayed through the store is not
+        checked (resilient._elide)."""
         key = self._key(self.rank, tag)
         raw = tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
         parts = [raw[i : i + PART_BYTES] for i in range(0, len(raw), PART_BYTES)] or [b""]
@@ -98,7 +100,7 @@ class StoreLink:
         self.store.set(f"{key}/n", str(len(parts)))  # last: the reader waits for it
         return _SENT
 
-    def irecv(self, tensor: torch.Tensor, tag: int) -> Any:
+    def irecv(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
         return (self._key(self.peer, tag), tensor)
 
     def wait(

@@ -51,9 +51,14 @@ import torch
 from resilient import _sockets
 from resilient._sockconnect import PairError, remaining
 
-__all__ = ["Engine", "SocketPair", "SocketWork", "engine"]
+__all__ = ["CALL_SHIFT", "DigestMismatch", "Engine", "SocketPair", "SocketWork", "engine"]
 
-_HEADER: Final = struct.Struct("<qQ")  # tag, payload bytes
+# tag, payload bytes, digest of the call the message belongs to (0: not checked)
+_HEADER: Final = struct.Struct("<qQq")
+# Tags of calls checked by digest carry the call's number from this bit on: what
+# SocketPair.forget_call drops (resilient._elide).
+CALL_SHIFT: Final = 32
+_FORGOTTEN_KEPT: Final = 256
 _BUF_BYTES: Final = 64 << 10
 _DIRECT_BYTES: Final = 16 << 10  # bodies at least this large skip the shared buffer
 _STASH_MAX: Final = 1024  # unmatched messages kept per pair (stale ones of given-up calls)
@@ -72,14 +77,27 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+class DigestMismatch(Exception):
+    """A receive met a message of its tag sent for another call (its digest differs):
+    the ranks' calls differ. The pair is not failed (it is not broken); the message
+    was read aside. Not a RuntimeError, so a link does not take it for a broken
+    connection and fail over (resilient._link translates those)."""
+
+
 class SocketWork:
-    """One send or receive on a :class:`SocketPair` (the subset of gloo's Work used)."""
+    """One send or receive on a :class:`SocketPair` (the subset of gloo's Work used).
 
-    __slots__ = ("done", "error", "pair", "sending", "view")
+    ``digest``: a receive's expected call digest (0: any); a message with another
+    nonzero digest fails it with :class:`DigestMismatch`."""
 
-    def __init__(self, pair: SocketPair, view: memoryview, *, sending: bool) -> None:
+    __slots__ = ("digest", "done", "error", "mismatch", "pair", "sending", "view")
+
+    def __init__(
+        self, pair: SocketPair, view: memoryview, *, sending: bool, digest: int = 0
+    ) -> None:
         self.pair, self.view, self.sending = pair, view, sending
-        self.done = False
+        self.digest = digest
+        self.done = self.mismatch = False
         self.error: str | None = None
 
     def is_completed(self) -> bool:
@@ -92,11 +110,14 @@ class SocketWork:
         Raises:
             PairError: the pair failed, or the op did not complete in time (the pair
                 is then failed).
+            DigestMismatch: the message was of another call (the pair stays).
         """
         if not self.done:
             secs = timeout.total_seconds() if timeout is not None else _FOREVER_S
             self.pair.engine.wait(self, time.monotonic() + (secs if secs > 0 else _FOREVER_S))
         if self.error is not None:
+            if self.mismatch:
+                raise DigestMismatch(self.error)
             raise PairError(self.error)
         return True
 
@@ -278,17 +299,22 @@ class SocketPair:
         self._outq: collections.deque[tuple[list[memoryview], SocketWork]] = collections.deque()
         # Receiving: posted receives and stashed messages by tag.
         self._pending: dict[int, collections.deque[SocketWork]] = {}
-        self._stash: dict[int, collections.deque[bytes | bytearray]] = {}
+        # Stashed messages by tag, each as (digest, body).
+        self._stash: dict[int, collections.deque[tuple[int, bytes | bytearray]]] = {}
         self._stashed = 0
         self._buf = bytearray(_BUF_BYTES)
         self._start = self._end = 0
-        # A large body being read straight into its destination: (tag, view, got, work).
-        self._body: tuple[int, memoryview, int, SocketWork | None] | None = None
+        # A large body being read straight into its destination:
+        # (tag, view, got, work, digest).
+        self._body: tuple[int, memoryview, int, SocketWork | None, int] | None = None
         # A large message came while no receive at all was posted here: its header
         # stays in the buffer and its body in the socket until one is (see _deliver).
         self._parked = False
         # Tags of given-up calls (see forget): their messages are discarded.
         self._forgotten: Callable[[int], bool] | None = None
+        # Calls dropped by number (see forget_call), the newest _FORGOTTEN_KEPT.
+        self._calls_gone: set[int] = set()
+        self._calls_order: collections.deque[int] = collections.deque()
         self.engine.add(self)
 
     @property
@@ -300,14 +326,15 @@ class SocketPair:
         return self._parked
 
     # -- the ProcessGroupGloo subset a Link uses ------------------------------------------
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SocketWork:
-        """Queue ``tensors[0]`` for the peer and write what the socket takes now."""
-        return self.send_bytes(_bytes_of(tensors[0]), tag)
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, digest: int = 0) -> SocketWork:
+        """Queue ``tensors[0]`` for the peer and write what the socket takes now;
+        ``digest``: the call's (see :class:`SocketWork`)."""
+        return self.send_bytes(_bytes_of(tensors[0]), tag, digest)
 
-    def send_bytes(self, payload: memoryview, tag: int) -> SocketWork:
+    def send_bytes(self, payload: memoryview, tag: int, digest: int = 0) -> SocketWork:
         """:meth:`send` of a byte view (one view of a control row serves every peer)."""
         work = SocketWork(self, payload, sending=True)
-        bufs = [memoryview(_HEADER.pack(tag, len(payload))), payload]
+        bufs = [memoryview(_HEADER.pack(tag, len(payload), digest)), payload]
         with self.engine.lock:
             if self.error is not None:
                 work.error = self.error
@@ -319,23 +346,24 @@ class SocketPair:
                 self.engine.ring()
         return work
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SocketWork:
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, digest: int = 0) -> SocketWork:
         """Post a receive into ``tensors[0]``; it completes at once when its message
         is stashed, or is already in the socket and no other receive is pending on
         the pair (read now, without blocking, unless another thread drives the
-        engine: it reads it then). Otherwise the thread that waits reads it."""
-        return self.recv_bytes(_bytes_of(tensors[0]), tag)
+        engine: it reads it then). Otherwise the thread that waits reads it.
+        ``digest``: the call's; a message with another fails the receive."""
+        return self.recv_bytes(_bytes_of(tensors[0]), tag, digest)
 
-    def recv_bytes(self, into: memoryview, tag: int) -> SocketWork:
+    def recv_bytes(self, into: memoryview, tag: int, digest: int = 0) -> SocketWork:
         """:meth:`recv` into a byte view."""
-        work = SocketWork(self, into, sending=False)
+        work = SocketWork(self, into, sending=False, digest=digest)
         with self.engine.lock:
             # A whole message that came before the pair failed is still delivered:
             # a peer that sends and then exits closes the connection behind it.
             stashed = self._stash.get(tag)
             if stashed:
                 self._stashed -= 1
-                self._fill(work, stashed.popleft())
+                self._fill(work, *stashed.popleft())
                 if not stashed:
                     del self._stash[tag]
                 return work
@@ -361,24 +389,40 @@ class SocketPair:
         now; messages with such tags, stashed or still to come, are discarded.
         Queued sends still go out whole (the framing needs them; the peer drops
         them in turn). Returns how many receives were dropped."""
-        dropped = 0
         with self.engine.lock:
             self._forgotten = stale
-            for tag in [t for t in self._pending if stale(t)]:
-                for work in self._pending.pop(tag):
-                    work.error = why
-                    dropped += 1
-            for tag in [t for t in self._stash if stale(t)]:
-                self._stashed -= len(self._stash.pop(tag))
-            body = self._body
-            if body is not None and body[3] is not None and stale(body[0]):
-                # Half read into a dropped receive's buffer: read the rest aside.
-                tag, view, got, reading = body
-                assert reading is not None
-                reading.error = why
-                self._body = (tag, memoryview(bytearray(len(view))), got, None)
+            return self._drop_locked(stale, why)
+
+    def forget_call(self, call: int, why: str) -> int:
+        """:meth:`forget` for the tags of one call checked by digest (``call``: the
+        tag bits from CALL_SHIFT on), kept beside the epoch's predicate; the newest
+        _FORGOTTEN_KEPT calls are remembered."""
+        with self.engine.lock:
+            if call not in self._calls_gone:
+                self._calls_gone.add(call)
+                self._calls_order.append(call)
+                if len(self._calls_order) > _FORGOTTEN_KEPT:
+                    self._calls_gone.discard(self._calls_order.popleft())
+            return self._drop_locked(lambda tag: tag >> CALL_SHIFT == call, why)
+
+    def _drop_locked(self, stale: Callable[[int], bool], why: str) -> int:
+        """Drop receives, stashed messages and a body being read of ``stale`` tags."""
+        dropped = 0
+        for tag in [t for t in self._pending if stale(t)]:
+            for work in self._pending.pop(tag):
+                work.error = why
                 dropped += 1
-            self.engine.ring()
+        for tag in [t for t in self._stash if stale(t)]:
+            self._stashed -= len(self._stash.pop(tag))
+        body = self._body
+        if body is not None and body[3] is not None and stale(body[0]):
+            # Half read into a dropped receive's buffer: read the rest aside.
+            tag, view, got, reading, digest = body
+            assert reading is not None
+            reading.error = why
+            self._body = (tag, memoryview(bytearray(len(view))), got, None, digest)
+            dropped += 1
+        self.engine.ring()
         return dropped
 
     def tcp_info(self, size: int) -> bytes | None:
@@ -480,7 +524,7 @@ class SocketPair:
             BlockingIOError: nothing more to read now.
         """
         assert self._body is not None
-        tag, view, got, work = self._body
+        tag, view, got, work, digest = self._body
         while got < len(view):
             want = len(view) - got
             n = self._sock.recv_into(view[got:])
@@ -488,14 +532,14 @@ class SocketPair:
                 self.fail_locked("Connection closed by peer")
                 return False
             got += n
-            self._body = (tag, view, got, work)
+            self._body = (tag, view, got, work, digest)
             if n < want:
                 return False  # the socket is empty now (see read_some)
         self._body = None
         if work is not None:
             work.done = True
         else:
-            self._arrived(tag, view.obj)  # type: ignore[arg-type]
+            self._arrived(tag, view.obj, digest)  # type: ignore[arg-type]
         return True
 
     def _room(self) -> None:
@@ -524,28 +568,37 @@ class SocketPair:
         """
         head = _HEADER.size
         while self._end - self._start >= head:
-            tag, nbytes = _HEADER.unpack_from(self._buf, self._start)
+            tag, nbytes, digest = _HEADER.unpack_from(self._buf, self._start)
             begin = self._start + head
             have = min(self._end - begin, nbytes)
             if have < nbytes and nbytes >= _DIRECT_BYTES:
                 if park and not self._pending and self.error is None:
                     self._parked = True
                     return
-                self._start_body(tag, nbytes, memoryview(self._buf)[begin : begin + have])
+                part = memoryview(self._buf)[begin : begin + have]
+                self._start_body(tag, nbytes, part, digest)
                 self._start = begin + have
                 break
             if have < nbytes:
                 return
             body = memoryview(self._buf)[begin : begin + nbytes]
-            self._arrived(tag, body)
+            self._arrived(tag, body, digest)
             body.release()
             self._start = begin + nbytes
         if self._start == self._end:
             self._start = self._end = 0
 
-    def _start_body(self, tag: int, nbytes: int, part: memoryview) -> None:
+    def _start_body(self, tag: int, nbytes: int, part: memoryview, digest: int) -> None:
         queue = self._pending.get(tag)
         work = queue[0] if queue else None
+        if work is not None and work.digest and digest != work.digest:
+            # Another call's message: its receive fails (see _fill); the body is
+            # read aside (stashed, until its call is forgotten).
+            queue.popleft()  # type: ignore[union-attr]
+            if not queue:
+                del self._pending[tag]
+            self._mismatched(work, digest)
+            work = None
         if work is not None and nbytes <= work.view.nbytes:
             queue.popleft()  # type: ignore[union-attr]
             if not queue:
@@ -557,24 +610,36 @@ class SocketPair:
         got = len(part)
         view[:got] = part
         part.release()
-        self._body = (tag, view, got, work)
+        self._body = (tag, view, got, work, digest)
 
-    def _arrived(self, tag: int, body: memoryview | bytearray) -> None:
+    def _arrived(self, tag: int, body: memoryview | bytearray, digest: int) -> None:
         if self._forgotten is not None and self._forgotten(tag):
+            return
+        if self._calls_gone and tag >> CALL_SHIFT in self._calls_gone:
             return
         queue = self._pending.get(tag)
         if queue:
-            self._fill(queue.popleft(), body)
+            self._fill(queue.popleft(), digest, body)
             if not queue:
                 del self._pending[tag]
         elif self._stashed >= _STASH_MAX:
             self.fail_locked(f"more than {_STASH_MAX} messages nobody asked for")
         else:
             kept = body if isinstance(body, bytearray) else bytes(body)
-            self._stash.setdefault(tag, collections.deque()).append(kept)
+            self._stash.setdefault(tag, collections.deque()).append((digest, kept))
             self._stashed += 1
 
-    def _fill(self, work: SocketWork, body: memoryview | bytes | bytearray) -> None:
+    @staticmethod
+    def _mismatched(work: SocketWork, digest: int) -> None:
+        work.mismatch = True
+        work.error = (
+            f"a message of call digest {digest:#x} for a receive of call digest {work.digest:#x}"
+        )
+
+    def _fill(self, work: SocketWork, digest: int, body: memoryview | bytes | bytearray) -> None:
+        if work.digest and digest != work.digest:
+            self._mismatched(work, digest)
+            return
         if len(body) > work.view.nbytes:
             # gloo aborts the process here; a failed receive is kinder.
             work.error = f"a message of {len(body)} B for a receive of {work.view.nbytes} B"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from resilient._channel import Route, Rx, Tx
+from resilient._elide import NotElided
 from resilient._mesh import MeshPlan, MeshRail, mesh_plan
 from resilient._reduce import REDUCERS, Reduce, finish_avg, fold_rows
 from resilient._ring import (
@@ -36,6 +37,7 @@ from resilient._ring import (
     sub_spans,
 )
 from resilient._slowrank import SendRates
+from resilient._sockpair import CALL_SHIFT
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -135,9 +137,15 @@ class RingEngine:
         # resilient._ring.avoiding_ring); None: 0, 1, ..., world-1. With an order
         # every schedule is a ring in it, so no data goes through the store.
         self.order: tuple[int, ...] | None = None
+        # The call running elided, as (call key, digest), set by its caller around
+        # the one all_reduce it makes (resilient._elide); and the time this rank's
+        # elided calls waited at their gate for every peer's first message.
+        self.elided: tuple[int, int] | None = None
+        self.gate_waited_s = 0.0
 
     def _route(self) -> Route:
         self._calls += 1
+        key, digest = self.elided or (0, 0)
         return Route(
             links=self.links,
             seq=self._calls,
@@ -151,11 +159,24 @@ class RingEngine:
             ),
             relay=self.relay,
             epoch=self.links.epoch,
+            base=key << CALL_SHIFT,
+            digest=digest,
         )
 
     def _pos_of(self, rank: int) -> int:
         """``rank``'s position in the ring order."""
         return rank if self.order is None else self.order.index(rank)
+
+    @property
+    def calls(self) -> int:
+        """Calls routed in this epoch (they number failover records and acknowledgement
+        tags alike on every rank)."""
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        # An elided call that fell back routed on some ranks and not on others.
+        self._calls = value
 
     @property
     def pos(self) -> int:
@@ -189,8 +210,15 @@ class RingEngine:
 
     # -- public collectives ------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
-        """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather)."""
-        if self.world > 1:
+        """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather).
+
+        Raises:
+            NotElided: the call runs elided (``elided`` set) and cannot be.
+            DigestMismatch: it runs elided and a peer's call differs.
+        """
+        if self.elided is not None:
+            self._mesh(flat, op, gather=True, plan=self._elidable(flat))
+        elif self.world > 1:
             if self.slow_rank is not None and self.world > 2 and self.order is None:
                 # Straggler-aware: the slow rank owns no chunk, so it sends its N
                 # bytes once and receives the N-byte result once, while the others
@@ -261,6 +289,26 @@ class RingEngine:
             buf = self._scratch[key] = torch.empty(numel, dtype=flat.dtype, device=flat.device)
         return buf[:numel]
 
+    def _elidable(self, flat: torch.Tensor) -> MeshPlan:
+        """The mesh plan of an elided all_reduce: one rail, every chunk non-empty
+        there (so every rank's first message reaches every peer), on socket links.
+
+        Raises:
+            NotElided: the call is not one of those (nothing was posted).
+        """
+        if (
+            self.world > 2
+            and self.slow_rank is None
+            and self.links.sockets
+            and self._use_mesh(flat)
+        ):
+            plan = self._mesh_plan(flat, None)
+            if len(plan.rails) == 1:
+                firsts = plan.subs[plan.rails[0]]
+                if all(firsts[c][0].size for c in range(self.world)):
+                    return plan
+        raise NotElided(f"rank {self.rank}: this all_reduce does not run elided")
+
     def _use_mesh(self, flat: torch.Tensor) -> bool:
         """Mesh (2 hops) while hops dominate; the ring's locality wins on large tensors.
 
@@ -285,11 +333,13 @@ class RingEngine:
         *,
         gather: bool,
         skip: int | None = None,
+        plan: MeshPlan | None = None,
     ) -> None:
         """Mesh schedule: reduce-scatter (``op``), then all-gather when ``gather``.
         ``skip``: the straggler-aware variant, that rank owning no chunk (finer
-        sub-chunks, gather posted early)."""
-        plan = self._mesh_plan(flat, skip)
+        sub-chunks, gather posted early). ``plan``: an elided call's (gated)."""
+        gated = plan is not None
+        plan = plan or self._mesh_plan(flat, skip)
         peers = [p for p in range(self.world) if p != self.rank]
         # Every rail, used or not: a failover must find its backup link built
         # (building one in the middle of a collective is a rendezvous in odd order).
@@ -308,11 +358,13 @@ class RingEngine:
                 subs=plan.subs[rail],
                 scratch=lambda n: self.scratch(rail, flat, n),
                 skip=skip,
+                gated=gated,
             )
             if op is None:
                 m.all_gather()
             else:
                 m.reduce_scatter(REDUCERS[op], then_gather=gather)
+                self.gate_waited_s += m.gate_waited_s
 
         self._run_rails(run, plan.rail_bytes)
         elem = flat.element_size()

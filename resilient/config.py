@@ -192,6 +192,12 @@ class DataPlaneConfig:
     ``data_transport``: the same choice for the CPU data links (CUDA tensors always
     use NCCL pairs); "socket", the default, is faster on a loaded host and around a
     slow rank (docs/BENCHMARKS.md).
+    ``elide_every``: with ``check_mismatch``, K > 0 keeps the signature exchange for
+    every K-th call only (and the first); the others check a digest carried in
+    their data messages and fall back to the exchange only when a peer's call
+    differs (see :mod:`resilient._elide`). Their news (repaired links, rail rates,
+    straggler clocks) waits for the next full exchange. 0 exchanges on every call.
+    Needs socket control and data links; other transports exchange on every call.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -211,6 +217,7 @@ class DataPlaneConfig:
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
     data_transport: str = "socket"
+    elide_every: int = 0
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -234,6 +241,8 @@ class DataPlaneConfig:
             raise ConfigError("DataPlaneConfig timeouts must be > 0")
         if self.expected_link_bytes_per_s <= 0:
             raise ConfigError("DataPlaneConfig.expected_link_bytes_per_s must be > 0")
+        if self.elide_every < 0:
+            raise ConfigError(f"elide_every={self.elide_every}: must be >= 0 (0: never)")
 
     def deadline_s(self, nbytes: int) -> float:
         """Deadline of one link op moving ``nbytes``."""
@@ -247,7 +256,8 @@ class DataPlaneConfig:
         ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
         ``RESILIENT_RELAY_VIA_STORE`` (0/1),
         ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
-        ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo).
+        ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo),
+        ``RESILIENT_ELIDE_EVERY`` (an integer, 0: never).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -278,6 +288,7 @@ class DataPlaneConfig:
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
             data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
+            elide_every=_env_int(env, p + "ELIDE_EVERY", 0),
         )
 
 

@@ -54,6 +54,8 @@ class LinkTable:
         # resilient._sockpair). CUDA links are NCCL pairs whatever the transport.
         cpu_socket = transport == "socket" and device_type == "cpu"
         self._kind: type[Link] = SocketLink if cpu_socket else Link
+        # Whether data messages can carry a call digest (resilient._elide).
+        self.sockets = cpu_socket
         self.device_type = device_type
         self.rank = rank
         self.rails = rails

@@ -29,6 +29,7 @@ from torch.futures import Future
 from resilient import _repair
 from resilient._announced import watch_announcements
 from resilient._args import check_tensors, reduce_op
+from resilient._elide import NotElided, call_key, digest_of, forget_call, hello
 from resilient._epochs import EpochControl
 from resilient._gathers import GatherOps
 from resilient._gpu import GpuHealth
@@ -37,11 +38,12 @@ from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
 from resilient._peerwatch import PeerWatch
-from resilient._precheck import Payload, SignatureChannel
+from resilient._precheck import Payload, SignatureChannel, Ticket
 from resilient._reorder import cut_off_peers, follow_cuts
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
+from resilient._sockpair import DigestMismatch
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._weights import DOWN, WeightLearner, agreed_backups
@@ -153,7 +155,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # Calls submitted and finished: the peer watch looks only while some run.
         self._calls_in, self._calls_out = 0, 0
         # Checked allreduce calls by (dtype, shape, device, reduce op): see _allreduce_call.
-        self._known_calls: dict[tuple[Any, ...], tuple[Reduce, Signature]] = {}
+        self._known_calls: dict[tuple[Any, ...], tuple[Reduce, Signature, int]] = {}
         self._peer_watch = PeerWatch(rank, self._tables, self._busy, self._check_lost)
         self._peer_watch.start()
         # This rank's member lease in etcd, when the backend joined one (closed at
@@ -199,10 +201,12 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         *,
         payload: Payload | None = None,
         after_previous: bool = False,
+        digest: int = 0,
     ) -> ResilientWork:
         """Queue ``fn(table)``: ``table`` holds every rank's inline bytes once the
         signatures matched (an empty tensor for a call without ``payload``; None with
-        checks off); a mismatch raises before ``fn``."""
+        checks off); a mismatch raises before ``fn``. ``digest``: the call's, when
+        it may run elided (resilient._elide: a CPU all_reduce with no payload)."""
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
@@ -213,6 +217,10 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             try:
                 if self._lost is not None:
                     raise PeerLost(str(self._lost), peer=self._lost.peer, epoch=self._epoch)
+                if channel is not None and verdict is not None and verdict.elided:
+                    out = self._run_elided(channel, verdict, fn, payload, digest)
+                    ok = True
+                    return out
                 exchange = channel.result(verdict) if channel and verdict else None
                 if exchange is None:
                     out = fn(None)
@@ -247,6 +255,49 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._calls_in += 1
         self._queue.put((run, fut))
         return ResilientWork(fut, op)
+
+    def _run_elided(
+        self,
+        channel: SignatureChannel,
+        ticket: Ticket,
+        fn: Callable[[torch.Tensor | None], Any],
+        payload: Payload | None,
+        digest: int,
+    ) -> Any:
+        """Run an elided call (resilient._elide): checked by its digest where it can
+        be, else by a hello and a full exchange, which every rank falls back to as
+        soon as one refuses the call.
+
+        Raises:
+            CollectiveMismatch: the ranks' calls differ.
+            CommunicationError: as any call.
+        """
+        channel.check_elided(ticket)
+        engine = self.engine
+        assert isinstance(engine, RingEngine)
+        key = call_key(self._epoch, ticket.seq)
+        calls = engine.calls
+        if digest:
+            engine.elided, engine.gate_waited_s = (key, digest), 0.0
+            try:
+                return fn(_CHECKED)
+            except DigestMismatch as exc:
+                logger.info(
+                    "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
+                    "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
+                )  # fmt: skip
+            except NotElided:
+                hello(self.links, self.size(), key)
+            finally:
+                engine.elided = None
+                channel.add_waited(engine.gate_waited_s)
+        else:
+            hello(self.links, self.size(), key)
+        forget_call(self.links, key)
+        # Some ranks routed the refused call and others did not: agree again.
+        engine.calls = calls
+        exchange = channel.fallback(ticket)
+        return fn(exchange.payloads() if payload is not None else _CHECKED)
 
     def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Small enough to travel inside the signature exchange (same verdict on all
@@ -395,8 +446,11 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         return topo == "mesh" or (topo == "auto" and world <= self.config.mesh_max_world)
 
     # -- collectives -------------------------------------------------------------------
-    def _allreduce_call(self, tensors: list[torch.Tensor], opts: Any) -> tuple[Reduce, Signature]:
-        """The checked reduce op and signature of an allreduce call.
+    def _allreduce_call(
+        self, tensors: list[torch.Tensor], opts: Any
+    ) -> tuple[Reduce, Signature, int]:
+        """The checked reduce op, signature and digest of an allreduce call (the
+        digest 0 unless the call may run elided: CPU tensors, calls elided here).
 
         One tensor is the usual call (a DDP bucket, the same few every step): its
         checks and signature are kept by dtype, shape, device and reduce op. They
@@ -417,7 +471,9 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         opts = opts or dist.AllreduceOptions()
         check_tensors("allreduce", tensors)
         red = reduce_op("allreduce", opts)
-        known = (red, Signature.of("allreduce", tensors, reduce=red))
+        sig = Signature.of("allreduce", tensors, reduce=red)
+        elide = self.config.elide_every > 0 and all(t.device.type == "cpu" for t in tensors)
+        known = (red, sig, digest_of(sig) if elide else 0)
         if key is not None:
             if len(self._known_calls) >= _KNOWN_CALLS:
                 self._known_calls.clear()
@@ -427,7 +483,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
-        red, sig = self._allreduce_call(tensors, opts)
+        red, sig, digest = self._allreduce_call(tensors, opts)
         inline = self._inline(tensors)
 
         def run(table: torch.Tensor | None) -> list[torch.Tensor]:
@@ -440,7 +496,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             return tensors
 
         payload = (lambda: _packed(tensors)) if inline else None
-        return self._submit("allreduce", sig, run, payload=payload)
+        digest = 0 if inline else digest
+        return self._submit("allreduce", sig, run, payload=payload, digest=digest)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
         return self.allreduce(tensors, opts)

@@ -268,7 +268,7 @@ def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[
     b = SocketPair(b_s, new_engine())
     try:
         work = b.recv([torch.zeros(1 << 20)], 0, 8)
-        raw.sendall(_HEADER.pack(8, 4 << 20) + bytes(1 << 16))  # a quarter of it
+        raw.sendall(_HEADER.pack(8, 4 << 20, 0) + bytes(1 << 16))  # a quarter of it
         conn = _sockets.Conn.of(b_s)
         threading.Timer(0.3, _sockets.cut, args=([conn],)).start()
         start = time.monotonic()
