@@ -88,16 +88,12 @@ def call_key(epoch: int, seq: int) -> int:
     return (salt_of(epoch) << 17) | (seq % (_CALLS - 1) + 1)
 
 
-def hello(links: LinkTable, world: int, key: int) -> None:
-    """Tell every peer on every rail that this rank's call ``key`` is not elided:
-    a header-only message under the tag the mesh's first receive waits on. A broken
-    link is skipped (its peer's wait on it fails over or fails anyway).
-
-    Raises:
-        LinkError: a link could not be built.
-    """
-    peers = [p for p in range(world) if p != links.rank]
-    links.ensure((p, r) for r in range(len(links.rails)) for p in peers)
+def hello(links: LinkTable, key: int) -> None:
+    """Tell every peer this rank has a link to that its call ``key`` is not elided:
+    a header-only message under the tag the mesh's first receive waits on, on
+    every rail. Builds no link: a peer that gates has built its links to every
+    peer, which took this rank's part. A broken link is skipped (its peer's wait
+    on it fails anyway)."""
     base = key << CALL_SHIFT
     for link in links.links().values():
         if isinstance(link, SocketLink) and not link.broken:

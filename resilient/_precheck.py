@@ -136,6 +136,9 @@ class SignatureChannel:
         self.elide_every = config.elide_every if sockets else 0
         # Elided calls numbered past _ran (which counts settled calls in order).
         self._elided_ahead: set[int] = set()
+        # Full exchanges run, and elided calls that fell back to one (for tests and
+        # benchmarks to tell what the calls cost).
+        self.exchanges = self.fallbacks = 0
         self._submitted = 0
         self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
@@ -167,17 +170,20 @@ class SignatureChannel:
         self._submitted += 1
         seq = self._submitted
         quiet = after_previous or payload is not None
-        ticket = Ticket(seq, sig.with_seq(seq), payload, quiet)
-        with self._send_lock:
-            if elided(self.elide_every, seq):
-                # No row: settled as it is made, in order with the exchanges.
-                ticket.elided = ticket.settled = ticket.sent = True
+        if elided(self.elide_every, seq):
+            # No row (its signature is numbered only if it falls back): settled as
+            # it is made, in order with the exchanges. No row can go out for it.
+            ticket = Ticket(seq, sig, payload, quiet)
+            ticket.elided = ticket.settled = ticket.sent = True
+            with self._send_lock:
                 if self._ran == seq - 1:
                     self._ran = seq
                 else:
                     self._elided_ahead.add(seq)
-            else:
-                self._unsent.append(ticket)
+            return ticket
+        ticket = Ticket(seq, sig.with_seq(seq), payload, quiet)
+        with self._send_lock:
+            self._unsent.append(ticket)
             self._send_ready()
         return ticket
 
@@ -257,6 +263,8 @@ class SignatureChannel:
         """
         self.check_elided(ticket)
         assert self._mesh is not None  # elided calls need socket control links
+        self.fallbacks += 1
+        ticket.sig = ticket.sig.with_seq(ticket.seq)
         table = self._row(ticket)
         rail = self._rail()
         began = time.monotonic()
@@ -371,6 +379,7 @@ class SignatureChannel:
             if ticket.error is not None:
                 raise ticket.error
             assert ticket.table is not None
+            self.exchanges += 1
             began = time.monotonic()
             try:
                 if self._mesh is None:  # gloo control links: one all-gather sends and reads

@@ -287,12 +287,12 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                     "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
                 )  # fmt: skip
             except NotElided:
-                hello(self.links, self.size(), key)
+                hello(self.links, key)
             finally:
                 engine.elided = None
                 channel.add_waited(engine.gate_waited_s)
         else:
-            hello(self.links, self.size(), key)
+            hello(self.links, key)
         forget_call(self.links, key)
         # Some ranks routed the refused call and others did not: agree again.
         engine.calls = calls

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from resilient import _sockets
 from resilient._proc import free_port
 from resilient._sockconnect import PairError, connect_pair
-from resilient._sockpair import _HEADER, Engine, SocketPair
+from resilient._sockpair import _HEADER, CALL_SHIFT, DigestMismatch, Engine, SocketPair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -410,3 +410,36 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
         y0.send([torch.ones(1)], 0, 1).wait(WAIT)
         driver.join(30)
         assert other.error is None
+
+
+def test_a_receive_refuses_a_message_of_another_call_and_the_pair_carries_on(
+    new_engine: Callable[[], Engine],
+) -> None:
+    # Calls checked by digest (resilient._elide): a message whose digest is not the
+    # receive's fails that receive, whether it came through the shared buffer, as a
+    # large body read straight in, or from the stash; nothing lands in its buffer
+    # and the pair is not failed. Forgetting the call drops what is left of it.
+    call, other = 5, 6
+    tag = call << CALL_SHIFT
+    with _pair(new_engine, "127.0.2.1", "127.0.2.2", "digest/") as (a, b):
+        small, big, early = torch.zeros(16), torch.zeros(64 << 10), torch.zeros(16)
+        refused = [b.recv([small], 0, tag, 7), b.recv([big], 0, tag + 1, 7)]
+        a.send([torch.ones(16)], 1, tag, 9).wait(WAIT)
+        a.send([torch.ones(64 << 10)], 1, tag + 1, 9).wait(WAIT)
+        a.send([torch.ones(16)], 1, tag + 2, 9).wait(WAIT)
+        refused.append(b.recv([early], 0, tag + 2, 7))
+        for work in refused:
+            with pytest.raises(DigestMismatch):
+                work.wait(WAIT)
+        assert not small.any() and not big.any() and not early.any()
+        assert b.error is None and a.error is None
+        pending = b.recv([torch.zeros(16)], 0, tag + 3, 9)
+        assert b.forget_call(call, "refused") == 1
+        assert not pending.done and pending.error == "refused"
+        a.send([torch.ones(16)], 1, tag + 4, 9).wait(WAIT)  # late: discarded
+        got = torch.zeros(16)
+        nxt = b.recv([got], 0, other << CALL_SHIFT, 11)
+        a.send([torch.full((16,), 2.0)], 1, other << CALL_SHIFT, 11).wait(WAIT)
+        nxt.wait(WAIT)
+        assert torch.equal(got, torch.full((16,), 2.0))
+        assert not b._stash and b.error is None

@@ -1,0 +1,166 @@
+"""Calls checked by a digest in their data instead of an exchange of rows
+(resilient._elide), on real multi-process groups over socket links."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient._elide import call_key, digest_of, elided
+from resilient._signature import Signature
+from resilient.collectives import Reduce
+from resilient.errors import CollectiveMismatch
+from tests._dist import run_world
+
+LARGE = 16 << 10  # floats: 64 KiB, a DDP-sized bucket, far above the inline limit
+
+
+def _opts(op: Any) -> Any:
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def test_which_calls_elide_and_what_their_digests_tell_apart() -> None:
+    assert [s for s in range(1, 10) if not elided(4, s)] == [1, 4, 8]
+    assert not any(elided(0, s) for s in range(1, 10))
+    x = torch.zeros(8)
+    base = digest_of(Signature.of("allreduce", [x], reduce=Reduce.SUM))
+    assert base > 0 and base == digest_of(Signature.of("allreduce", [x], reduce=Reduce.SUM))
+    others = [
+        Signature.of("allreduce", [torch.zeros(9)], reduce=Reduce.SUM),
+        Signature.of("allreduce", [x.double()], reduce=Reduce.SUM),
+        Signature.of("allreduce", [x], reduce=Reduce.MAX),
+        Signature.of("allreduce", [x.view(2, 4)], reduce=Reduce.SUM),
+        Signature.of("broadcast", [x], root=0),
+    ]
+    assert base not in {digest_of(s) for s in others}
+    # Never the tags of checked calls (0), and another epoch's call never shares one.
+    assert call_key(0, 65535) != 0 and call_key(0, 7) != call_key(1, 7)
+
+
+# (numel, dtype, op): DDP-sized buckets and others, so every dtype path folds.
+_CALLS = [
+    (LARGE, torch.float32, dist.ReduceOp.SUM),
+    (3 * LARGE + 5, torch.float64, dist.ReduceOp.MAX),
+    (LARGE, torch.int64, dist.ReduceOp.SUM),
+    (LARGE, torch.float32, dist.ReduceOp.AVG),
+    (LARGE + 1, torch.float32, dist.ReduceOp.MIN),
+]
+
+
+def _data(rank: int, call: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * call + rank)
+    return (torch.randn(numel, generator=gen) * 100).to(dtype)
+
+
+def _reference(world: int, call: int, numel: int, dtype: torch.dtype, op: Any) -> torch.Tensor:
+    """The mesh's fold: rank order 0..P-1, avg as the sum divided by P."""
+    parts = [_data(r, call, numel, dtype) for r in range(world)]
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            acc += p
+        elif op == dist.ReduceOp.MAX:
+            acc = torch.maximum(acc, p)
+        else:
+            acc = torch.minimum(acc, p)
+    return acc / world if op == dist.ReduceOp.AVG else acc
+
+
+def _many_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int]:
+    calls = 0
+    for round_ in range(3):
+        outs = []
+        for i, (numel, dtype, op) in enumerate(_CALLS):
+            t = _data(rank, 10 * round_ + i, numel, dtype)
+            outs.append((t, pg.allreduce([t], _opts(op)), 10 * round_ + i, numel, dtype, op))
+        for t, work, call, numel, dtype, op in outs:
+            work.wait()
+            assert torch.equal(t, _reference(world, call, numel, dtype, op)), (call, dtype, op)
+            calls += 1
+    return calls, pg._channel.exchanges, pg._channel.fallbacks
+
+
+@pytest.mark.timeout(120)
+def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do() -> None:
+    # Five calls in flight at a time, so rows of the full exchanges go out while
+    # elided calls' data moves; the results are the checked mesh's bits.
+    for calls, exchanges, fallbacks in run_world(_many_calls, 4, config={"elide_every": 3}):
+        assert calls == 15
+        assert exchanges == len([s for s in range(1, 16) if not elided(3, s)]) == 6
+        assert fallbacks == 0
+
+
+def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    pg.allreduce([torch.ones(LARGE)]).wait()  # call 1: the full exchange
+    seen: dict[str, Any] = {}
+    odd_op = dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM
+    cases = {
+        "shape": lambda t: pg.allreduce([torch.cat([t, t[:1]]) if rank == 1 else t]),
+        "dtype": lambda t: pg.allreduce([t.double() if rank == 3 else t]),
+        "op": lambda t: pg.allreduce([t], _opts(odd_op)),
+        "collective": lambda t: pg.broadcast([t], _bopts(0)) if rank == 2 else pg.allreduce([t]),
+    }
+    for name, call in cases.items():
+        t = torch.full((LARGE,), float(rank + 1))
+        try:
+            call(t).wait()
+        except CollectiveMismatch as exc:
+            seen[name] = exc.fields
+            assert len(exc.calls) == world
+        # Nothing was folded into it before the call was refused.
+        assert torch.equal(t, torch.full((LARGE,), float(rank + 1))), name
+        after = torch.ones(LARGE)
+        pg.allreduce([after]).wait()  # the group stays usable, elided again
+        assert torch.equal(after, torch.full((LARGE,), float(world)))
+    seen["counts"] = (pg._channel.exchanges, pg._channel.fallbacks)
+    return seen
+
+
+def _bopts(root: int) -> Any:
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    return o
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_elided_call_raises_everywhere_and_leaves_the_tensors() -> None:
+    for seen in run_world(_refused, 4, config={"elide_every": 1000}):
+        assert "shape" in seen["shape"] and "dtype" in seen["dtype"]
+        assert "reduce" in seen["op"] and "op" in seen["collective"]
+        # One full exchange (call 1); each refused call fell back once, the rest
+        # (four matching calls after them) ran elided.
+        assert seen["counts"] == (1, 4)
+
+
+def _unelidable(pg: Any, rank: int, world: int) -> int:
+    pg.allreduce([torch.ones(LARGE)]).wait()
+    # A tensor the mesh does not take (config: mesh only below 64 KiB) and one small
+    # enough to travel in the rows: both fall back and complete.
+    for numel in (4 * LARGE, 8):
+        t = torch.full((numel,), float(rank))
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.full((numel,), float(sum(range(world)))))
+    b = torch.full((LARGE,), float(rank))
+    pg.broadcast([b], _bopts(world - 1)).wait()
+    assert torch.equal(b, torch.full((LARGE,), float(world - 1)))
+    outs = [torch.zeros(LARGE) for _ in range(world)]
+    pg.allgather([outs], [torch.full((LARGE,), float(rank))]).wait()
+    assert all(torch.equal(o, torch.full((LARGE,), float(r))) for r, o in enumerate(outs))
+    out = torch.zeros(LARGE)
+    pg.reduce_scatter([out], [[torch.full((LARGE,), float(r)) for r in range(world)]]).wait()
+    assert torch.equal(out, torch.full((LARGE,), float(rank * world)))
+    pg.barrier().wait()
+    return pg._channel.fallbacks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_calls_that_cannot_run_elided_fall_back_and_complete(world: int) -> None:
+    config = {"elide_every": 1000, "mesh_below_bytes": 64 << 10}
+    # Two ranks never mesh, so even the first allreduce after call 1 falls back.
+    assert run_world(_unelidable, world, config=config) == [6] * world
