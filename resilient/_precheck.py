@@ -132,8 +132,12 @@ class SignatureChannel:
         )
         self._static = self.engine.weights
         # Calls that skip their exchange (resilient._elide): every K-th keeps it.
+        # Only where the data plane meshes (every rank decides alike from the
+        # config): elsewhere every elided call would fall back, costing more.
         sockets = config.control_transport == "socket" and config.data_transport == "socket"
-        self.elide_every = config.elide_every if sockets else 0
+        topo = config.topology
+        mesh = world > 2 and (topo == "mesh" or (topo == "auto" and world <= config.mesh_max_world))
+        self.elide_every = config.elide_every if sockets and mesh else 0
         # Elided calls numbered past _ran (which counts settled calls in order).
         self._elided_ahead: set[int] = set()
         # Full exchanges run, and elided calls that fell back to one (for tests and

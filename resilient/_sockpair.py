@@ -396,21 +396,22 @@ class SocketPair:
     def forget_call(self, call: int, why: str) -> int:
         """:meth:`forget` for the tags of one call checked by digest (``call``: the
         tag bits from CALL_SHIFT on), kept beside the epoch's predicate; the newest
-        _FORGOTTEN_KEPT calls are remembered."""
+        _FORGOTTEN_KEPT calls are remembered. The dropped receives fail as refused
+        (DigestMismatch): the call was, on some rank."""
         with self.engine.lock:
             if call not in self._calls_gone:
                 self._calls_gone.add(call)
                 self._calls_order.append(call)
                 if len(self._calls_order) > _FORGOTTEN_KEPT:
                     self._calls_gone.discard(self._calls_order.popleft())
-            return self._drop_locked(lambda tag: tag >> CALL_SHIFT == call, why)
+            return self._drop_locked(lambda tag: tag >> CALL_SHIFT == call, why, refused=True)
 
-    def _drop_locked(self, stale: Callable[[int], bool], why: str) -> int:
+    def _drop_locked(self, stale: Callable[[int], bool], why: str, *, refused: bool = False) -> int:
         """Drop receives, stashed messages and a body being read of ``stale`` tags."""
         dropped = 0
         for tag in [t for t in self._pending if stale(t)]:
             for work in self._pending.pop(tag):
-                work.error = why
+                work.error, work.mismatch = why, refused
                 dropped += 1
         for tag in [t for t in self._stash if stale(t)]:
             self._stashed -= len(self._stash.pop(tag))
@@ -419,7 +420,7 @@ class SocketPair:
             # Half read into a dropped receive's buffer: read the rest aside.
             tag, view, got, reading, digest = body
             assert reading is not None
-            reading.error = why
+            reading.error, reading.mismatch = why, refused
             self._body = (tag, memoryview(bytearray(len(view))), got, None, digest)
             dropped += 1
         self.engine.ring()

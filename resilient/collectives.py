@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from resilient._channel import Route, Rx, Tx
-from resilient._elide import NotElided
+from resilient._elide import NotElided, forget_call
 from resilient._mesh import MeshPlan, MeshRail, mesh_plan
 from resilient._reduce import REDUCERS, Reduce, finish_avg, fold_rows
 from resilient._ring import (
@@ -37,7 +37,7 @@ from resilient._ring import (
     sub_spans,
 )
 from resilient._slowrank import SendRates
-from resilient._sockpair import CALL_SHIFT
+from resilient._sockpair import CALL_SHIFT, DigestMismatch
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -290,8 +290,10 @@ class RingEngine:
         return buf[:numel]
 
     def _elidable(self, flat: torch.Tensor) -> MeshPlan:
-        """The mesh plan of an elided all_reduce: one rail, every chunk non-empty
-        there (so every rank's first message reaches every peer), on socket links.
+        """The mesh plan of an elided all_reduce: on socket links, every chunk
+        non-empty on every rail the plan uses (so on each of them every rank's first
+        message reaches every peer; the heaviest rail is used by every plan, so
+        ranks whose plans differ always share one).
 
         Raises:
             NotElided: the call is not one of those (nothing was posted).
@@ -303,10 +305,8 @@ class RingEngine:
             and self._use_mesh(flat)
         ):
             plan = self._mesh_plan(flat, None)
-            if len(plan.rails) == 1:
-                firsts = plan.subs[plan.rails[0]]
-                if all(firsts[c][0].size for c in range(self.world)):
-                    return plan
+            if all(plan.subs[r][c][0].size for r in plan.rails for c in range(self.world)):
+                return plan
         raise NotElided(f"rank {self.rank}: this all_reduce does not run elided")
 
     def _use_mesh(self, flat: torch.Tensor) -> bool:
@@ -362,8 +362,16 @@ class RingEngine:
             )
             if op is None:
                 m.all_gather()
-            else:
+                return
+            try:
                 m.reduce_scatter(REDUCERS[op], then_gather=gather)
+            except DigestMismatch:
+                # A peer whose plan differs may send nothing on another rail this
+                # rank gates on: dropping the call's receives ends that wait too.
+                if self.elided is not None:
+                    forget_call(self.links, self.elided[0])
+                raise
+            finally:
                 self.gate_waited_s += m.gate_waited_s
 
         self._run_rails(run, plan.rail_bytes)

@@ -86,10 +86,13 @@ def _many_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.timeout(120)
-def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do() -> None:
+@pytest.mark.parametrize("rails", [1, 2])
+def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do(rails: int) -> None:
     # Five calls in flight at a time, so rows of the full exchanges go out while
-    # elided calls' data moves; the results are the checked mesh's bits.
-    for calls, exchanges, fallbacks in run_world(_many_calls, 4, config={"elide_every": 3}):
+    # elided calls' data moves; the results are the checked mesh's bits. On two
+    # rails the float64 call (393 KiB) is split across both, the others take one.
+    config = {"elide_every": 3}
+    for calls, exchanges, fallbacks in run_world(_many_calls, 4, rails=rails, config=config):
         assert calls == 15
         assert exchanges == len([s for s in range(1, 16) if not elided(3, s)]) == 6
         assert fallbacks == 0
@@ -101,6 +104,8 @@ def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
     odd_op = dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM
     cases = {
         "shape": lambda t: pg.allreduce([torch.cat([t, t[:1]]) if rank == 1 else t]),
+        # 512 KiB on rank 1: on two rails its plan uses both, the others' only one.
+        "size": lambda t: pg.allreduce([torch.cat([t] * 8) if rank == 1 else t]),
         "dtype": lambda t: pg.allreduce([t.double() if rank == 3 else t]),
         "op": lambda t: pg.allreduce([t], _opts(odd_op)),
         "collective": lambda t: pg.broadcast([t], _bopts(0)) if rank == 2 else pg.allreduce([t]),
@@ -128,13 +133,16 @@ def _bopts(root: int) -> Any:
 
 
 @pytest.mark.timeout(120)
-def test_a_refused_elided_call_raises_everywhere_and_leaves_the_tensors() -> None:
-    for seen in run_world(_refused, 4, config={"elide_every": 1000}):
-        assert "shape" in seen["shape"] and "dtype" in seen["dtype"]
+@pytest.mark.parametrize("rails", [1, 2])
+def test_a_refused_elided_call_raises_everywhere_and_leaves_the_tensors(rails: int) -> None:
+    config = {"elide_every": 1000}
+    for seen in run_world(_refused, 4, rails=rails, config=config):
+        assert "shape" in seen["shape"] and "shape" in seen["size"]
+        assert "dtype" in seen["dtype"]
         assert "reduce" in seen["op"] and "op" in seen["collective"]
         # One full exchange (call 1); each refused call fell back once, the rest
-        # (four matching calls after them) ran elided.
-        assert seen["counts"] == (1, 4)
+        # (five matching calls after them) ran elided.
+        assert seen["counts"] == (1, 5)
 
 
 def _unelidable(pg: Any, rank: int, world: int) -> int:
@@ -155,12 +163,14 @@ def _unelidable(pg: Any, rank: int, world: int) -> int:
     pg.reduce_scatter([out], [[torch.full((LARGE,), float(r)) for r in range(world)]]).wait()
     assert torch.equal(out, torch.full((LARGE,), float(rank * world)))
     pg.barrier().wait()
-    return pg._channel.fallbacks
+    return pg._channel.elide_every, pg._channel.fallbacks
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_calls_that_cannot_run_elided_fall_back_and_complete(world: int) -> None:
     config = {"elide_every": 1000, "mesh_below_bytes": 64 << 10}
-    # Two ranks never mesh, so even the first allreduce after call 1 falls back.
-    assert run_world(_unelidable, world, config=config) == [6] * world
+    # Six calls after the first; two ranks never mesh, so none is elided there (each
+    # would fall back).
+    expected = (1000, 6) if world > 2 else (0, 0)
+    assert run_world(_unelidable, world, config=config) == [expected] * world
