@@ -138,11 +138,12 @@ class SignatureChannel:
         topo = config.topology
         mesh = world > 2 and (topo == "mesh" or (topo == "auto" and world <= config.mesh_max_world))
         self.elide_every = config.elide_every if sockets and mesh else 0
-        # Elided calls numbered past _ran (which counts settled calls in order).
-        self._elided_ahead: set[int] = set()
-        # Full exchanges run, and elided calls that fell back to one (for tests and
-        # benchmarks to tell what the calls cost).
-        self.exchanges = self.fallbacks = 0
+        # Whether the last full exchange found the group quiet (set by the group
+        # from its verdict, the same on every rank): only then do calls elide.
+        self.quiet = False
+        # Full exchanges run, calls run elided, and those of them that fell back to
+        # an exchange (for tests and benchmarks to tell what the calls cost).
+        self.exchanges = self.elided = self.fallbacks = 0
         self._submitted = 0
         self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
@@ -175,15 +176,13 @@ class SignatureChannel:
         seq = self._submitted
         quiet = after_previous or payload is not None
         if elided(self.elide_every, seq):
-            # No row (its signature is numbered only if it falls back): settled as
-            # it is made, in order with the exchanges. No row can go out for it.
-            ticket = Ticket(seq, sig, payload, quiet)
-            ticket.elided = ticket.settled = ticket.sent = True
+            # Elided if the group is quiet when it runs (take_elided): its row, if
+            # any, goes out only then, from the communication thread, so no later
+            # row can pass it (its signature is numbered then too).
+            ticket = Ticket(seq, sig, payload, True)
+            ticket.elided = True
             with self._send_lock:
-                if self._ran == seq - 1:
-                    self._ran = seq
-                else:
-                    self._elided_ahead.add(seq)
+                self._unsent.append(ticket)
             return ticket
         ticket = Ticket(seq, sig.with_seq(seq), payload, quiet)
         with self._send_lock:
@@ -239,10 +238,27 @@ class SignatureChannel:
                 self._unsent.popleft()
                 self._sent, ticket.sent = ticket.seq, True
             self._ran += 1
-            while self._ran + 1 in self._elided_ahead:
-                self._elided_ahead.discard(self._ran + 1)
-                self._ran += 1
             self._send_ready()
+
+    def take_elided(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s call runs elided (resilient._elide): its number says
+        it may, and the last full exchange found the group quiet (every rank
+        decides alike, in call order). If so it is settled without a row; if not,
+        it becomes a call with an exchange. Communication thread only, in order."""
+        if not ticket.elided:
+            return False
+        if not self.quiet or self._failed_with is not None:
+            ticket.elided = False
+            ticket.sig = ticket.sig.with_seq(ticket.seq)
+            return False
+        with self._send_lock:
+            assert self._unsent and self._unsent[0] is ticket
+            self._unsent.popleft()
+            self._sent, ticket.sent, ticket.settled = ticket.seq, True, True
+            self._ran += 1
+            self._send_ready()
+        self.elided += 1
+        return True
 
     def check_elided(self, ticket: Ticket) -> None:
         """Before an elided call's data: raises what every pending call raises (a

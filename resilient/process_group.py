@@ -42,7 +42,7 @@ from resilient._precheck import Payload, SignatureChannel, Ticket
 from resilient._reorder import cut_off_peers, follow_cuts
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
-from resilient._slowrank import SendRates, SlowRankVote
+from resilient._slowrank import ENTER_PERMILLE, SendRates, SlowRankVote, named
 from resilient._sockpair import DigestMismatch
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
@@ -217,7 +217,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
             try:
                 if self._lost is not None:
                     raise PeerLost(str(self._lost), peer=self._lost.peer, epoch=self._epoch)
-                if channel is not None and verdict is not None and verdict.elided:
+                if channel is not None and verdict is not None and channel.take_elided(verdict):
                     out = self._run_elided(channel, verdict, fn, payload, digest)
                     ok = True
                     return out
@@ -238,6 +238,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 follow_cuts(engine, exchange, announce=True)
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
+                assert channel is not None
+                channel.quiet = self._quiet(exchange, engine)
                 # Only calls that carry payloads read them (a view per call otherwise).
                 out = fn(exchange.payloads() if payload is not None else _CHECKED)
                 ok = True
@@ -298,6 +300,19 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         engine.calls = calls
         exchange = channel.fallback(ticket)
         return fn(exchange.payloads() if payload is not None else _CHECKED)
+
+    def _quiet(self, exchange: Exchange, engine: RingEngine) -> bool:
+        """Whether the next calls may elide (resilient._elide): nothing in this
+        verdict needs the news of every call (links to put in service, cut pairs,
+        a slow rank named or agreed, a straggler suspected). The same on every rank:
+        all of it follows from the exchange table."""
+        if engine.slow_rank is not None or engine.order is not None:
+            return False
+        if any(exchange.staged) or any(exchange.cut):
+            return False
+        if exchange.lagging and named(exchange.lagging, ENTER_PERMILLE) is not None:
+            return False
+        return all(self._stragglers.state(r) == "ok" for r in range(len(exchange.clocks)))
 
     def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Small enough to travel inside the signature exchange (same verdict on all
