@@ -79,6 +79,9 @@ class HealthBoard:
         self.on_lost: Callable[[int, int], None] | None = None
         self._peers: dict[int, PeerState] = {}
         self._version = 0
+        # Bumped on every change this rank publishes (a NIC, a broken or repaired
+        # link, a loss): news an elided call must not sit on (resilient._elide).
+        self.changes = 0
         self._lock = threading.Lock()
         # Held across reading the record and storing it: see publish().
         self._publishing = threading.Lock()
@@ -220,6 +223,7 @@ class HealthBoard:
 
     def publish(self) -> None:
         """Write this rank's record and bump the version (never raises)."""
+        self.changes += 1
         try:
             # Threads publish at once (a NIC watch, a link's break, a repair): one
             # that read the record before a change must not store it after the

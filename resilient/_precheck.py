@@ -276,6 +276,9 @@ class SignatureChannel:
         does, see resilient._elide), on the control links under a tag of their own.
         Its news is not acted on: later rows went out under the previous verdict.
 
+        A call with payloads whose rows did not all come is finished from a
+        surviving peer's table when one completed it (see _rescued).
+
         Raises:
             CollectiveMismatch: the ranks' calls differ (the usual case).
             LinkError: a row did not come.
@@ -291,9 +294,17 @@ class SignatureChannel:
         try:
             sends = self._mesh.send(table, ticket.seq, rail, tag=FALLBACK_TAG)
             self._mesh.receive(table, ticket.seq, rail, sends, tag=FALLBACK_TAG)
+        except BaseException as exc:
+            # A call with payloads only, as an exchange ahead of the call would be.
+            rescued = self._rescued(ticket.seq, exc) if ticket.payload is not None else None
+            if rescued is None:
+                raise
+            return rescued
         finally:
             self._waited_us += int((time.monotonic() - began) * 1e6)
-        return exchange_of(table, ticket.seq)
+        exchange = exchange_of(table, ticket.seq)
+        self.last = (ticket.seq, table)
+        return exchange
 
     def mark_done(self, ticket: Ticket, *, ok: bool = True) -> None:
         """Called by the communication thread after each call, failed (``ok`` False)

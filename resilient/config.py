@@ -192,12 +192,14 @@ class DataPlaneConfig:
     ``data_transport``: the same choice for the CPU data links (CUDA tensors always
     use NCCL pairs); "socket", the default, is faster on a loaded host and around a
     slow rank (docs/BENCHMARKS.md).
-    ``elide_every``: with ``check_mismatch``, K > 0 keeps the signature exchange for
-    every K-th call only (and the first); the others check a digest carried in
-    their data messages and fall back to the exchange only when a peer's call
-    differs (see :mod:`resilient._elide`). Their news (repaired links, rail rates,
-    straggler clocks) waits for the next full exchange. 0 exchanges on every call.
-    Needs socket control and data links; other transports exchange on every call.
+    ``elide_every``: with ``check_mismatch``, K > 0 (default 8) keeps the signature
+    exchange for every K-th call (and the first) while the group is quiet; the
+    others check a digest carried in their data messages and fall back to the
+    exchange only when a peer's call differs (see :mod:`resilient._elide`). Rail
+    rates, slow-link evidence and straggler clocks are then read every K calls; a
+    rank with news (a NIC, a link) makes the next call an exchange for everyone,
+    and a group that is not quiet exchanges on every call. 0 exchanges on every
+    call. Only with socket control and data links and a meshing data plane.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -217,7 +219,7 @@ class DataPlaneConfig:
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
     data_transport: str = "socket"
-    elide_every: int = 0
+    elide_every: int = 8
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -257,7 +259,7 @@ class DataPlaneConfig:
         ``RESILIENT_RELAY_VIA_STORE`` (0/1),
         ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
         ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo),
-        ``RESILIENT_ELIDE_EVERY`` (an integer, 0: never).
+        ``RESILIENT_ELIDE_EVERY`` (an integer, default 8; 0: never).
 
         Raises:
             ConfigError: a variable is malformed; the message names it.
@@ -288,7 +290,7 @@ class DataPlaneConfig:
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
             data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
-            elide_every=_env_int(env, p + "ELIDE_EVERY", 0),
+            elide_every=_env_int(env, p + "ELIDE_EVERY", 8),
         )
 
 

@@ -156,6 +156,8 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._calls_in, self._calls_out = 0, 0
         # Checked allreduce calls by (dtype, shape, device, reduce op): see _allreduce_call.
         self._known_calls: dict[tuple[Any, ...], tuple[Reduce, Signature, int]] = {}
+        # The health board's changes when the group was last found quiet (_quiet).
+        self._quiet_mark = 0
         self._peer_watch = PeerWatch(rank, self._tables, self._busy, self._check_lost)
         self._peer_watch.start()
         # This rank's member lease in etcd, when the backend joined one (closed at
@@ -210,6 +212,9 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
+        # What this rank's health board had published before the row was built: an
+        # elided call after a quiet verdict carries news if it has changed since.
+        mark = self.board.changes
         verdict = channel.submit(sig, payload, after_previous=after_previous) if channel else None
 
         def run() -> Any:
@@ -239,7 +244,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 assert channel is not None
-                channel.quiet = self._quiet(exchange, engine)
+                channel.quiet, self._quiet_mark = self._quiet(exchange, engine), mark
                 # Only calls that carry payloads read them (a view per call otherwise).
                 out = fn(exchange.payloads() if payload is not None else _CHECKED)
                 ok = True
@@ -279,7 +284,11 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         assert isinstance(engine, RingEngine)
         key = call_key(self._epoch, ticket.seq)
         calls = engine.calls
-        if digest:
+        # A rank with news since the quiet verdict (a NIC, a link) does not elide
+        # it: its hello makes every rank fall back, and that exchange's table,
+        # showing the news, ends the quiet, so the next calls act on it.
+        mark = self.board.changes
+        if digest and mark == self._quiet_mark:
             engine.elided, engine.gate_waited_s = (key, digest), 0.0
             try:
                 return fn(_CHECKED)
@@ -299,16 +308,22 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # Some ranks routed the refused call and others did not: agree again.
         engine.calls = calls
         exchange = channel.fallback(ticket)
+        # Its clocks are news every rank reads alike; links are not put in service
+        # here (rows of later calls may have gone out on the old ones).
+        self._stragglers.observe(exchange)
+        channel.quiet, self._quiet_mark = self._quiet(exchange, engine), mark
         return fn(exchange.payloads() if payload is not None else _CHECKED)
 
     def _quiet(self, exchange: Exchange, engine: RingEngine) -> bool:
         """Whether the next calls may elide (resilient._elide): nothing in this
         verdict needs the news of every call (links to put in service, cut pairs,
-        a slow rank named or agreed, a straggler suspected). The same on every rank:
+        a rail down, a slow rank named or agreed, a straggler suspected). The same on every rank:
         all of it follows from the exchange table."""
         if engine.slow_rank is not None or engine.order is not None:
             return False
         if any(exchange.staged) or any(exchange.cut):
+            return False
+        if any(DOWN in rates for rates in exchange.rates):  # a NIC or link down somewhere
             return False
         if exchange.lagging and named(exchange.lagging, ENTER_PERMILLE) is not None:
             return False

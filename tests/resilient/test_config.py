@@ -57,14 +57,16 @@ def test_data_plane_env() -> None:
             "RESILIENT_STRAGGLER_SCHEDULE": "0",
             "RESILIENT_RELAY_VIA_STORE": "no",
             "RESILIENT_REPAIR_TIMEOUT_S": "2.5",
+            "RESILIENT_ELIDE_EVERY": "0",
         }
     )
     assert cfg.rail_weights == (3.0, 1.0) and cfg.sub_chunk_bytes == 65536
     assert not cfg.check_mismatch
     assert not cfg.straggler_schedule and not cfg.relay_via_store
-    assert cfg.repair_timeout_s == 2.5
+    assert cfg.repair_timeout_s == 2.5 and cfg.elide_every == 0
     default = DataPlaneConfig.from_env({})
     assert default.straggler_schedule and default.relay_via_store and default.repair_links
+    assert default.elide_every == DataPlaneConfig().elide_every == 8
     assert cfg.deadline_s(0) == cfg.op_timeout_floor_s
     for bad in (
         {"RESILIENT_RAIL_WEIGHTS": "a,b"},
@@ -72,6 +74,8 @@ def test_data_plane_env() -> None:
         {"RESILIENT_SUB_CHUNK_BYTES": "10"},
         {"RESILIENT_CHECK_MISMATCH": "maybe"},
         {"RESILIENT_RELAY_VIA_STORE": "2"},
+        {"RESILIENT_ELIDE_EVERY": "-1"},
+        {"RESILIENT_ELIDE_EVERY": "often"},
     ):
         with pytest.raises(ConfigError):
             DataPlaneConfig.from_env(bad)
