@@ -84,6 +84,8 @@ class Route:
     # from CALL_SHIFT on, and the digest it is sent with and received against.
     base: int = 0
     digest: int = 0
+    # What this rank's messages carry: ``digest``, with the NEWS flag if it has news.
+    sent_digest: int = 0
 
     @property
     def store(self) -> Store:
@@ -259,7 +261,7 @@ class Tx(_Channel):
             if self._works[idx] is None and not self._delivered:
                 link = self.link
                 try:
-                    self._works[idx] = link.isend(tensor, self._wire(tag), self.route.digest)
+                    self._works[idx] = link.isend(tensor, self._wire(tag), self.route.sent_digest)
                 except LinkError:
                     self._failover(link)  # re-posts this one too
             return idx
@@ -356,7 +358,7 @@ class Tx(_Channel):
             if not self.link.watch_sender(self):
                 continue  # the receiver fails over again too: read the next record
             try:
-                digest = self.route.digest
+                digest = self.route.sent_digest
                 for i, (tensor, tag) in enumerate(self._msgs):
                     wire = self._wire(tag)
                     self._works[i] = None if i < n else self.link.isend(tensor, wire, digest)
@@ -463,6 +465,10 @@ class Rx(_Channel):
             broken = self.link.broken
         if broken:  # broke between the ack and now: the sender may need it
             self.route.store.set(key, "done")
+
+    def news(self, idx: int) -> bool:
+        """Whether message ``idx`` (waited for) came with the NEWS flag."""
+        return bool(getattr(self._works[idx], "news", False))
 
     def release(self) -> None:
         """Let go of the link (see Tx.release)."""

@@ -96,6 +96,7 @@ class MeshRail:
         self.rank, self.world, self.rail = rank, world, rail
         self.gated = gated
         self.gate_waited_s = 0.0
+        self.gate_news = False  # a peer's first message said it has news
         self.skip = skip
         self.flat = flat
         self.subs = subs  # subs[chunk][j] (MeshPlan.subs of this rail)
@@ -193,6 +194,7 @@ class MeshRail:
         try:
             for p in self.peers:
                 self.rx[p].wait(recvs[(p, 0)], nbytes)
+                self.gate_news = self.gate_news or self.rx[p].news(recvs[(p, 0)])
         except DigestMismatch:
             for p in self.peers:
                 self.tx[p].release()

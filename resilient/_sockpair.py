@@ -51,13 +51,15 @@ import torch
 from resilient import _sockets
 from resilient._sockconnect import PairError, remaining
 
-__all__ = ["CALL_SHIFT", "DigestMismatch", "Engine", "SocketPair", "SocketWork", "engine"]
+__all__ = ["CALL_SHIFT", "NEWS", "DigestMismatch", "Engine", "SocketPair", "SocketWork", "engine"]
 
 # tag, payload bytes, digest of the call the message belongs to (0: not checked)
 _HEADER: Final = struct.Struct("<qQq")
 # Tags of calls checked by digest carry the call's number from this bit on: what
 # SocketPair.forget_call drops (resilient._elide).
 CALL_SHIFT: Final = 32
+# A digest's flag, not part of it: the sender has news (resilient._elide).
+NEWS: Final = 1 << 62
 _FORGOTTEN_KEPT: Final = 256
 _BUF_BYTES: Final = 64 << 10
 _DIRECT_BYTES: Final = 16 << 10  # bodies at least this large skip the shared buffer
@@ -88,16 +90,17 @@ class SocketWork:
     """One send or receive on a :class:`SocketPair` (the subset of gloo's Work used).
 
     ``digest``: a receive's expected call digest (0: any); a message with another
-    nonzero digest fails it with :class:`DigestMismatch`."""
+    nonzero digest fails it with :class:`DigestMismatch`. ``news``: the message
+    that filled it carried the NEWS flag."""
 
-    __slots__ = ("digest", "done", "error", "mismatch", "pair", "sending", "view")
+    __slots__ = ("digest", "done", "error", "mismatch", "news", "pair", "sending", "view")
 
     def __init__(
         self, pair: SocketPair, view: memoryview, *, sending: bool, digest: int = 0
     ) -> None:
         self.pair, self.view, self.sending = pair, view, sending
         self.digest = digest
-        self.done = self.mismatch = False
+        self.done = self.mismatch = self.news = False
         self.error: str | None = None
 
     def is_completed(self) -> bool:
@@ -592,7 +595,7 @@ class SocketPair:
     def _start_body(self, tag: int, nbytes: int, part: memoryview, digest: int) -> None:
         queue = self._pending.get(tag)
         work = queue[0] if queue else None
-        if work is not None and work.digest and digest != work.digest:
+        if work is not None and work.digest and digest & ~NEWS != work.digest:
             # Another call's message: its receive fails (see _fill); the body is
             # read aside (stashed, until its call is forgotten).
             queue.popleft()  # type: ignore[union-attr]
@@ -605,6 +608,7 @@ class SocketPair:
             if not queue:
                 del self._pending[tag]
             view = work.view[:nbytes]
+            work.news = digest & NEWS != 0
         else:  # no receive yet, or one too small (fails when the body is whole)
             work = None
             view = memoryview(bytearray(nbytes))
@@ -638,9 +642,10 @@ class SocketPair:
         )
 
     def _fill(self, work: SocketWork, digest: int, body: memoryview | bytes | bytearray) -> None:
-        if work.digest and digest != work.digest:
+        if work.digest and digest & ~NEWS != work.digest:
             self._mismatched(work, digest)
             return
+        work.news = digest & NEWS != 0
         if len(body) > work.view.nbytes:
             # gloo aborts the process here; a failed receive is kinder.
             work.error = f"a message of {len(body)} B for a receive of {work.view.nbytes} B"

@@ -37,7 +37,7 @@ from resilient._ring import (
     sub_spans,
 )
 from resilient._slowrank import SendRates
-from resilient._sockpair import CALL_SHIFT, DigestMismatch
+from resilient._sockpair import CALL_SHIFT, NEWS, DigestMismatch
 from resilient.errors import ConfigError
 from resilient.links import LinkTable
 
@@ -137,15 +137,17 @@ class RingEngine:
         # resilient._ring.avoiding_ring); None: 0, 1, ..., world-1. With an order
         # every schedule is a ring in it, so no data goes through the store.
         self.order: tuple[int, ...] | None = None
-        # The call running elided, as (call key, digest), set by its caller around
-        # the one all_reduce it makes (resilient._elide); and the time this rank's
-        # elided calls waited at their gate for every peer's first message.
-        self.elided: tuple[int, int] | None = None
+        # The call running elided, as (call key, digest, this rank has news), set
+        # by its caller around the one all_reduce it makes (resilient._elide); the
+        # time its gate waited for every peer's first message, and whether one of
+        # them had news.
+        self.elided: tuple[int, int, bool] | None = None
         self.gate_waited_s = 0.0
+        self.gate_news = False
 
     def _route(self) -> Route:
         self._calls += 1
-        key, digest = self.elided or (0, 0)
+        key, digest, news = self.elided or (0, 0, False)
         return Route(
             links=self.links,
             seq=self._calls,
@@ -161,11 +163,20 @@ class RingEngine:
             epoch=self.links.epoch,
             base=key << CALL_SHIFT,
             digest=digest,
+            sent_digest=digest | NEWS if news else digest,
         )
 
     def _pos_of(self, rank: int) -> int:
         """``rank``'s position in the ring order."""
         return rank if self.order is None else self.order.index(rank)
+
+    def one_rail(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` takes one rail only (see _weights_for)."""
+        return (
+            self.num_rails == 1
+            or nbytes < self.single_rail_below_bytes
+            or sum(1 for w in self.weights if w > 0) == 1
+        )
 
     @property
     def calls(self) -> int:
@@ -290,10 +301,12 @@ class RingEngine:
         return buf[:numel]
 
     def _elidable(self, flat: torch.Tensor) -> MeshPlan:
-        """The mesh plan of an elided all_reduce: on socket links, every chunk
-        non-empty on every rail the plan uses (so on each of them every rank's first
-        message reaches every peer; the heaviest rail is used by every plan, so
-        ranks whose plans differ always share one).
+        """The mesh plan of an elided all_reduce: on socket links, one rail (the
+        heaviest, the one every small call takes), every chunk non-empty there, so
+        every rank's first message reaches every peer there. (On several rails a
+        rank whose plan differs may send nothing on a rail its peer gates on; the
+        wait there looked stalled and was cut before the refusal on the other rail
+        ended it.)
 
         Raises:
             NotElided: the call is not one of those (nothing was posted).
@@ -313,7 +326,8 @@ class RingEngine:
             )
         ):
             plan = self._mesh_plan(flat, None)
-            if all(plan.subs[r][c][0].size for r in plan.rails for c in range(self.world)):
+            rails = plan.rails
+            if len(rails) == 1 and all(plan.subs[rails[0]][c][0].size for c in range(self.world)):
                 return plan
         raise NotElided(f"rank {self.rank}: this all_reduce does not run elided")
 
@@ -381,6 +395,7 @@ class RingEngine:
                 raise
             finally:
                 self.gate_waited_s += m.gate_waited_s
+                self.gate_news = self.gate_news or m.gate_news
 
         self._run_rails(run, plan.rail_bytes)
         elem = flat.element_size()

@@ -9,7 +9,10 @@ schedule over two-rank link groups (:mod:`resilient.collectives`).
 Before the data moves, ranks exchange a small signature of the call (op, reduce
 op, dtype, shapes, sequence number). If ranks disagree, every rank raises
 :class:`~resilient.errors.CollectiveMismatch` naming the ranks and what differed,
-and the group stays usable, because no data phase was started.
+and the group stays usable, because no data phase was started. While the group
+is quiet most calls skip that exchange and are checked by a digest in their data
+messages instead, falling back to it when a rank refuses one
+(:mod:`resilient._elide`); nothing is folded before every peer's digest was seen.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 if self._slow_vote is not None:
                     engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 assert channel is not None
-                channel.quiet, self._quiet_mark = self._quiet(exchange, engine), mark
+                channel.quiet, self._quiet_mark = self._quiet(exchange, engine, sig), mark
                 # Only calls that carry payloads read them (a view per call otherwise).
                 out = fn(exchange.payloads() if payload is not None else _CHECKED)
                 ok = True
@@ -284,14 +287,19 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         assert isinstance(engine, RingEngine)
         key = call_key(self._epoch, ticket.seq)
         calls = engine.calls
-        # A rank with news since the quiet verdict (a NIC, a link) does not elide
-        # it: its hello makes every rank fall back, and that exchange's table,
-        # showing the news, ends the quiet, so the next calls act on it.
+        # A rank with news since the quiet verdict (a NIC, a link) still takes part
+        # (a failover needs every peer in the call) but flags its messages: every
+        # rank sees the flag at its gate, and the quiet ends for all alike, so the
+        # next call exchanges rows that show the news.
         mark = self.board.changes
-        if digest and mark == self._quiet_mark:
-            engine.elided, engine.gate_waited_s = (key, digest), 0.0
+        news = mark != self._quiet_mark
+        if digest:
+            engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
             try:
-                return fn(_CHECKED)
+                out = fn(_CHECKED)
+                if news or engine.gate_news:
+                    channel.quiet = False
+                return out
             except DigestMismatch as exc:
                 logger.info(
                     "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
@@ -311,14 +319,23 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         # Its clocks are news every rank reads alike; links are not put in service
         # here (rows of later calls may have gone out on the old ones).
         self._stragglers.observe(exchange)
-        channel.quiet, self._quiet_mark = self._quiet(exchange, engine), mark
+        quiet = self._quiet(exchange, engine, ticket.sig)
+        channel.quiet, self._quiet_mark = quiet, mark
         return fn(exchange.payloads() if payload is not None else _CHECKED)
 
-    def _quiet(self, exchange: Exchange, engine: RingEngine) -> bool:
-        """Whether the next calls may elide (resilient._elide): nothing in this
+    def _quiet(self, exchange: Exchange, engine: RingEngine, sig: Signature) -> bool:
+        """Whether the next calls may elide (resilient._elide): this call (``sig``,
+        agreed) is an all_reduce the mesh takes on one rail, so the next ones
+        likely are too (a job of ring-sized tensors would only fall back), and nothing in this
         verdict needs the news of every call (links to put in service, cut pairs,
-        a rail down, a slow rank named or agreed, a straggler suspected). The same on every rank:
-        all of it follows from the exchange table."""
+        a rail down, a slow rank named or agreed, a straggler suspected). The same
+        on every rank: all of it follows from the exchange table."""
+        dtype = sig.dtype
+        if sig.op != "allreduce" or dtype is None or not engine.mesh:
+            return False
+        nbytes = sig.numel * dtype.itemsize
+        if nbytes >= engine.mesh_below_bytes or not engine.one_rail(nbytes):
+            return False
         if engine.slow_rank is not None or engine.order is not None:
             return False
         if any(exchange.staged) or any(exchange.cut):

@@ -102,10 +102,13 @@ def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do(rails: 
     for calls, exchanges, elided_calls, fallbacks in run_world(
         _many_calls, 4, rails=rails, config=config
     ):
-        assert calls == 15 and exchanges + elided_calls == 15 and fallbacks == 0
+        assert calls == 15 and exchanges + elided_calls == 15
         # Calls 1, 3, 6, 9, 12, 15 exchange; the others elide while the group is
         # quiet (a straggler suspicion on a loaded host may cost a few).
         assert elided_calls > 0 and exchanges >= 6
+        # On two rails the float64 call takes both: taken elided, it falls back
+        # (and ends the quiet); on one rail every call elides for real.
+        assert fallbacks == 0 if rails == 1 else fallbacks <= elided_calls
 
 
 def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
@@ -165,32 +168,59 @@ def test_a_refused_elided_call_raises_everywhere_and_leaves_the_tensors(rails: i
         assert any(ran for ran, _ in refusals), refusals
 
 
-def _unelidable(pg: Any, rank: int, world: int) -> int:
-    pg.allreduce([torch.ones(LARGE)]).wait()
-    # A tensor the mesh does not take (config: mesh only below 64 KiB) and one small
-    # enough to travel in the rows: both fall back and complete.
-    for numel in (4 * LARGE, 8):
+def _unelidable(pg: Any, rank: int, world: int) -> tuple[int, list[tuple[int, int]]]:
+    def quiet_again() -> None:
+        # A falled-back call that the mesh does not take ends the quiet (the next
+        # calls would likely be like it); a meshed all_reduce exchanges and starts it.
+        t = torch.ones(LARGE // 2)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.full((LARGE // 2,), float(world)))
+
+    def allreduce(numel: int) -> None:
         t = torch.full((numel,), float(rank))
         pg.allreduce([t]).wait()
         assert torch.equal(t, torch.full((numel,), float(sum(range(world)))))
-    b = torch.full((LARGE,), float(rank))
-    pg.broadcast([b], _bopts(world - 1)).wait()
-    assert torch.equal(b, torch.full((LARGE,), float(world - 1)))
-    outs = [torch.zeros(LARGE) for _ in range(world)]
-    pg.allgather([outs], [torch.full((LARGE,), float(rank))]).wait()
-    assert all(torch.equal(o, torch.full((LARGE,), float(r))) for r, o in enumerate(outs))
-    out = torch.zeros(LARGE)
-    pg.reduce_scatter([out], [[torch.full((LARGE,), float(r)) for r in range(world)]]).wait()
-    assert torch.equal(out, torch.full((LARGE,), float(rank * world)))
-    pg.barrier().wait()
-    return pg._channel.elide_every, pg._channel.fallbacks
+
+    def broadcast() -> None:
+        b = torch.full((LARGE,), float(rank))
+        pg.broadcast([b], _bopts(world - 1)).wait()
+        assert torch.equal(b, torch.full((LARGE,), float(world - 1)))
+
+    def allgather() -> None:
+        outs = [torch.zeros(LARGE) for _ in range(world)]
+        pg.allgather([outs], [torch.full((LARGE,), float(rank))]).wait()
+        assert all(torch.equal(o, torch.full((LARGE,), float(r))) for r, o in enumerate(outs))
+
+    def reduce_scatter() -> None:
+        out = torch.zeros(LARGE)
+        pg.reduce_scatter([out], [[torch.full((LARGE,), float(r)) for r in range(world)]]).wait()
+        assert torch.equal(out, torch.full((LARGE,), float(rank * world)))
+
+    fell = []
+    ch = pg._channel
+    # A tensor the mesh does not take (config: mesh only below 64 KiB), one small
+    # enough to travel in the rows, and the other ops: each falls back, completes.
+    for call in (
+        lambda: allreduce(4 * LARGE), lambda: allreduce(8), broadcast, allgather,
+        reduce_scatter, lambda: pg.barrier().wait(),
+    ):  # fmt: skip
+        quiet_again()
+        before = (ch.elided, ch.fallbacks)
+        call()
+        fell.append((ch.elided - before[0], ch.fallbacks - before[1]))
+    return ch.elide_every, fell
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_calls_that_cannot_run_elided_fall_back_and_complete(world: int) -> None:
     config = {"elide_every": 1000, "mesh_below_bytes": 64 << 10}
-    # Six calls after the first; two ranks never mesh, so none is elided there (each
-    # would fall back).
-    expected = (1000, 6) if world > 2 else (0, 0)
-    assert run_world(_unelidable, world, config=config) == [expected] * world
+    out = run_world(_unelidable, world, config=config)
+    assert out[0] == out[-1]  # every rank took each call alike
+    every, fell = out[0]
+    if world == 2:  # two ranks never mesh, so nothing elides there (it would fall back)
+        assert every == 0 and fell == [(0, 0)] * 6
+        return
+    # Each call taken elided fell back; a straggler suspicion on a loaded host (the
+    # group is not quiet then) may have some of them exchange instead.
+    assert every == 1000 and all(f == e for e, f in fell) and any(e for e, _ in fell)
