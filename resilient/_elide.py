@@ -9,8 +9,8 @@ every rank agrees without a word. In an elided call:
 * every data message carries the call's **digest** (a hash of its signature) in
   its socket frame header, and tags numbered by the call (``CALL_SHIFT``), so no
   message of one call ever meets a receive of another;
-* the mesh all-reduce, the one schedule elided (socket data links, one rail,
-  every chunk non-empty, no slow rank or reordered ring), sends each peer its
+* the mesh all-reduce, the one schedule elided (socket data links built to every
+  peer, one rail, every chunk non-empty, no slow rank), sends each peer its
   contribution first, so every rank hears from every peer before it folds
   anything (the *gate*). A receive that meets another digest fails with
   :class:`~resilient._sockpair.DigestMismatch`;
@@ -28,10 +28,14 @@ an exchange ahead of the data would. Nothing was folded into the caller's tensor
 If the rows agree (every rank made the same call, one that is not elided), the
 call runs as a checked one would, with the rows' payloads.
 
-What an elided call skips is the row's news too (staged links, cut peers, rail
-rates, the straggler clocks): it waits for the next full exchange, at most K - 1
-calls later. The time a rank waits at the gate counts as waiting for the others
-in its clock, as time inside an exchange does.
+Calls elide only while the group is quiet (the last full exchange named nothing
+that needs every call's news; ResilientProcessGroup._quiet), decided when a call
+runs, in order, so alike on every rank. What an elided call skips is the row's
+news (rail rates, slow-link evidence, straggler clocks): it waits for the next
+full exchange, at most K - 1 calls later. A rank whose health board changed
+since the quiet verdict sets the NEWS flag beside its digest; every rank sees it
+at its gate and ends the quiet. The time a rank waits at the gate counts as
+waiting for the others in its clock, as time inside an exchange does.
 """
 
 from __future__ import annotations
