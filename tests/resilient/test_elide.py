@@ -73,7 +73,7 @@ def _reference(world: int, call: int, numel: int, dtype: torch.dtype, op: Any) -
 
 def _many_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int, int]:
     # Data and references first: compute between calls that differs across ranks
-    # could make the straggler watch suspect one, and a suspicion stops elision.
+    # could make the straggler watch confirm one, and that stops elision.
     rounds = [
         [
             (_data(rank, 10 * r + i, n, dt), _reference(world, 10 * r + i, n, dt, op), op)
@@ -104,7 +104,7 @@ def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do(rails: 
     ):
         assert calls == 15 and exchanges + elided_calls == 15
         # Calls 1, 3, 6, 9, 12, 15 exchange; the others elide while the group is
-        # quiet (a straggler suspicion on a loaded host may cost a few).
+        # quiet (a straggler confirmed on a loaded host may cost a few).
         assert elided_calls > 0 and exchanges >= 6
         # On two rails the float64 call takes both: taken elided, it falls back
         # (and ends the quiet); on one rail every call elides for real.
@@ -221,6 +221,6 @@ def test_calls_that_cannot_run_elided_fall_back_and_complete(world: int) -> None
     if world == 2:  # two ranks never mesh, so nothing elides there (it would fall back)
         assert every == 0 and fell == [(0, 0)] * 6
         return
-    # Each call taken elided fell back; a straggler suspicion on a loaded host (the
+    # Each call taken elided fell back; a straggler confirmed on a loaded host (the
     # group is not quiet then) may have some of them exchange instead.
     assert every == 1000 and all(f == e for e, f in fell) and any(e for e, _ in fell)
