@@ -26,6 +26,7 @@ from typing import Any
 
 from _common import (
     DATA_TRANSPORT,
+    ELIDE_EVERY,
     CpuMeter,
     TcShaper,
     add_common_flags,
@@ -59,7 +60,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
-    elide_every: int = 0
+    elide_every: int = ELIDE_EVERY
     data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
     seed: int = 1234

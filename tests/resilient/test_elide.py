@@ -160,7 +160,7 @@ def test_a_refused_elided_call_raises_everywhere_and_leaves_the_tensors(rails: i
         assert "dtype" in seen["dtype"]
         assert "reduce" in seen["op"] and "op" in seen["collective"]
         # Eleven calls, each run elided or with an exchange; every odd call that
-        # ran elided fell back (the group stops eliding while it suspects a
+        # ran elided fell back (the group stops eliding while it has confirmed a
         # straggler, as it may on a loaded host: the exchange refuses the call then).
         exchanges, elided_calls, refusals = seen["counts"]
         assert exchanges + elided_calls == 11
