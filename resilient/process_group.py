@@ -32,7 +32,8 @@ from torch.futures import Future
 from resilient import _repair
 from resilient._announced import watch_announcements
 from resilient._args import check_tensors, reduce_op
-from resilient._elide import NotElided, call_key, digest_of, forget_call, hello
+from resilient._elide import digest_of
+from resilient._elided import CHECKED, ElidedCalls
 from resilient._epochs import EpochControl
 from resilient._gathers import GatherOps
 from resilient._gpu import GpuHealth
@@ -41,12 +42,11 @@ from resilient._health import HealthBoard
 from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
 from resilient._peerwatch import PeerWatch
-from resilient._precheck import Payload, SignatureChannel, Ticket
+from resilient._precheck import Payload, SignatureChannel
 from resilient._reorder import cut_off_peers, follow_cuts
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
-from resilient._slowrank import ENTER_PERMILLE, SendRates, SlowRankVote, named
-from resilient._sockpair import DigestMismatch
+from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
 from resilient._weights import DOWN, WeightLearner, agreed_backups
@@ -63,9 +63,6 @@ logger = logging.getLogger(__name__)
 
 
 _LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
-# What a call without payloads gets for its table once the signatures matched (its
-# function only asks whether they were checked: None means checks are off).
-_CHECKED = torch.empty(0, dtype=torch.uint8)
 # Distinct allreduce calls kept checked (DDP makes a few buckets; anything more is
 # a program whose shapes vary, which gains nothing from the cache).
 _KNOWN_CALLS = 64
@@ -82,7 +79,7 @@ def _shutdown_live_groups() -> None:
             logger.debug("shutdown at exit failed", exc_info=True)
 
 
-class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type: ignore[misc]
+class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochControl):  # type: ignore[misc]
     """A process group whose collectives are ring schedules over per-rail links.
 
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
@@ -249,7 +246,7 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
                 assert channel is not None
                 channel.quiet, self._quiet_mark = self._quiet(exchange, engine, sig), mark
                 # Only calls that carry payloads read them (a view per call otherwise).
-                out = fn(exchange.payloads() if payload is not None else _CHECKED)
+                out = fn(exchange.payloads() if payload is not None else CHECKED)
                 ok = True
                 return out
             except CommunicationError as exc:
@@ -265,90 +262,6 @@ class ResilientProcessGroup(GatherOps, dist.ProcessGroup, EpochControl):  # type
         self._calls_in += 1
         self._queue.put((run, fut))
         return ResilientWork(fut, op)
-
-    def _run_elided(
-        self,
-        channel: SignatureChannel,
-        ticket: Ticket,
-        fn: Callable[[torch.Tensor | None], Any],
-        payload: Payload | None,
-        digest: int,
-    ) -> Any:
-        """Run an elided call (resilient._elide): checked by its digest where it can
-        be, else by a hello and a full exchange, which every rank falls back to as
-        soon as one refuses the call.
-
-        Raises:
-            CollectiveMismatch: the ranks' calls differ.
-            CommunicationError: as any call.
-        """
-        channel.check_elided(ticket)
-        engine = self.engine
-        assert isinstance(engine, RingEngine)
-        key = call_key(self._epoch, ticket.seq)
-        calls = engine.calls
-        # A rank with news since the quiet verdict (a NIC, a link) still takes part
-        # (a failover needs every peer in the call) but flags its messages: every
-        # rank sees the flag at its gate, and the quiet ends for all alike, so the
-        # next call exchanges rows that show the news.
-        mark = self.board.changes
-        news = mark != self._quiet_mark
-        if digest:
-            engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
-            try:
-                out = fn(_CHECKED)
-                if news or engine.gate_news:
-                    channel.quiet = False
-                return out
-            except DigestMismatch as exc:
-                logger.info(
-                    "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
-                    "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
-                )  # fmt: skip
-            except NotElided:
-                hello(self.links, key)
-            finally:
-                engine.elided = None
-                channel.add_waited(engine.gate_waited_s)
-        else:
-            hello(self.links, key)
-        forget_call(self.links, key)
-        # Some ranks routed the refused call and others did not: agree again.
-        engine.calls = calls
-        exchange = channel.fallback(ticket)
-        # Its clocks are news every rank reads alike; links are not put in service
-        # here (rows of later calls may have gone out on the old ones).
-        self._stragglers.observe(exchange)
-        quiet = self._quiet(exchange, engine, ticket.sig)
-        channel.quiet, self._quiet_mark = quiet, mark
-        return fn(exchange.payloads() if payload is not None else _CHECKED)
-
-    def _quiet(self, exchange: Exchange, engine: RingEngine, sig: Signature) -> bool:
-        """Whether the next calls may elide (resilient._elide): this call (``sig``,
-        agreed) is an all_reduce the mesh takes on one rail, so the next ones
-        likely are too (a job of ring-sized tensors would only fall back), and nothing in this
-        verdict needs the news of every call (links to put in service, cut pairs,
-        a rail down, a slow rank named or agreed, a straggler confirmed). The same
-        on every rank: all of it follows from the exchange table."""
-        dtype = sig.dtype
-        if sig.op != "allreduce" or dtype is None or not engine.mesh:
-            return False
-        nbytes = sig.numel * dtype.itemsize
-        if nbytes >= engine.mesh_below_bytes or not engine.one_rail(nbytes):
-            return False
-        if engine.slow_rank is not None or engine.order is not None:
-            return False
-        if any(exchange.staged) or any(exchange.cut):
-            return False
-        if any(DOWN in rates for rates in exchange.rates):  # a NIC or link down somewhere
-            return False
-        if exchange.lagging and named(exchange.lagging, ENTER_PERMILLE) is not None:
-            return False
-        # A confirmed straggler, not a suspected one: suspicions come and go on a
-        # loaded host (a tight loop of calls kept one suspected in 805 of 807
-        # exchanges), and the clocks are still read at every full exchange.
-        state = self._stragglers.state
-        return all(state(r) != "confirmed" for r in range(len(exchange.clocks)))
 
     def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Small enough to travel inside the signature exchange (same verdict on all

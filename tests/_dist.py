@@ -105,3 +105,21 @@ def run_world(
     for r in dead:
         out[r] = procs[r].exitcode
     return [out[r] for r in range(world)]
+
+
+def reduce_opts(op: Any) -> Any:
+    """``AllreduceOptions`` with ``reduceOp`` set (what a process group's call takes)."""
+    import torch.distributed as dist
+
+    o = dist.AllreduceOptions()
+    o.reduceOp = op
+    return o
+
+
+def broadcast_opts(root: int) -> Any:
+    """``BroadcastOptions`` with ``rootRank`` set."""
+    import torch.distributed as dist
+
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    return o

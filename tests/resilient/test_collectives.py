@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import CollectiveMismatch
-from tests._dist import run_world
+from tests._dist import reduce_opts, run_world
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = {
@@ -155,7 +155,7 @@ def _mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[str, ..
         (
             "op",
             lambda: pg.allreduce(
-                [torch.zeros(5)], _opts(dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM)
+                [torch.zeros(5)], reduce_opts(dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM)
             ),
         ),
         ("collective", lambda: pg.barrier() if rank == 2 else pg.allreduce([torch.zeros(5)])),
@@ -173,12 +173,6 @@ def _mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[str, ..
     return seen
 
 
-def _opts(op: Any) -> Any:
-    o = dist.AllreduceOptions()
-    o.reduceOp = op
-    return o
-
-
 @pytest.mark.timeout(120)
 def test_mismatch_raises_on_every_rank_and_group_stays_usable() -> None:
     results = run_world(_mismatches, 4, rails=1)
@@ -193,12 +187,12 @@ def _checked_after_known(pg: Any, rank: int, world: int) -> list[str]:
     """A call known by dtype, shape and op (ResilientProcessGroup._allreduce_call)
     does not vouch for one that differs in any of them."""
     t = torch.full((8,), float(rank + 1))
-    pg.allreduce([t], _opts(dist.ReduceOp.SUM)).wait()
+    pg.allreduce([t], reduce_opts(dist.ReduceOp.SUM)).wait()
     assert torch.equal(t, torch.full((8,), float(sum(range(1, world + 1)))))
     seen = []
     for bad in (
-        lambda: pg.allreduce([torch.ones(8, dtype=torch.uint8)], _opts(dist.ReduceOp.SUM)),
-        lambda: pg.allreduce([torch.ones(8)], _opts(dist.ReduceOp.BAND)),
+        lambda: pg.allreduce([torch.ones(8, dtype=torch.uint8)], reduce_opts(dist.ReduceOp.SUM)),
+        lambda: pg.allreduce([torch.ones(8)], reduce_opts(dist.ReduceOp.BAND)),
     ):
         try:
             bad()
@@ -206,7 +200,7 @@ def _checked_after_known(pg: Any, rank: int, world: int) -> list[str]:
             seen.append(type(exc).__name__)
     # Same dtype and shape, another op: its own reduction.
     t = torch.full((8,), float(rank + 1))
-    pg.allreduce([t], _opts(dist.ReduceOp.MAX)).wait()
+    pg.allreduce([t], reduce_opts(dist.ReduceOp.MAX)).wait()
     assert torch.equal(t, torch.full((8,), float(world)))
     return seen
 

@@ -13,15 +13,9 @@ from resilient._elide import call_key, digest_of, elided
 from resilient._signature import Signature
 from resilient.collectives import Reduce
 from resilient.errors import CollectiveMismatch
-from tests._dist import run_world
+from tests._dist import broadcast_opts, reduce_opts, run_world
 
 LARGE = 16 << 10  # floats: 64 KiB, a DDP-sized bucket, far above the inline limit
-
-
-def _opts(op: Any) -> Any:
-    o = dist.AllreduceOptions()
-    o.reduceOp = op
-    return o
 
 
 def test_which_calls_elide_and_what_their_digests_tell_apart() -> None:
@@ -83,7 +77,7 @@ def _many_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int, int]:
     ]
     calls = 0
     for calls_of_round in rounds:
-        works = [(t, ref, pg.allreduce([t], _opts(op))) for t, ref, op in calls_of_round]
+        works = [(t, ref, pg.allreduce([t], reduce_opts(op))) for t, ref, op in calls_of_round]
         for t, ref, work in works:
             work.wait()
             assert torch.equal(t, ref)
@@ -120,8 +114,10 @@ def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
         # 512 KiB on rank 1: on two rails its plan uses both, the others' only one.
         "size": lambda t: pg.allreduce([torch.cat([t] * 8) if rank == 1 else t]),
         "dtype": lambda t: pg.allreduce([t.double() if rank == 3 else t]),
-        "op": lambda t: pg.allreduce([t], _opts(odd_op)),
-        "collective": lambda t: pg.broadcast([t], _bopts(0)) if rank == 2 else pg.allreduce([t]),
+        "op": lambda t: pg.allreduce([t], reduce_opts(odd_op)),
+        "collective": lambda t: (
+            pg.broadcast([t], broadcast_opts(0)) if rank == 2 else pg.allreduce([t])
+        ),
     }
     ch = pg._channel
     refusals = []  # per odd call: (ran elided, fell back)
@@ -143,12 +139,6 @@ def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
         assert ch.fallbacks == before[1]  # a matching call never falls back
     seen["counts"] = (ch.exchanges, ch.elided, refusals)
     return seen
-
-
-def _bopts(root: int) -> Any:
-    o = dist.BroadcastOptions()
-    o.rootRank = root
-    return o
 
 
 @pytest.mark.timeout(120)
@@ -183,7 +173,7 @@ def _unelidable(pg: Any, rank: int, world: int) -> tuple[int, list[tuple[int, in
 
     def broadcast() -> None:
         b = torch.full((LARGE,), float(rank))
-        pg.broadcast([b], _bopts(world - 1)).wait()
+        pg.broadcast([b], broadcast_opts(world - 1)).wait()
         assert torch.equal(b, torch.full((LARGE,), float(world - 1)))
 
     def allgather() -> None:

@@ -11,15 +11,9 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import CollectiveMismatch
-from tests._dist import run_world
+from tests._dist import reduce_opts, run_world
 
 LARGE = 4096  # floats: 16 KiB, above the inline limit, so the call has a data phase
-
-
-def _opts(op: Any) -> Any:
-    o = dist.AllreduceOptions()
-    o.reduceOp = op
-    return o
 
 
 def _large_mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -36,7 +30,8 @@ def _large_mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[s
         (
             "op",
             lambda: pg.allreduce(
-                [torch.zeros(LARGE)], _opts(dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM)
+                [torch.zeros(LARGE)],
+                reduce_opts(dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM),
             ),
         ),
         # A barrier's row goes out only when the communication thread takes it up.
