@@ -135,8 +135,7 @@ class SignatureChannel:
         # Only where the data plane meshes (every rank decides alike from the
         # config): elsewhere every elided call would fall back, costing more.
         sockets = config.control_transport == "socket" and config.data_transport == "socket"
-        topo = config.topology
-        mesh = world > 2 and (topo == "mesh" or (topo == "auto" and world <= config.mesh_max_world))
+        mesh = world > 2 and config.meshes(world)
         self.elide_every = config.elide_every if sockets and mesh else 0
         # Whether the last full exchange found the group quiet (set by the group
         # from its verdict, the same on every rank): only then do calls elide.

@@ -246,6 +246,12 @@ class DataPlaneConfig:
         if self.elide_every < 0:
             raise ConfigError(f"elide_every={self.elide_every}: must be >= 0 (0: never)")
 
+    def meshes(self, world: int) -> bool:
+        """Whether the topology lets a group of ``world`` ranks use mesh schedules
+        (every rank decides alike from the config)."""
+        topo = self.topology
+        return topo == "mesh" or (topo == "auto" and world <= self.mesh_max_world)
+
     def deadline_s(self, nbytes: int) -> float:
         """Deadline of one link op moving ``nbytes``."""
         return self.op_timeout_floor_s + nbytes / self.expected_link_bytes_per_s

@@ -396,7 +396,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
             links=links,
             weights=self.config.rail_weights,
             sub_chunk_bytes=self.config.sub_chunk_bytes,
-            mesh=self._mesh(world),
+            mesh=self.config.meshes(world),
             mesh_below_bytes=self._mesh_below(),
             single_rail_below_bytes=self.config.single_rail_below_bytes,
         )
@@ -404,10 +404,6 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
     def _mesh_below(self) -> int:
         # An explicit "mesh" means mesh for every size.
         return 1 << 62 if self.config.topology == "mesh" else self.config.mesh_below_bytes
-
-    def _mesh(self, world: int) -> bool:
-        topo = self.config.topology
-        return topo == "mesh" or (topo == "auto" and world <= self.config.mesh_max_world)
 
     # -- collectives -------------------------------------------------------------------
     def _allreduce_call(
