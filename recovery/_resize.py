@@ -67,26 +67,32 @@ class Resizing:
         return bool(flag.item())
 
     def _judge_stragglers(self, n: int) -> None:
-        """Ask the policy about each straggler confirmed since the last step and log
-        its choice (``policy.decision`` with ``straggler``: its rank)."""
+        """Ask the policy about each standing straggler and log each choice that
+        differs from its last (``policy.decision`` with ``straggler``: its rank).
+        Asked again at every step boundary: what it has cost so far grows while it
+        stays slow, until an eviction is the cheaper choice (recovery.policy)."""
         verdicts = getattr(self.pg, "verdicts", None)
         if verdicts is None or self.pg is None:
             return
-        for rank, cause, relative in verdicts.take():
+        for s in verdicts.standing():
             job = JobView(
                 world=self._world, members=len(self.pg.members), step_s=self._unslowed_step_s(),
                 steps_left=max(self._total - n, 0), state_bytes=self._state_bytes(),
                 link_bytes_per_s=link_rate(self.pg),
             )  # fmt: skip
             choice = self.policy.straggler(
-                job, slowdown=1 / max(relative, 1e-3), cause=cause,
+                job, slowdown=1 / max(s.relative, 1e-3), cause=s.cause,
                 # Nobody publishing a budget (torchrun, Slurm): no eviction, as
                 # an exit there restarts every worker, or none.
-                replacement=(_budget(self.pg) or "none") if self.config.evict_stragglers else None,
-                shrink_allowed=self._may_shrink(),
+                replacement=(_budget(self.pg, s.rank) or "none")
+                if self.config.evict_stragglers else None,
+                shrink_allowed=self._may_shrink(), lost_s=s.lost_s,
             )  # fmt: skip
-            self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=rank)
-            if choice.action == "evict" and rank == self._rank and self._first_to_leave():
+            if choice.action == s.judged:
+                continue
+            verdicts.judged(s.rank, s.cause, choice.action)
+            self.policy.record(choice, epoch=self.pg.epoch, step=n, straggler=s.rank)
+            if choice.action == "evict" and s.rank == self._rank and self._first_to_leave():
                 self._leave(n, choice.reason)
 
     def _may_shrink(self) -> bool:
@@ -238,15 +244,20 @@ def _launcher_says(pg: Any, read: Callable[[Any], dict[str, Any] | None]) -> dic
         return {}
 
 
-def _budget(pg: Any) -> str | None:
-    """What would replace a rank that left now, from the launcher's published
-    budget: warm, cold or none; None without a launcher that says (torchrun)."""
+def _budget(pg: Any, rank: int) -> str | None:
+    """What would replace ``rank`` if it left now, from the launcher's published
+    budget: warm (its spare stands ready), cold (no spare, or one still warming
+    up: it has as much left to do as a cold start, at most) or none; None without
+    a launcher that says (torchrun)."""
     record = _launcher_says(pg, lambda m: m.supervisor())
     if not record:
         return None
     if int(record.get("restarts_left", 0)) <= 0:
         return "none"
-    return "warm" if record.get("warm_spares") else "cold"
+    if not record.get("warm_spares"):
+        return "cold"
+    ready = record.get("ready")
+    return "warm" if ready is None or rank in ready else "cold"
 
 
 def _announced(pg: Any, rank: int | None) -> str | None:

@@ -25,10 +25,19 @@ event records every option with its estimate and the reason.
     from then on steps run at full speed. With no restart left, or no launcher
     that publishes its budget (``recovery.Session`` then says none: under
     torchrun an exit restarts every worker), it is not an option.
-    ``recovery.Session`` asks at the next step boundary after each confirmation
-    and logs the choice on every rank; the straggler acts on its own choice (it
-    exits with ``EXIT_EVICTED``), the others recover from its loss as from a
-    crash. The straggler-aware schedule itself switches on the ranks' agreed
+    How long a compute or stalled straggler stays slow is not known when it is
+    confirmed (a rank starved while processes start beside it is slow for a few
+    seconds; a throttled GPU, for good). Tolerating it is therefore priced at what
+    it has cost so far (the time its peers waited for it since it was suspected,
+    measured), capped at its cost to the job's end: it is tolerated until it has
+    cost as much as an eviction would, then evicted if it is still slow. This is
+    the rent-or-buy rule, which against a replacement never pays more than twice
+    what the best choice in hindsight would have. A link straggler, whose cost
+    is not measured, is assumed slow to the end.
+    ``recovery.Session`` asks at every step boundary while a straggler stands and
+    logs each choice that differs from its last on every rank; the straggler acts
+    on its own choice (it exits with ``EXIT_EVICTED``), the others recover from
+    its loss as from a crash. The straggler-aware schedule itself switches on the ranks' agreed
     link evidence in the data plane.
 
 Two preferences change the rank-loss choice. ``replace-first`` (the default)
@@ -178,17 +187,26 @@ class Policy:
         cause: str,
         replacement: str | None = None,
         shrink_allowed: bool = False,
+        lost_s: float | None = None,
     ) -> Choice:
         """Tolerate, reroute around or evict a confirmed straggler (``slowdown``: its
         time over its peers' median; ``cause``: stalled, compute or link;
         ``replacement``: what would replace it, warm, cold or none, or None when
         not known: a cold start is assumed; ``shrink_allowed``: with none, the
-        others may go on without it)."""
+        others may go on without it; ``lost_s``: the seconds the job has lost to
+        it so far, or None when not measured: then it is assumed slow to the end)."""
         per_step = max(slowdown - 1.0, 0.0) * job.step_s
         tolerate = Option(
             "tolerate", per_step * job.steps_left,
             f"every step waits {per_step * 1e3:.0f} ms for it over {job.steps_left} steps",
         )  # fmt: skip
+        if lost_s is not None and lost_s < tolerate.cost_s:
+            # How long a slowdown lasts is not known when it is seen: assume as long
+            # again as it has lasted (see the module docstring).
+            tolerate = Option(
+                "tolerate", lost_s,
+                f"it has cost {lost_s:.2f} s so far: as much again is assumed",
+            )  # fmt: skip
         if cause == "link":
             # Left out of the reduction work, it still sends its data once and
             # receives the result once: about 1/world of the slow part remains.

@@ -83,6 +83,7 @@ class _Rank:
     flags: deque[bool] = field(default_factory=deque)
     state: str = "ok"  # ok, suspected, confirmed
     normal_run: int = 0
+    relative: float = 1.0  # the last sample's relative score
 
 
 class StragglerDetector:
@@ -95,6 +96,11 @@ class StragglerDetector:
     def state(self, rank: int) -> str:
         r = self._ranks.get(rank)
         return r.state if r is not None else "ok"
+
+    def relative(self, rank: int) -> float:
+        """The rank's relative score in the last sample (1.0 before any)."""
+        r = self._ranks.get(rank)
+        return r.relative if r is not None else 1.0
 
     def observe(
         self,
@@ -153,6 +159,7 @@ class StragglerDetector:
         self, rank: int, step: int, rel: float, ind: float, slow: bool, cause: str
     ) -> Transition | None:
         cfg, r = self.config, self._ranks[rank]
+        r.relative = rel
         r.flags.append(slow)
         if len(r.flags) > cfg.confirm_window:
             r.flags.popleft()

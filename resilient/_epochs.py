@@ -111,7 +111,7 @@ class EpochControl:
         self._loss = RailLoss(self._retransmissions)
         self._stragglers = StragglerWatch(rank, epoch, self.verdicts)
         events.set_members(self._members if world_size < self.size() else None)
-        self.verdicts.members = self._members
+        self.verdicts.reset(self._members)
         # The straggler-aware all_reduce is a mesh schedule, and its evidence comes
         # from mesh reductions.
         self._slow_vote = (

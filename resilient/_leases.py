@@ -77,9 +77,14 @@ class LeaseWatch:
         except MembershipError as exc:
             logger.warning("announcing rank %d's replacement failed: %s", rank, exc)
 
-    def publish_budget(self, restarts_left: int, warm_spares: bool) -> None:
-        """Tell the ranks what would replace one that leaves now (never raises)."""
-        record = json.dumps({"restarts_left": restarts_left, "warm_spares": warm_spares})
+    def publish_budget(
+        self, restarts_left: int, warm_spares: bool, ready: list[int] | None = None
+    ) -> None:
+        """Tell the ranks what would replace one that leaves now (never raises):
+        ``ready``, the ranks whose warm spare stands ready."""
+        record = json.dumps(
+            {"restarts_left": restarts_left, "warm_spares": warm_spares, "ready": ready or []}
+        )
         try:
             self._client.put(self._keys.supervisor, record)
         except MembershipError as exc:

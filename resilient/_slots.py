@@ -61,10 +61,17 @@ class SpareTending:
     if TYPE_CHECKING:
 
         def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]: ...
+        def _publish_budget(self) -> None: ...
 
     def _spares_on(self) -> bool:
         """Warm spares are wanted, and a restart is left for one to take."""
         return self._cfg.warm_spares and self._restarts < self._cfg.max_restarts
+
+    def _spares_ready(self) -> list[int]:
+        """The ranks whose warm spare stands ready now."""
+        return [
+            s.rank for s in self._slots if s.spare is not None and s.spare.ready_after_s is not None
+        ]
 
     def spare_warming(self, rank: int) -> bool:
         """Whether ``rank`` has a warm spare started (or due to start) that does not
@@ -98,13 +105,18 @@ class SpareTending:
                 f"rank {slot.rank}'s warm spare stands ready "
                 f"({spare.ready_after_s:.1f} s after it started)"
             )
+            # The ranks price an eviction by whether the spare stands ready.
+            self._publish_budget()
         if spare is not None and (code := spare.exit_code()) is not None:
             spare.close()
+            was_ready = spare.ready_after_s is not None
             again = code < 0 and slot.spares_killed < SPARE_RESTARTS and not slot.done
             if again:
                 slot.spares_killed += 1
                 slot.spare_at = time.monotonic() + NEXT_SPARE_S
             slot.spare = None  # after spare_at: see _restart
+            if was_ready:
+                self._publish_budget()
             then = (
                 f"another starts in {NEXT_SPARE_S:.0f} s"
                 if again

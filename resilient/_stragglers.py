@@ -28,7 +28,9 @@ time and :data:`MIN_CALLS` calls.
 from __future__ import annotations
 
 import logging
-from collections import deque
+import statistics
+import threading
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from recovery import events
@@ -37,7 +39,7 @@ from recovery.straggler import StragglerConfig, StragglerDetector, Transition
 if TYPE_CHECKING:
     from resilient._signature import Exchange
 
-__all__ = ["StragglerWatch", "Verdicts"]
+__all__ = ["Standing", "StragglerWatch", "Verdicts"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,65 +96,140 @@ class _Sampler:
         ]
 
 
+@dataclass(slots=True)
+class Standing:
+    """A confirmed straggler, until it is cleared or the epoch ends.
+
+    ``lost_s``: the seconds the job has lost to it so far (the time its peers
+    waited for it, measured since it was first suspected), the evidence the
+    policy weighs an eviction against; None where not measured (a link
+    straggler). ``judged``: the last action the session recorded for it.
+    """
+
+    rank: int
+    cause: str
+    relative: float
+    lost_s: float | None
+    judged: str | None = None
+
+
 class Verdicts:
-    """Confirmed stragglers not handed to the policy yet: filled by the thread that
-    runs the detectors, drained at a step boundary (``recovery.Session``)."""
+    """The confirmed stragglers standing now: written by the thread that runs the
+    detectors, judged at every step boundary (``recovery.Session``)."""
 
     def __init__(self) -> None:
-        self._new: deque[tuple[int, str, float]] = deque(maxlen=64)
+        self._lock = threading.Lock()
+        self._standing: dict[tuple[int, str], Standing] = {}
         # The job-wide rank of each position in the current epoch (after a shrink
         # positions are renumbered); None: positions are ranks.
         self.members: tuple[int, ...] | None = None
 
-    def add(self, pos: int, cause: str, relative: float) -> None:
+    def _rank(self, pos: int) -> int:
         members = self.members
-        self._new.append((members[pos] if members else pos, cause, relative))
+        return members[pos] if members else pos
 
-    def take(self) -> list[tuple[int, str, float]]:
-        """``(rank, cause, relative)`` of each confirmation since the last take."""
-        out = []
-        while self._new:
-            out.append(self._new.popleft())
-        return out
+    def add(self, pos: int, cause: str, relative: float, lost_s: float | None = None) -> None:
+        """``pos`` was confirmed a straggler (or, already standing, measured again)."""
+        rank = self._rank(pos)
+        with self._lock:
+            old = self._standing.get((rank, cause))
+            judged = old.judged if old is not None else None
+            self._standing[rank, cause] = Standing(rank, cause, relative, lost_s, judged)
+
+    def clear(self, pos: int, cause: str) -> None:
+        """``pos`` is no longer a straggler by ``cause``."""
+        with self._lock:
+            self._standing.pop((self._rank(pos), cause), None)
+
+    def reset(self, members: tuple[int, ...] | None) -> None:
+        """A new epoch: its detectors start afresh, and positions may be renumbered."""
+        with self._lock:
+            self._standing.clear()
+            self.members = members
+
+    def standing(self) -> list[Standing]:
+        """A copy of every standing straggler, in the order they were confirmed."""
+        with self._lock:
+            return [replace(s) for s in self._standing.values()]
+
+    def judged(self, rank: int, cause: str, action: str) -> None:
+        """Remember the action last recorded for a standing straggler."""
+        with self._lock:
+            s = self._standing.get((rank, cause))
+            if s is not None:
+                s.judged = action
 
 
 class StragglerWatch:
     """One rank's view of every rank's exchange clock; see the module docstring."""
 
     def __init__(self, rank: int, epoch: int = 0, sink: Verdicts | None = None) -> None:
-        """``sink``: told of every confirmation (rank, cause, relative), for the
-        policy (see :class:`Verdicts`)."""
+        """``sink``: told of every confirmed straggler, of the time lost to it after
+        each sample, and of its clearing, for the policy (see :class:`Verdicts`)."""
         self.rank, self.epoch = rank, epoch
         self.sink = sink
         self.stalled = StragglerDetector(STALL_CONFIG)
         self.compute = StragglerDetector()
         self._stall_sampler = _Sampler(STALL_SAMPLE_S)
         self._compute_sampler = _Sampler(COMPUTE_SAMPLE_S)
+        # Seconds lost to each rank not "ok" with a detector, since it was suspected.
+        self._lost: dict[str, dict[int, float]] = {"stalled": {}, "compute": {}}
 
     def state(self, rank: int) -> str:
         """The worse of the two detectors' states for ``rank``."""
         states = (self.stalled.state(rank), self.compute.state(rank))
         return next((s for s in ("confirmed", "suspected") if s in states), "ok")
 
+    def lost_s(self, rank: int, signal: str) -> float:
+        """Seconds the job lost to ``rank`` by ``signal`` (stalled, compute) since it
+        was suspected; 0 while it is not."""
+        return self._lost[signal].get(rank, 0.0)
+
     def observe(self, exchange: Exchange) -> None:
         clocks = exchange.clocks
         if len(clocks) < 3:
             return
-        found: list[tuple[Transition, str]] = []
         delta = self._stall_sampler.take(clocks)
         if delta is not None:
             slowdown = {r: (a + w) / max(a + w - s, 1) for r, (a, w, s) in enumerate(delta)}
-            found += [(t, "stalled") for t in self.stalled.observe(exchange.seq, slowdown)]
+            found = self.stalled.observe(exchange.seq, slowdown)
+            # Its peers wait out the time it was stopped beyond their own stops.
+            self._account(self.stalled, "stalled", [s for _, _, s in delta], found)
         delta = self._compute_sampler.take(clocks)
         if delta is not None:
             active = {r: max(a, 1) / 1e6 for r, (a, _, _) in enumerate(delta)}
-            found += [(t, "compute") for t in self.compute.observe(exchange.seq, active)]
-        for t, signal in found:
+            found = self.compute.observe(exchange.seq, active)
+            # Its peers wait out the time it was active beyond their own.
+            self._account(self.compute, "compute", [a for a, _, _ in delta], found)
+
+    def _account(
+        self, detector: StragglerDetector, signal: str, spent_us: list[int], found: list[Transition]
+    ) -> None:
+        """Add this sample's lost time to each rank the detector does not find "ok",
+        then report the transitions, and each confirmed rank's new total."""
+        lost = self._lost[signal]
+        for r, own in enumerate(spent_us):
+            if detector.state(r) == "ok":
+                lost.pop(r, None)
+                continue
+            peers = statistics.median(v for p, v in enumerate(spent_us) if p != r)
+            lost[r] = lost.get(r, 0.0) + max(own - peers, 0) / 1e6
+        reported = set()
+        for t in found:
             self._report(t, signal)
+            reported.add(t.rank)
+        if self.sink is None:
+            return
+        for r, seconds in lost.items():
+            if r not in reported and detector.state(r) == "confirmed":
+                self.sink.add(r, signal, detector.relative(r), seconds)
 
     def _report(self, t: Transition, signal: str) -> None:
-        if t.kind == "confirmed" and self.sink is not None:
-            self.sink.add(t.rank, signal, t.relative)
+        if self.sink is not None:
+            if t.kind == "confirmed":
+                self.sink.add(t.rank, signal, t.relative, self.lost_s(t.rank, signal))
+            elif t.kind == "cleared":
+                self.sink.clear(t.rank, signal)
         # A sample in which a rank's stolen time covered all of it (its meter saw it
         # stopped throughout, or the meter itself was held up as long) makes its
         # slowdown its whole span in us, and its relative score rounds to 0 (it is

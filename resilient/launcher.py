@@ -299,12 +299,12 @@ class _Run(SpareTending):
 
     def _restart(self, slot: Slot, what: str) -> None:
         self._restarts += 1
-        self._publish_budget()
         slot.incarnation += 1
         # Due before the spare is handed over: spare_warming() is read from other
         # threads, and must not see a moment with neither a spare nor one due.
         slot.spare_at = time.monotonic() + NEXT_SPARE_S
         warm = self._promote_spare(slot)
+        self._publish_budget()  # after the promotion: that spare stands ready no more
         self._announce(slot, "warm" if warm else "cold")
         how = " (warm spare)" if warm else ""
         self._out.notice(
@@ -324,7 +324,7 @@ class _Run(SpareTending):
         if self._leases is not None:
             cfg = self._cfg
             left = cfg.max_restarts - self._restarts
-            self._leases.publish_budget(left, self._spares_on())
+            self._leases.publish_budget(left, self._spares_on(), self._spares_ready())
 
     def _announce(self, slot: Slot, how: str) -> None:
         """Tell the survivors (through etcd) whether and how the rank is replaced."""

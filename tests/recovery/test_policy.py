@@ -112,6 +112,24 @@ def test_a_straggler_is_evicted_only_when_enabled_and_cheaper_than_waiting() -> 
 
 
 @pytest.mark.timeout(10)
+def test_a_straggler_is_tolerated_until_it_has_cost_what_evicting_it_would() -> None:
+    policy = Policy(RecoveryConfig(evict_stragglers=True))
+    # Half speed with 1000 steps left would cost 100 s, but it was seen slow for
+    # only 1 s so far: as much again is assumed, less than a 5.2 s cold replacement.
+    young = policy.straggler(JOB, slowdown=2.0, cause="stalled", lost_s=1.0)
+    assert young.action == "tolerate" and _costs(young)["tolerate"] == pytest.approx(1.0)
+    old = policy.straggler(JOB, slowdown=2.0, cause="stalled", lost_s=6.0)
+    assert old.action == "evict"
+    # Capped at its cost to the job's end: 20 steps x 100 ms.
+    ending = JobView(world=4, members=4, step_s=0.1, steps_left=20, state_bytes=0)
+    late = policy.straggler(ending, slowdown=2.0, cause="compute", lost_s=60.0)
+    assert late.action == "tolerate" and _costs(late)["tolerate"] == pytest.approx(2.0)
+    # A warm spare costs less to bring in: evicted sooner.
+    warm = policy.straggler(JOB, slowdown=2.0, cause="stalled", lost_s=1.0, replacement="warm")
+    assert warm.action == "evict"
+
+
+@pytest.mark.timeout(10)
 def test_evict_stragglers_is_read_from_the_environment() -> None:
     assert RecoveryConfig.from_env({"RESILIENT_EVICT_STRAGGLERS": "1"}).evict_stragglers
     assert not RecoveryConfig.from_env({}).evict_stragglers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -106,12 +108,56 @@ def test_a_straggler_leaves_only_where_a_launcher_publishes_a_restart_left(
     engine = SimpleNamespace(rail_rates=())
     session.pg = SimpleNamespace(verdicts=verdicts, members=(0, 1, 2, 3), epoch=0, engine=engine)
     session._rank, session._step_s, session._total = 2, 0.1, 1000
-    verdicts.add(2, "compute", 0.5)  # rank 2 at half speed: 99 s of waiting ahead
+    # Rank 2 at half speed for long enough: 10 s lost already.
+    verdicts.add(2, "compute", 0.5, 10.0)
     session._judge_stragglers(10)
     assert [c.action for c in decisions] == ["tolerate"] and not left  # type: ignore[attr-defined]
+    session._judge_stragglers(11)  # the same choice is not logged again
+    assert len(decisions) == 1
     # A launcher that publishes a restart left and a warm spare: the same verdict evicts.
     budget = {"restarts_left": 1, "warm_spares": True}
     session.pg.membership = SimpleNamespace(supervisor=lambda: budget)
-    verdicts.add(2, "compute", 0.5)
-    session._judge_stragglers(11)
-    assert decisions[-1].action == "evict" and left == [11]  # type: ignore[attr-defined]
+    session._judge_stragglers(12)
+    assert decisions[-1].action == "evict" and left == [12]  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(10)
+def test_a_straggler_is_evicted_once_it_has_cost_what_its_replacement_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from resilient._stragglers import Verdicts
+    from resilient.config import RecoveryConfig
+
+    left: list[int] = []
+    monkeypatch.setattr(Session, "_leave", lambda self, n, why: left.append(n))
+    monkeypatch.setattr(Session, "_first_to_leave", lambda self: True)
+    config = RecoveryConfig(evict_stragglers=True, warm_eta_s=0.5, cold_eta_s=5.0)
+    session = Session(None, _state(), config=config)
+    decisions: list[Any] = []
+    monkeypatch.setattr(session.policy, "record", lambda choice, **kw: decisions.append(choice))
+    verdicts = Verdicts()
+    # Rank 1's spare stands ready, rank 2's is still warming up: a cold start's price.
+    budget = {"restarts_left": 1, "warm_spares": True, "ready": [1]}
+    session.pg = SimpleNamespace(
+        verdicts=verdicts, members=(0, 1, 2), epoch=0, engine=SimpleNamespace(rail_rates=()),
+        membership=SimpleNamespace(supervisor=lambda: budget),
+    )  # fmt: skip
+    session._rank, session._step_s, session._total = 2, 0.1, 1000
+    verdicts.add(2, "stalled", 0.5, 0.3)  # half speed, 0.3 s lost so far
+    session._judge_stragglers(10)
+    assert [c.action for c in decisions] == ["tolerate"]
+    verdicts.add(2, "stalled", 0.5, 4.0)  # still slow: 4 s lost, under 5.2 s
+    session._judge_stragglers(20)
+    assert len(decisions) == 1 and not left
+    budget["ready"] = [1, 2]  # its spare stands ready: 0.7 s to replace it
+    session._judge_stragglers(21)
+    assert decisions[-1].action == "evict" and left == [21]
+    # A straggler cleared before it cost that much is never evicted.
+    left.clear()
+    verdicts.clear(2, "stalled")
+    verdicts.add(1, "stalled", 0.5, 0.2)
+    session._rank = 1
+    session._judge_stragglers(22)
+    assert decisions[-1].action == "tolerate" and not left

@@ -104,15 +104,53 @@ def test_a_rank_its_peers_wait_for_is_a_compute_straggler() -> None:
     assert [watch.state(r) for r in (0, 2, 3)] == ["ok"] * 3
 
 
-def test_verdicts_name_job_wide_ranks_and_are_taken_once() -> None:
+@pytest.mark.timeout(10)
+def test_verdicts_name_job_wide_ranks_and_stand_until_cleared() -> None:
     from resilient._stragglers import Verdicts
 
     verdicts = Verdicts()
-    verdicts.add(2, "stalled", 0.7)
+    verdicts.add(2, "stalled", 0.7, 0.3)
     verdicts.members = (0, 1, 3)  # after rank 2 left, position 2 is rank 3
     verdicts.add(2, "link", 0.4)
-    assert verdicts.take() == [(2, "stalled", 0.7), (3, "link", 0.4)]
-    assert verdicts.take() == []
+    standing = [(s.rank, s.cause, s.relative, s.lost_s) for s in verdicts.standing()]
+    assert standing == [(2, "stalled", 0.7, 0.3), (3, "link", 0.4, None)]
+    # Judged, then measured again: the new evidence keeps the last judgement.
+    verdicts.judged(3, "link", "reroute")
+    verdicts.add(2, "link", 0.3)
+    assert [(s.rank, s.relative, s.judged) for s in verdicts.standing()][1] == (3, 0.3, "reroute")
+    verdicts.clear(2, "link")
+    assert [s.rank for s in verdicts.standing()] == [2]
+    verdicts.reset((0, 1))  # a new epoch: the detectors start afresh
+    assert verdicts.standing() == [] and verdicts.members == (0, 1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(3))
+def test_the_time_lost_to_a_straggler_is_what_its_peers_waited(seed: int) -> None:
+    from resilient._stragglers import Verdicts
+
+    job, watch = _settled(seed)
+    watch.sink = sink = Verdicts()
+    calls = 0
+    while watch.stalled.state(3) != "confirmed":
+        watch.observe(job.call(stopped=3))
+        calls += 1
+        assert calls < 40
+    lost = watch.lost_s(3, "stalled")
+    (standing,) = sink.standing()
+    assert (standing.rank, standing.cause) == (3, "stalled") and standing.lost_s == lost
+    # Stopped 30 % of each 25 ms call beyond its peers' few percent: about 7.5 ms
+    # per call since it was first suspected (a call or three before the first flag
+    # goes unaccounted, a sample being several calls).
+    assert 0.0075 * (calls - 8) <= lost <= 0.0085 * calls, (calls, lost)
+    for _ in range(40):
+        watch.observe(job.call(stopped=3))
+    (standing,) = sink.standing()
+    assert standing.lost_s == pytest.approx(lost + 40 * 0.0075, rel=0.25)
+    assert [watch.lost_s(r, "stalled") for r in range(3)] == [0.0] * 3
+    for _ in range(200):  # it runs again: cleared, and nothing stands
+        watch.observe(job.call())
+    assert sink.standing() == [] and watch.lost_s(3, "stalled") == 0.0
 
 
 @pytest.mark.timeout(30)
