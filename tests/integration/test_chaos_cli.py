@@ -391,21 +391,26 @@ straggler_confirmed_within_steps = 30
 """
 
 
-def _evicted_by_all(events: list[dict[str, Any]], straggler: int) -> bool:
-    """Every rank that judged ``straggler`` chose to evict it in the end (it may
-    have been tolerated first: an eviction waits until the straggler has cost as
-    much as replacing it would). Other ranks judged on a busy 2-core host (a rank
-    starved for a moment while the spares start, a link vote) do not count here;
-    that none of them was evicted is asserted apart."""
-    last: dict[int, str] = {}
-    for e in events:  # each rank's events in the order it wrote them
-        if (
-            e["kind"] == "policy.decision"
-            and e.get("fault") == "straggler.confirmed"
-            and e["straggler"] == straggler
-        ):
-            last[e["rank"]] = e["action"]
-    return bool(last) and all(action == "evict" for action in last.values())
+def _evicted_by_its_policy(events: list[dict[str, Any]], straggler: int) -> bool:
+    """``straggler``'s own policy chose in the end to evict it, and every rank's
+    choices about it were to tolerate it or to evict it.
+
+    An eviction waits until the straggler has cost as much as replacing it would,
+    and each rank prices that with its own step time: near the crossing the
+    straggler may choose to leave a step before its peers would have (seen on a
+    busy host). Its peers' choices are their record; its own is acted on. Other
+    ranks judged on a busy 2-core host (a rank starved for a moment while the
+    spares start, a link vote) do not count here; that none was evicted is
+    asserted apart."""
+    about = [
+        e for e in events
+        if e["kind"] == "policy.decision"
+        and e.get("fault") == "straggler.confirmed"
+        and e["straggler"] == straggler
+    ]  # fmt: skip
+    own = [e["action"] for e in about if e["rank"] == straggler and e["incarnation"] == 0]
+    actions = {e["action"] for e in about}
+    return bool(own) and own[-1] == "evict" and actions <= {"tolerate", "evict"}
 
 
 @needs_root
@@ -431,7 +436,7 @@ def test_an_evicted_straggler_is_replaced_and_the_bits_stay_fault_free(tmp_path:
     evicted = [e for e in events if e["kind"] == "rank.evicted"]
     # Only the straggler acts on the choice, once; its replacement is not slow.
     assert [(e["rank"], e["incarnation"]) for e in evicted] == [(2, 0)], evicted
-    assert _evicted_by_all(events, 2), events
+    assert _evicted_by_its_policy(events, 2), events
     joined = [e for e in events if e["kind"] == "rank.joined"]
     assert [(e["rank"], e["incarnation"]) for e in joined] == [(2, 1)], joined
 
@@ -454,7 +459,7 @@ def test_with_no_restart_left_an_evicted_straggler_leaves_and_the_others_shrink(
     events = read_events(out / "run")
     evicted = [(e["rank"], e["incarnation"]) for e in events if e["kind"] == "rank.evicted"]
     assert evicted == [(2, 0)], evicted
-    assert _evicted_by_all(events, 2), events
+    assert _evicted_by_its_policy(events, 2), events
     changed = [e for e in events if e["kind"] == "epoch.changed"]
     assert {tuple(e["members"]) for e in changed} == {(0, 1)}, changed
 
