@@ -6,8 +6,9 @@ clocks show little: they block in the same collectives it blocks in. From outsid
 though, it shows plainly, and :class:`StolenTime` keeps it as a running total
 (straggler detection compares it across ranks).
 
-The meter is a small child process, not a thread. Every :data:`PERIOD_S` it reads
-the rank's state (``/proc/<pid>/stat``): a stopped rank's period counts whole. A
+The meter is a small child process, not a thread. Every :data:`PERIOD_S` (every
+:data:`IDLE_PERIOD_S` while nothing is stolen) it reads the rank's state
+(``/proc/<pid>/stat``): the time a rank was stopped counts, to a period. A
 throttled or starved rank shows as the meter's own lateness (it shares the
 rank's cgroup and cores): a sleep that wakes more than :data:`_SLACK_S` late
 counts the excess. The total goes into 8 bytes of shared memory the rank reads
@@ -39,24 +40,35 @@ import sys
 import weakref
 from typing import Final
 
-__all__ = ["PERIOD_S", "StolenTime"]
+__all__ = ["HOT_S", "IDLE_PERIOD_S", "PERIOD_S", "StolenTime"]
 
 logger = logging.getLogger(__name__)
 
-# A stopped period counts whole, so a stop is counted to a period: at 10 ms a rank
-# stopped 30 % of every 100 ms read 20-40 % per sample, and the 3-rank CI test's
-# confirmation took 11-18 steps (bound 20); at 5 ms, 10-14 (2026-12-04).
+# A stop is counted to a period: at 10 ms a rank stopped 30 % of every 100 ms read
+# 20-40 % per sample, and the 3-rank CI test's confirmation took 11-18 steps
+# (bound 20); at 5 ms, 10-14 (2026-12-04).
 PERIOD_S: Final = 0.005
+# While nothing was stolen for HOT_S, the meter looks only every IDLE_PERIOD_S:
+# at 5 ms it cost ~10 ms of CPU a second, 2 % of a 2-core host running 4 ranks,
+# and 800 wake-ups a second there, each taking a core from a rank. A stop or a
+# late wake-up seen puts it back to PERIOD_S for HOT_S, so a stopped rank (the
+# chaos "slow" fault stops one every 100 ms) is measured as finely as before.
+IDLE_PERIOD_S: Final = 0.02
+HOT_S: Final = 0.25
 # Late wake-ups below this are ordinary timer slack, not stolen.
 _SLACK_S: Final = 0.002
 _TOTAL: Final = struct.Struct("<q")
 
 # The meter's program (stdlib only: it runs with -I -S, ~15 ms to start). argv:
-# shared-memory fd, the rank's pid, the pipe's read end, period, slack.
+# shared-memory fd, the rank's pid, the pipe's read end, periods, hot span, slack.
+# A look that finds the rank stopped counts the time since the last look whole,
+# or half of it when the last look found it running (the stop began somewhere in
+# between); a look that finds it running again counts half the time since a look
+# that found it stopped. So a stop is counted without bias whatever the period.
 _METER = r"""
 import mmap, os, select, struct, sys, time
 fd, pid, pipe = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-period, slack = float(sys.argv[4]), float(sys.argv[5])
+fast, idle, hot, slack = (float(a) for a in sys.argv[4:8])
 total = mmap.mmap(fd, 8)
 try:
     stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
@@ -64,7 +76,7 @@ except OSError as exc:
     sys.exit(f"resilient stolen-time meter of pid {pid}: {exc}; no stall signal")
 poller = select.poll()
 poller.register(pipe, select.POLLIN)
-before, stolen = time.monotonic(), 0
+before, stolen, was_stopped, period, hot_until = time.monotonic(), 0.0, False, idle, 0.0
 while not poller.poll(period * 1000) and os.getppid() == pid:
     now = time.monotonic()
     try:
@@ -72,11 +84,15 @@ while not poller.poll(period * 1000) and os.getppid() == pid:
     except OSError:
         break
     at = raw.rindex(b")") + 2  # the state follows the command name, which may hold ")"
-    if raw[at : at + 1] in (b"T", b"t"):
-        stolen += now - before
+    stopped = raw[at : at + 1] in (b"T", b"t")
+    if stopped or was_stopped:
+        stolen += (now - before) * (1.0 if stopped and was_stopped else 0.5)
+        hot_until = now + hot
     elif now - before - period > slack:
         stolen += now - before - period
-    before = now
+        hot_until = now + hot
+    was_stopped, before = stopped, now
+    period = fast if now < hot_until else idle
     struct.pack_into("<q", total, 0, int(stolen * 1e6))
 """
 
@@ -86,9 +102,9 @@ class StolenTime:
 
     If the meter process cannot start (no ``memfd_create``, no ``/proc``, no
     processes left), the total stays 0 and a warning says so: straggler detection
-    then has no stall signal, and nothing else changes. The meter costs ~10 ms of
-    CPU a second and ~9 MB of memory (measured 2026-12-04; the thread cost ~6 ms
-    a second, taken from the rank's GIL).
+    then has no stall signal, and nothing else changes. The meter costs ~9 MB of
+    memory and, looking every 5 ms, ~10 ms of CPU a second (measured 2026-12-04;
+    the thread cost ~6 ms a second, taken from the rank's GIL); see IDLE_PERIOD_S.
     """
 
     def __init__(self, name: str) -> None:
@@ -122,7 +138,7 @@ class StolenTime:
             try:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _METER, str(fd), str(os.getpid()),
-                     str(read), str(PERIOD_S), str(_SLACK_S)],
+                     str(read), str(PERIOD_S), str(IDLE_PERIOD_S), str(HOT_S), str(_SLACK_S)],
                     pass_fds=(fd, read), start_new_session=True, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
             finally:
