@@ -89,62 +89,68 @@ def test_a_store_that_cannot_be_reached_keeps_the_straggler_in() -> None:
     assert not _claimant(Down(), 2, epoch=0)._first_to_leave()
 
 
+class _Judging:
+    """A session whose straggler verdicts are judged without a group: what it
+    decides and which steps it left at are recorded."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, members: tuple[int, ...], **config: Any
+    ) -> None:
+        from types import SimpleNamespace
+
+        from resilient._stragglers import Verdicts
+        from resilient.config import RecoveryConfig
+
+        self.left: list[int] = []
+        self.decisions: list[Any] = []
+        monkeypatch.setattr(Session, "_leave", lambda _s, n, why: self.left.append(n))
+        monkeypatch.setattr(Session, "_first_to_leave", lambda _s: True)
+        self.session = Session(
+            None, _state(), config=RecoveryConfig(evict_stragglers=True, **config)
+        )
+        monkeypatch.setattr(
+            self.session.policy, "record", lambda choice, **kw: self.decisions.append(choice)
+        )
+        self.verdicts = Verdicts()
+        # No membership (as under torchrun, where an exit would restart every worker)
+        # until a test gives the group one.
+        self.session.pg = SimpleNamespace(
+            verdicts=self.verdicts, members=members, epoch=0,
+            engine=SimpleNamespace(rail_rates=()),
+        )  # fmt: skip
+        self.session._rank, self.session._step_s, self.session._total = 2, 0.1, 1000
+
+    def publish(self, budget: dict[str, Any]) -> None:
+        from types import SimpleNamespace
+
+        self.session.pg.membership = SimpleNamespace(supervisor=lambda: budget)
+
+
 def test_a_straggler_leaves_only_where_a_launcher_publishes_a_restart_left(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from types import SimpleNamespace
-
-    from resilient._stragglers import Verdicts
-    from resilient.config import RecoveryConfig
-
-    left: list[int] = []
-    monkeypatch.setattr(Session, "_leave", lambda self, n, why: left.append(n))
-    monkeypatch.setattr(Session, "_first_to_leave", lambda self: True)
-    session = Session(None, _state(), config=RecoveryConfig(evict_stragglers=True))
-    decisions: list[object] = []
-    monkeypatch.setattr(session.policy, "record", lambda choice, **kw: decisions.append(choice))
-    verdicts = Verdicts()
-    # No membership: as under torchrun, where an exit would restart every worker.
-    engine = SimpleNamespace(rail_rates=())
-    session.pg = SimpleNamespace(verdicts=verdicts, members=(0, 1, 2, 3), epoch=0, engine=engine)
-    session._rank, session._step_s, session._total = 2, 0.1, 1000
+    j = _Judging(monkeypatch, (0, 1, 2, 3))
     # Rank 2 at half speed for long enough: 10 s lost already.
-    verdicts.add(2, "compute", 0.5, 10.0)
-    session._judge_stragglers(10)
-    assert [c.action for c in decisions] == ["tolerate"] and not left  # type: ignore[attr-defined]
-    session._judge_stragglers(11)  # the same choice is not logged again
-    assert len(decisions) == 1
+    j.verdicts.add(2, "compute", 0.5, 10.0)
+    j.session._judge_stragglers(10)
+    assert [c.action for c in j.decisions] == ["tolerate"] and not j.left
+    j.session._judge_stragglers(11)  # the same choice is not logged again
+    assert len(j.decisions) == 1
     # A launcher that publishes a restart left and a warm spare: the same verdict evicts.
-    budget = {"restarts_left": 1, "warm_spares": True}
-    session.pg.membership = SimpleNamespace(supervisor=lambda: budget)
-    session._judge_stragglers(12)
-    assert decisions[-1].action == "evict" and left == [12]  # type: ignore[attr-defined]
+    j.publish({"restarts_left": 1, "warm_spares": True})
+    j.session._judge_stragglers(12)
+    assert j.decisions[-1].action == "evict" and j.left == [12]
 
 
 @pytest.mark.timeout(10)
 def test_a_straggler_is_evicted_once_it_has_cost_what_its_replacement_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from types import SimpleNamespace
-
-    from resilient._stragglers import Verdicts
-    from resilient.config import RecoveryConfig
-
-    left: list[int] = []
-    monkeypatch.setattr(Session, "_leave", lambda self, n, why: left.append(n))
-    monkeypatch.setattr(Session, "_first_to_leave", lambda self: True)
-    config = RecoveryConfig(evict_stragglers=True, warm_eta_s=0.5, cold_eta_s=5.0)
-    session = Session(None, _state(), config=config)
-    decisions: list[Any] = []
-    monkeypatch.setattr(session.policy, "record", lambda choice, **kw: decisions.append(choice))
-    verdicts = Verdicts()
+    j = _Judging(monkeypatch, (0, 1, 2), warm_eta_s=0.5, cold_eta_s=5.0)
+    session, verdicts, decisions, left = j.session, j.verdicts, j.decisions, j.left
     # Rank 1's spare stands ready, rank 2's is still warming up: a cold start's price.
-    budget = {"restarts_left": 1, "warm_spares": True, "ready": [1]}
-    session.pg = SimpleNamespace(
-        verdicts=verdicts, members=(0, 1, 2), epoch=0, engine=SimpleNamespace(rail_rates=()),
-        membership=SimpleNamespace(supervisor=lambda: budget),
-    )  # fmt: skip
-    session._rank, session._step_s, session._total = 2, 0.1, 1000
+    budget: dict[str, Any] = {"restarts_left": 1, "warm_spares": True, "ready": [1]}
+    j.publish(budget)
     verdicts.add(2, "stalled", 0.5, 0.3)  # half speed, 0.3 s lost so far
     session._judge_stragglers(10)
     assert [c.action for c in decisions] == ["tolerate"]
