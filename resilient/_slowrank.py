@@ -202,10 +202,11 @@ class SlowRankVote:
         explained = self._explained is not None and self._explained(slow)
         if (entered and not explained) or (not entered and self._reported == slow):
             self._reported = slow if entered else None
-            if self._sink is not None and entered:
-                self._sink.add(slow, "link", share / 1000)
-            elif self._sink is not None:
-                self._sink.clear(slow, "link")
+            if self._sink is not None:
+                if entered:
+                    self._sink.add(slow, "link", share / 1000)
+                else:
+                    self._sink.clear(slow, "link")
             events.emit(
                 "straggler.confirmed" if entered else "straggler.cleared", epoch=self.epoch,
                 rank=slow, call=seq, relative=round(share / 1000, 3), cause="link",

@@ -172,11 +172,12 @@ class RingEngine:
 
     def one_rail(self, nbytes: int) -> bool:
         """Whether a call of ``nbytes`` takes one rail only (see _weights_for)."""
-        return (
-            self.num_rails == 1
-            or nbytes < self.single_rail_below_bytes
-            or sum(1 for w in self.weights if w > 0) == 1
-        )
+        return not self._split_by_weights(nbytes) or sum(1 for w in self.weights if w > 0) == 1
+
+    def _split_by_weights(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` is cut across the rails by their weights;
+        smaller ones take the heaviest rail only (their time is latency)."""
+        return self.num_rails > 1 and nbytes >= self.single_rail_below_bytes
 
     @property
     def calls(self) -> int:
@@ -342,8 +343,7 @@ class RingEngine:
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""
-        nbytes = flat.numel() * flat.element_size()
-        if self.num_rails == 1 or nbytes >= self.single_rail_below_bytes:
+        if self.num_rails == 1 or self._split_by_weights(flat.numel() * flat.element_size()):
             return self.weights
         best = max(range(self.num_rails), key=lambda r: self.weights[r])
         return tuple(1.0 if r == best else 0.0 for r in range(self.num_rails))
