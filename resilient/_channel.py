@@ -176,7 +176,8 @@ class _Channel:
         # rail there is nothing to fail over to, so they would only cost two gloo
         # ops per channel and call (measured: 8-9 points of DDP step overhead).
         self.acks = len(route.links.rails) > 1
-        self._msgs: list[tuple[torch.Tensor, int]] = []
+        # Tensors, or byte views of them on socket links (resilient._mesh).
+        self._msgs: list[tuple[torch.Tensor | memoryview, int]] = []
         self._works: list[Any] = []
 
     @property
@@ -251,7 +252,7 @@ class Tx(_Channel):
             if stale is not None:
                 self._failover(stale)  # a no-op if the channel left it already
 
-    def post(self, tensor: torch.Tensor, tag: int) -> int:
+    def post(self, tensor: torch.Tensor | memoryview, tag: int) -> int:
         self.route.check_epoch()
         with self._lock:
             idx = len(self._msgs)
@@ -390,7 +391,7 @@ class Rx(_Channel):
         if not self.link.watch_receiver(self):
             self.failover(self.link)  # never blocks: it only publishes where to resume
 
-    def post(self, into: torch.Tensor, tag: int) -> int:
+    def post(self, into: torch.Tensor | memoryview, tag: int) -> int:
         self.route.check_epoch()
         with self._lock:
             idx = len(self._msgs)

@@ -28,7 +28,7 @@ from resilient._ledger import OpLedger, salt_of
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
 
-__all__ = ["STALL_CUT_MS", "Link"]
+__all__ = ["STALL_CUT_MS", "Link", "as_tensor"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,17 @@ _PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
 
 _DEVICES: dict[str, Any] = {}
 _DEVICES_LOCK = threading.Lock()
+
+
+def as_tensor(buf: torch.Tensor | memoryview) -> torch.Tensor:
+    """``buf`` as a tensor: a byte view (what the mesh schedule posts on socket
+    links, resilient._mesh) becomes a uint8 tensor over the same memory, for a
+    link whose group takes tensors only (gloo pairs, the store's relay)."""
+    if type(buf) is not memoryview:
+        return buf
+    if not buf.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _rail_device(address: str) -> Any:
@@ -103,6 +114,8 @@ class Link:
     # not for a message half-way in (resilient._waiter), so its large waits run
     # in helper threads.
     cut_wakes_waits: ClassVar[bool] = False
+    # Whether the group takes byte views as well as tensors (a SocketPair does).
+    takes_bytes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -396,12 +409,15 @@ class Link:
             except Exception:  # the sender then fails at its own deadline, typed
                 logger.warning("rank %d: publishing %s failed", self.rank, key, exc_info=True)
 
-    def isend(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
-        """Post a send of a contiguous tensor; returns the gloo work to :meth:`wait` on.
+    def isend(self, tensor: torch.Tensor | memoryview, tag: int, digest: int = 0) -> Any:
+        """Post a send of a contiguous tensor (or a byte view of one); returns the
+        gloo work to :meth:`wait` on.
         ``digest``: the call's, on socket links only (resilient._elide)."""
         self._injected_failure("send")
         if self.pg is None:
             raise self._failed(f"{self}: send on a link that is not built or is closed")
+        if not self.takes_bytes:
+            tensor = as_tensor(tensor)
         try:
             if digest:
                 work = self.pg.send([tensor], self._peer_index, self.ledger.tag(tag), digest)
@@ -413,12 +429,14 @@ class Link:
         self.ledger.posted(work)
         return work
 
-    def irecv(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
-        """Post a receive into a contiguous tensor (``digest``: see :meth:`isend`;
+    def irecv(self, tensor: torch.Tensor | memoryview, tag: int, digest: int = 0) -> Any:
+        """Post a receive into a contiguous tensor or byte view (``digest``: see :meth:`isend`;
         a message of another call fails its wait with DigestMismatch)."""
         self._injected_failure("recv")
         if self.pg is None:
             raise self._failed(f"{self}: recv on a link that is not built or is closed")
+        if not self.takes_bytes:
+            tensor = as_tensor(tensor)
         try:
             if digest:
                 work = self.pg.recv([tensor], self._peer_index, self.ledger.tag(tag), digest)

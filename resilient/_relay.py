@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from resilient._link import as_tensor
 from resilient.errors import LinkError
 
 if TYPE_CHECKING:
@@ -88,11 +89,12 @@ class StoreLink:
     def abort(self, reason: str) -> None:
         self.broken = True
 
-    def isend(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
+    def isend(self, tensor: torch.Tensor | memoryview, tag: int, digest: int = 0) -> Any:
         """Write ``tensor`` to the store now (the sender's thread does the work);
         ``digest`` is not carried: a message relayed through the store is not
         checked (resilient._elide)."""
         key = self._key(self.rank, tag)
+        tensor = as_tensor(tensor)
         raw = tensor.detach().contiguous().reshape(-1).cpu().view(torch.uint8).numpy().tobytes()
         parts = [raw[i : i + PART_BYTES] for i in range(0, len(raw), PART_BYTES)] or [b""]
         for i, part in enumerate(parts):
@@ -100,8 +102,8 @@ class StoreLink:
         self.store.set(f"{key}/n", str(len(parts)))  # last: the reader waits for it
         return _SENT
 
-    def irecv(self, tensor: torch.Tensor, tag: int, digest: int = 0) -> Any:
-        return (self._key(self.peer, tag), tensor)
+    def irecv(self, tensor: torch.Tensor | memoryview, tag: int, digest: int = 0) -> Any:
+        return (self._key(self.peer, tag), as_tensor(tensor))
 
     def wait(
         self, work: Any, nbytes: int, *, watch: bool = True, interruptible: bool = False

@@ -48,6 +48,7 @@ class SocketLink(Link):
     kind of link (data, control) share one engine per process."""
 
     cut_wakes_waits = True
+    takes_bytes = True
 
     def sent(self) -> tuple[int, int, int, int] | None:
         """As :meth:`Link.sent`, read on the pair's own socket (the send-rate meter

@@ -51,7 +51,16 @@ import torch
 from resilient import _sockets
 from resilient._sockconnect import PairError, remaining
 
-__all__ = ["CALL_SHIFT", "NEWS", "DigestMismatch", "Engine", "SocketPair", "SocketWork", "engine"]
+__all__ = [
+    "CALL_SHIFT",
+    "NEWS",
+    "DigestMismatch",
+    "Engine",
+    "SocketPair",
+    "SocketWork",
+    "bytes_of",
+    "engine",
+]
 
 # tag, payload bytes, digest of the call the message belongs to (0: not checked)
 _HEADER: Final = struct.Struct("<qQq")
@@ -70,8 +79,11 @@ _IN: Final = select.POLLIN | select.POLLPRI
 _GONE: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
+def bytes_of(tensor: torch.Tensor | memoryview) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (a byte view as it is:
+    the mesh schedule posts slices of one view of its buffer, resilient._mesh)."""
+    if type(tensor) is memoryview:
+        return tensor
     try:  # dtypes numpy knows (all but bfloat16), no grad: the cheaper way
         array: Any = tensor.numpy()
     except (TypeError, RuntimeError):
@@ -332,7 +344,7 @@ class SocketPair:
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, digest: int = 0) -> SocketWork:
         """Queue ``tensors[0]`` for the peer and write what the socket takes now;
         ``digest``: the call's (see :class:`SocketWork`)."""
-        return self.send_bytes(_bytes_of(tensors[0]), tag, digest)
+        return self.send_bytes(bytes_of(tensors[0]), tag, digest)
 
     def send_bytes(self, payload: memoryview, tag: int, digest: int = 0) -> SocketWork:
         """:meth:`send` of a byte view (one view of a control row serves every peer)."""
@@ -355,7 +367,7 @@ class SocketPair:
         the pair (read now, without blocking, unless another thread drives the
         engine: it reads it then). Otherwise the thread that waits reads it.
         ``digest``: the call's; a message with another fails the receive."""
-        return self.recv_bytes(_bytes_of(tensors[0]), tag, digest)
+        return self.recv_bytes(bytes_of(tensors[0]), tag, digest)
 
     def recv_bytes(self, into: memoryview, tag: int, digest: int = 0) -> SocketWork:
         """:meth:`recv` into a byte view."""
