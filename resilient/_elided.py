@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resilient._elide import NotElided, call_key, forget_call, hello
-from resilient._reorder import follow_cuts
 from resilient._slowrank import ENTER_PERMILLE, named
 from resilient._sockpair import DigestMismatch
-from resilient._weights import DOWN, agreed_backups
+from resilient._weights import DOWN
 from resilient.collectives import RingEngine
 
 if TYPE_CHECKING:
@@ -23,10 +22,8 @@ if TYPE_CHECKING:
     from resilient._health import HealthBoard
     from resilient._precheck import Payload, SignatureChannel, Ticket
     from resilient._signature import Exchange, Signature
-    from resilient._slowrank import SlowRankVote
     from resilient._solo import SoloEngine
     from resilient._stragglers import StragglerWatch
-    from resilient._weights import WeightLearner
     from resilient.links import LinkTable
 
 __all__ = ["CHECKED", "ElidedCalls"]
@@ -49,12 +46,8 @@ class ElidedCalls:
         _stragglers: StragglerWatch
         # The health board's changes when the group was last found quiet (_quiet).
         _quiet_mark: int
-        _learner: WeightLearner | None
-        _slow_vote: SlowRankVote | None
 
         def rank(self) -> int: ...
-
-        def _install(self, exchange: Exchange) -> None: ...
 
     def _run_elided(
         self,
@@ -84,11 +77,22 @@ class ElidedCalls:
         mark = self.board.changes
         news = mark != self._quiet_mark
         if digest:
-            ran, out = self._gated(channel, ticket, fn, key, digest, news)
-            if ran:
-                if news or engine.gate_news:  # seen alike at every rank's gate
+            engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
+            try:
+                out = fn(CHECKED)
+                if news or engine.gate_news:
                     channel.quiet = False
                 return out
+            except DigestMismatch as exc:
+                logger.info(
+                    "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
+                    "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
+                )  # fmt: skip
+            except NotElided:
+                hello(self.links, key)
+            finally:
+                engine.elided = None
+                channel.add_waited(engine.gate_waited_s)
         else:
             hello(self.links, key)
         forget_call(self.links, key)
@@ -101,99 +105,6 @@ class ElidedCalls:
         quiet = self._quiet(exchange, engine, ticket.sig)
         channel.quiet, self._quiet_mark = quiet, mark
         return fn(exchange.payloads() if payload is not None else CHECKED)
-
-    def _run_trailing(
-        self,
-        channel: SignatureChannel,
-        ticket: Ticket,
-        fn: Callable[[torch.Tensor | None], Any],
-        payload: Payload | None,
-        digest: int,
-        mark: int,
-    ) -> Any:
-        """Run a call whose rows are exchanged (every K-th) in a quiet group data
-        first, checked by its digest as an elided call is, and act on its rows
-        after: while the group is quiet nothing in them is needed before the data,
-        and waiting for every rank's row first made the ranks meet before any
-        byte moved (~3 points of a DDP step every 8th call, docs/BENCHMARKS.md).
-        Every rank acts on the rows after this call and before the next, so alike.
-        A rank that refuses the data (a peer's call differs, or this one cannot
-        run elided) makes every rank refuse it, as an elided call's would; then
-        the rows are read first and the call runs as a checked one.
-
-        Raises:
-            CollectiveMismatch: the ranks' calls differ.
-            CommunicationError: as any call (also when the rows did not come after
-                the data moved).
-        """
-        engine = self.engine
-        assert isinstance(engine, RingEngine)
-        key = call_key(self._epoch, ticket.seq)
-        calls = engine.calls
-        news = self.board.changes != self._quiet_mark
-        channel.send_row(ticket)  # the peers read it while the data moves
-        if digest:
-            ran, out = self._gated(channel, ticket, fn, key, digest, news)
-            if ran:
-                self._act_on(channel, channel.result(ticket), ticket.sig, mark)
-                if news or engine.gate_news:  # seen alike at every rank's gate
-                    channel.quiet = False
-                return out
-        else:
-            hello(self.links, key)
-        forget_call(self.links, key)
-        engine.calls = calls  # some ranks routed the refused call, others did not
-        exchange = channel.result(ticket)
-        self._act_on(channel, exchange, ticket.sig, mark)
-        return fn(exchange.payloads() if payload is not None else CHECKED)
-
-    def _gated(
-        self,
-        channel: SignatureChannel,
-        ticket: Ticket,
-        fn: Callable[[torch.Tensor | None], Any],
-        key: int,
-        digest: int,
-        news: bool,
-    ) -> tuple[bool, Any]:
-        """Run the call's data checked by ``digest`` behind the gate (resilient._elide):
-        ``(True, result)``, or ``(False, None)`` once refused (a peer's call differs,
-        or this one cannot run so and said hello), which every rank then is too."""
-        engine = self.engine
-        assert isinstance(engine, RingEngine)
-        engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
-        try:
-            return True, fn(CHECKED)
-        except DigestMismatch as exc:
-            logger.info(
-                "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
-                "to the rows", self.rank(), self._epoch, ticket.seq, exc,
-            )  # fmt: skip
-        except NotElided:
-            hello(self.links, key)
-        finally:
-            engine.elided = None
-            channel.add_waited(engine.gate_waited_s)
-        return False, None
-
-    def _act_on(
-        self, channel: SignatureChannel, exchange: Exchange, sig: Signature, mark: int
-    ) -> None:
-        """What every rank does with a full exchange, alike: learn the rail weights,
-        observe the clocks, put agreed links in service, follow cut pairs, vote on
-        a slow rank, and decide whether the next calls may elide (``mark``: the
-        health board's changes when the call's row was built)."""
-        engine = self.engine
-        assert isinstance(engine, RingEngine)
-        if self._learner is not None:
-            engine.weights = self._learner.weights_for(exchange)
-            engine.backups = agreed_backups(exchange.rates, engine.num_rails)
-        self._stragglers.observe(exchange)
-        self._install(exchange)
-        follow_cuts(engine, exchange, announce=True)
-        if self._slow_vote is not None:
-            engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
-        channel.quiet, self._quiet_mark = self._quiet(exchange, engine, sig), mark
 
     def _quiet(self, exchange: Exchange, engine: RingEngine, sig: Signature) -> bool:
         """Whether the next calls may elide (resilient._elide): this call (``sig``,

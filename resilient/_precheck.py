@@ -143,8 +143,6 @@ class SignatureChannel:
         # Full exchanges run, calls run elided, and those of them that fell back to
         # an exchange (for tests and benchmarks to tell what the calls cost).
         self.exchanges = self.elided = self.fallbacks = 0
-        # Exchanges whose call moved its data first (see trails).
-        self.trailed = 0
         self._submitted = 0
         self._succeeded = 0  # see succeeded
         self._ran = 0  # exchanges settled (each once, in submission order)
@@ -260,22 +258,6 @@ class SignatureChannel:
             self._send_ready()
         self.elided += 1
         return True
-
-    def trails(self, ticket: Ticket) -> bool:
-        """Whether ``ticket``'s call, one that exchanges rows, moves its data first
-        and acts on the rows after (ResilientProcessGroup._run_trailing): the last
-        full exchange found the group quiet. Every rank decides alike, in call
-        order. Communication thread only."""
-        if ticket.elided or not self.quiet or self._failed_with is not None:
-            return False
-        self.trailed += 1
-        return True
-
-    def send_row(self, ticket: Ticket) -> None:
-        """Send ``ticket``'s row now if it may go and has not gone (see _send_ready)."""
-        with self._send_lock:
-            if not ticket.sent:
-                self._send_ready()
 
     def check_elided(self, ticket: Ticket) -> None:
         """Before an elided call's data: raises what every pending call raises (a

@@ -43,13 +43,13 @@ from resilient._loss import RailLoss
 from resilient._nic import NicMonitor
 from resilient._peerwatch import PeerWatch
 from resilient._precheck import Payload, SignatureChannel
-from resilient._reorder import cut_off_peers
+from resilient._reorder import cut_off_peers, follow_cuts
 from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
 from resilient._signature import INLINE_BYTES, Exchange, Signature
 from resilient._slowrank import SendRates, SlowRankVote
 from resilient._solo import SoloEngine
 from resilient._stragglers import StragglerWatch, Verdicts
-from resilient._weights import DOWN, WeightLearner
+from resilient._weights import DOWN, WeightLearner, agreed_backups
 from resilient._work import Failed, ResilientWork, _Flat, _packed
 from resilient.collectives import Reduce, RingEngine, fold_rows
 from resilient.config import DataPlaneConfig
@@ -226,19 +226,25 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
                     out = self._run_elided(channel, verdict, fn, payload, digest)
                     ok = True
                     return out
-                if channel is not None and verdict is not None and channel.trails(verdict):
-                    out = self._run_trailing(channel, verdict, fn, payload, digest, mark)
-                    ok = True
-                    return out
                 exchange = channel.result(verdict) if channel and verdict else None
                 if exchange is None:
                     out = fn(None)
                     ok = True
                     return out
+                engine = self.engine
+                assert isinstance(engine, RingEngine)
+                if self._learner is not None:
+                    # A safe boundary: every rank sets the same weights before any
+                    # data of this call moves.
+                    engine.weights = self._learner.weights_for(exchange)
+                    engine.backups = agreed_backups(exchange.rates, engine.num_rails)
+                self._stragglers.observe(exchange)
+                self._install(exchange)
+                follow_cuts(engine, exchange, announce=True)
+                if self._slow_vote is not None:
+                    engine.slow_rank = self._slow_vote.decide(exchange.seq, exchange.lagging)
                 assert channel is not None
-                # A safe boundary: every rank acts on it alike before any data of this
-                # call moves.
-                self._act_on(channel, exchange, sig, mark)
+                channel.quiet, self._quiet_mark = self._quiet(exchange, engine, sig), mark
                 # Only calls that carry payloads read them (a view per call otherwise).
                 out = fn(exchange.payloads() if payload is not None else CHECKED)
                 ok = True
