@@ -126,7 +126,7 @@ class MeshRail:
     def _io(self, span: Span) -> torch.Tensor | memoryview:
         """What a message of ``span`` is posted as (see ``_bytes``)."""
         if self._bytes is None:
-            return self.flat[span.start : span.stop]
+            return self._view(span)
         return self._bytes[span.start * self.elem : span.stop * self.elem]
 
     def _send(self, into: list[tuple[Tx, int, int]], peer: int, span: Span, tag: int) -> None:
