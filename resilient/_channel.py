@@ -34,6 +34,7 @@ receiver names the store itself as the backup (``RELAY_RAIL``, see
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -44,6 +45,7 @@ import torch
 from torch._C._distributed_c10d import Store
 
 from recovery import events
+from resilient._native import DONE
 from resilient._relay import RELAY_RAIL, StoreLink
 from resilient.errors import LinkError
 from resilient.links import Link, LinkTable
@@ -179,6 +181,22 @@ class _Channel:
         # Tensors, or byte views of them on socket links (resilient._mesh).
         self._msgs: list[tuple[torch.Tensor | memoryview, int]] = []
         self._works: list[Any] = []
+        # What the C step moved of the next messages before it stopped, in posting
+        # order (resilient._native): DONE (sent), a work to finish, or None (not
+        # begun). Taken only on the link the step used (generation 0).
+        self.ahead: collections.deque[Any] = collections.deque()
+
+    def _adopt(self, idx: int) -> bool:
+        """Give message ``idx`` what the C step did of it; False: post it as usual."""
+        ahead = self.ahead.popleft() if self.ahead else None
+        if ahead is None or self.gen:
+            return False
+        if ahead is not DONE:  # a work the pair finishes (or a finished receive)
+            ledger = getattr(self.link, "ledger", None)  # generation 0: a Link's
+            if ledger is not None:
+                ledger.posted(ahead)
+            self._works[idx] = ahead
+        return True
 
     @property
     def me(self) -> int:
@@ -259,6 +277,8 @@ class Tx(_Channel):
             self._msgs.append((tensor, tag))
             self._works.append(None)
             self._check()  # a failover here re-posts this one too
+            if self._adopt(idx):
+                return idx
             if self._works[idx] is None and not self._delivered:
                 link = self.link
                 try:
@@ -397,6 +417,8 @@ class Rx(_Channel):
             idx = len(self._msgs)
             self._msgs.append((into, tag))
             self._works.append(None)
+            if self._adopt(idx):
+                return idx
             # Every failover names the link that failed: breaking it may already
             # have failed this channel over (its receivers are told at once).
             link = self.link

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from resilient import _faults, _native
 from resilient._channel import Route, Rx, Tx
 from resilient._ring import Span, even_bounds, rail_pieces, skip_bounds, sub_count, sub_spans
-from resilient._sockpair import DigestMismatch, bytes_of
+from resilient._sockpair import DigestMismatch, SocketPair, bytes_of
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
@@ -111,14 +112,30 @@ class MeshRail:
         self.gather_to = self.peers
         if skip is not None and skip != rank:
             self.gather_to = [skip, *(p for p in self.peers if p != skip)]
-        self.tx = {p: Tx(route, p, rail) for p in self.peers}
-        self.rx = {p: Rx(route, p, rail) for p in self.peers}
+        self.route = route
+        # Built when the Python path moves bytes: a C step needs none (resilient._native).
+        self.tx: dict[int, Tx] = {}
+        self.rx: dict[int, Rx] = {}
         self._scratch = scratch
         # Sends of the reduce-scatter and of the all-gather are waited for apart: a
         # rank must not wait for its gather sends before posting its gather receives,
         # or two ranks would wait for each other once messages exceed socket buffers.
         self.rs_sends: list[tuple[Tx, int, int]] = []
         self.ag_sends: list[tuple[Tx, int, int]] = []
+
+    def _channels(
+        self,
+        tx_ahead: dict[int, list[object]] | None = None,
+        rx_ahead: dict[int, list[object]] | None = None,
+    ) -> None:
+        """Build the channels; ``*_ahead``: what a stopped C step moved (see Rx.ahead)."""
+        if self.tx:
+            return
+        for p in self.peers:
+            self.tx[p] = Tx(self.route, p, self.rail)
+            self.rx[p] = Rx(self.route, p, self.rail)
+            self.tx[p].ahead.extend((tx_ahead or {}).get(p, ()))
+            self.rx[p].ahead.extend((rx_ahead or {}).get(p, ()))
 
     def _view(self, span: Span) -> torch.Tensor:
         return self.flat[span.start : span.stop]
@@ -175,21 +192,141 @@ class MeshRail:
         # posted only once our sends had finished, that was a quarter of the results
         # on 4 ranks sharing 2 cores (and posting a receive reads its socket, which
         # may already hold a peer's result).
-        scratch, recvs = self._post_contributions(self._scratch(own_n))
+        pool = self._scratch(own_n)
+        if not self._in_c(reduce, pool, then_gather=then_gather):
+            self._channels()
+            self._python(reduce, pool, then_gather=then_gather, folded=False)
+
+    def _python(
+        self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool, folded: bool
+    ) -> None:
+        """The general path on channels (``folded``: a C step did the folds)."""
+        own = self.subs[self.rank]
+        scratch, recvs = self._post_contributions(pool)
         gathers = self._post_gathers() if then_gather else []
         for j in range(self.k):
             for p in self.peers:
                 self._send(self.rs_sends, p, self.subs[p][j], j)
-        if self.gated:
+        if self.gated and not folded:
             self._gate(recvs)
         for j in range(self.k):
-            if own[j].size:
+            if own[j].size and not folded:
                 self._fold(j, reduce, scratch, recvs, waited=self.gated and j == 0)
             if then_gather:
                 self._start_gather(j)
         self._wait_all(self.rs_sends)
         self._finish_gather(gathers)
         self._close()
+
+    def _quiet_pairs(self) -> list[SocketPair] | None:
+        """The socket pairs to every peer when a C step may move this call's bytes:
+        one rail (no failover to another rail's channel to keep up), a healthy and
+        quiet pair per peer, no chaos hook (its faults act in the Python path)."""
+        route = self.route
+        if (
+            self._bytes is None
+            or self.skip is not None
+            or not _native.available()
+            or len(route.links.rails) != 1
+            or not route.links.config.native_io
+            or _faults.hook() is not None
+        ):
+            return None
+        pairs = []
+        for p in self.peers:
+            link = route.links.get(p, self.rail)
+            if link.broken or not _native.quiet(link.pg):
+                return None
+            pairs.append(link.pg)
+        return pairs
+
+    def _in_c(self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool) -> bool:
+        """The call's two steps in C (resilient._native): the contributions, then the
+        results. False: the pairs are not quiet, nothing was moved. A step that stops
+        hands its streams back, and the channels finish the call from there."""
+        pairs = self._quiet_pairs()
+        if pairs is None:
+            return False
+        assert self._bytes is not None
+        e, k, route = self.elem, self.k, self.route
+        own, at = self.subs[self.rank], {p: i for i, p in enumerate(self.peers)}
+        tag = [self.route.links.get(p, self.rail).ledger.tag for p in self.peers]
+        buf, base, raw, pbase = self._bytes, self.flat.data_ptr(), bytes_of(pool), pool.data_ptr()
+        sent, want = route.sent_digest, route.digest
+        one, scratch, off = _native.Step(pairs), {}, 0
+        for j in range(k):
+            for p in self.peers:
+                i, span = at[p], self.subs[p][j]
+                if span.size:
+                    one.send(
+                        i, tag[i](j + route.base), sent, buf, base, span.start * e, span.size * e
+                    )
+                if own[j].size:
+                    one.recv(i, tag[i](j + route.base), want, raw, pbase, off * e, own[j].size * e)
+                    scratch[(p, j)] = pool[off : off + own[j].size]
+                    off += own[j].size
+        stopped = one.run()
+        if stopped is not None:
+            self._channels(*self._ahead(one, stopped, None))
+            self._python(reduce, pool, then_gather=then_gather, folded=False)
+            return True
+        self.gate_news = one.news
+        for j in range(k):
+            if own[j].size:
+                self._fold(j, reduce, scratch, {}, waited=True)
+        if not then_gather:
+            return True
+        two = _native.Step(pairs)
+        for j in range(k):
+            for p in self.peers:
+                i, span = at[p], self.subs[p][j]
+                if own[j].size:
+                    two.send(
+                        i,
+                        tag[i](k + j + route.base),
+                        sent,
+                        buf,
+                        base,
+                        own[j].start * e,
+                        own[j].size * e,
+                    )
+                if span.size:
+                    two.recv(
+                        i,
+                        tag[i](k + j + route.base),
+                        want,
+                        buf,
+                        base,
+                        span.start * e,
+                        span.size * e,
+                    )
+        stopped = two.run()
+        self.gate_news = self.gate_news or two.news
+        if stopped is not None:
+            self._channels(*self._ahead(two, stopped, one))
+            self._python(reduce, pool, then_gather=True, folded=True)
+        return True
+
+    def _ahead(
+        self,
+        step: _native.Step,
+        stopped: tuple[list[object], list[object]],
+        before: _native.Step | None,
+    ) -> tuple[dict[int, list[object]], dict[int, list[object]]]:
+        """Per peer, what the C steps did of each message, in posting order (``before``:
+        the contributions' step, moved whole, when the results' one stopped)."""
+        tx: dict[int, list[object]] = {p: [] for p in self.peers}
+        rx: dict[int, list[object]] = {p: [] for p in self.peers}
+        if before is not None:
+            for m in before.sends:
+                tx[self.peers[m[0]]].append(_native.DONE)
+            for m in before.recvs:
+                rx[self.peers[m[0]]].append(_native.finished(before.pairs[m[0]], before.news))
+        for m, w in zip(step.sends, stopped[0], strict=True):
+            tx[self.peers[m[0]]].append(w)
+        for m, w in zip(step.recvs, stopped[1], strict=True):
+            rx[self.peers[m[0]]].append(w)
+        return tx, rx
 
     def _gate(self, recvs: dict[tuple[int, int], int]) -> None:
         """Wait for every peer's first contribution before anything folds (an elided
@@ -239,6 +376,7 @@ class MeshRail:
         the slow rank may send at once (gloo moves nothing before the receive is
         posted); then sub-chunk j's sends, and the fold and gather of j - PACE_LAG,
         so the slow rank's results leave as soon as its parts came in."""
+        self._channels()
         own = self.subs[self.rank]
         gather_n = sum(s.size for p in self.peers for s in self.subs[p])
         pool = self._scratch(own_n + gather_n)
@@ -267,6 +405,7 @@ class MeshRail:
         first). A part overwrites the region its send read, so that send is waited
         for first: it has finished, since the owner needed it to make the result.
         """
+        self._channels()
         landed = self._post_gather_into(self._scratch(sum(
             s.size for p in self.peers for s in self.subs[p])))  # fmt: skip
         for j in range(self.k):
@@ -346,6 +485,7 @@ class MeshRail:
 
     def all_gather(self) -> None:
         """Own chunk ``rank`` is filled; fill every other chunk from its owner."""
+        self._channels()
         recvs = self._post_gathers()
         for j in range(self.k):
             self._start_gather(j)

@@ -385,6 +385,11 @@ class SocketPair:
             if self.error is not None:
                 work.error = self.error
                 return work
+            if self._calls_gone and tag >> CALL_SHIFT in self._calls_gone:
+                # Its call was refused before the receive was posted (a C step,
+                # resilient._native, posts the rest of a call only once it stopped).
+                work.error, work.mismatch = "its call was refused on another rank", True
+                return work
             # With a receive posted already, the read that posting it made found
             # the socket empty, or found it again only moments ago: a collective
             # posts several receives per pair at once, and reading again for each

@@ -200,6 +200,11 @@ class DataPlaneConfig:
     rank with news (a NIC, a link) makes the next call an exchange for everyone,
     and a group that is not quiet exchanges on every call. 0 exchanges on every
     call. Only with socket control and data links and a meshing data plane.
+    ``native_io``: on one rail with socket data links, a mesh call's bytes move in
+    C without the GIL while its links are quiet (:mod:`resilient._native`; needs the
+    compiled ``resilient._meshio``, built at install when a C compiler is there);
+    anything unusual hands the streams back to the Python path. Env
+    ``RESILIENT_NATIVE_IO=0`` turns it off.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -220,6 +225,7 @@ class DataPlaneConfig:
     control_transport: str = "socket"
     data_transport: str = "socket"
     elide_every: int = 8
+    native_io: bool = True
 
     def __post_init__(self) -> None:
         if self.topology not in ("auto", "ring", "mesh"):
@@ -297,6 +303,7 @@ class DataPlaneConfig:
             or "socket",
             data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
             elide_every=_env_int(env, p + "ELIDE_EVERY", 8),
+            native_io=_env_flag(env, p + "NATIVE_IO", True),
         )
 
 

@@ -1,0 +1,286 @@
+/* One step of a mesh call's messages, moved without the GIL (resilient._native).
+ *
+ * exchange(fds, sends, recvs, timeout_ms) writes and reads framed messages on
+ * nonblocking, connected sockets: each message is the SocketPair frame (a 24-byte
+ * header: tag, payload bytes, digest, little-endian; then the payload). Sends and
+ * receives are (fd index, tag, digest, address, bytes); each socket's come in the
+ * order they go on its stream, which a mesh step knows in advance.
+ *
+ * Nothing here decides what a failure means. The first thing that is not the
+ * expected frame (another tag, size or digest), a socket error, the end of a
+ * stream, or the deadline stops the step, and the caller gets the exact place every
+ * stream stopped at, to hand it back to the Python socket pair, which knows what
+ * to do (resilient._native.hand_back).
+ *
+ * Returns (code, news, states): code 0 done, 1 deadline, 2 another frame,
+ * 3 socket error or end of stream; news: a received header carried the NEWS flag;
+ * states (None when done): per fd (send index, bytes of it written, receive index,
+ * bytes of it read, header bytes read so far). An index is -1 when nothing is left
+ * on that side; bytes count the header's 24 too.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define HDR 24
+#define MAX_FDS 64
+#define MAX_MSGS 4096
+#define NEWS_FLAG (1LL << 62)
+
+enum { DONE = 0, LATE = 1, OTHER = 2, BROKEN = 3 };
+
+typedef struct {
+    int fd;
+    int64_t tag, digest;
+    char *addr;
+    int64_t len;
+} msg_t;
+
+typedef struct {
+    int si, ri;            /* current send / receive message, -1: none left */
+    int64_t soff, roff;    /* bytes of it done, header included */
+    unsigned char shdr[HDR], rhdr[HDR];
+} stream_t;
+
+static int64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static void put64(unsigned char *p, int64_t v) { memcpy(p, &v, 8); }
+static int64_t get64(const unsigned char *p) { int64_t v; memcpy(&v, p, 8); return v; }
+
+static int next_of(const msg_t *m, int n, int fd, int from) {
+    for (int i = from; i < n; i++)
+        if (m[i].fd == fd) return i;
+    return -1;
+}
+
+static void start_send(stream_t *s, const msg_t *m, int i) {
+    s->si = i;
+    s->soff = 0;
+    if (i >= 0) {
+        put64(s->shdr, m[i].tag);
+        put64(s->shdr + 8, m[i].len);
+        put64(s->shdr + 16, m[i].digest);
+    }
+}
+
+/* Write what the socket takes; returns BROKEN, or DONE (nothing more now). */
+static int write_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *left) {
+    while (s->si >= 0) {
+        const msg_t *x = &m[s->si];
+        struct iovec iov[2];
+        int k = 0;
+        if (s->soff < HDR) {
+            iov[k].iov_base = s->shdr + s->soff;
+            iov[k++].iov_len = (size_t)(HDR - s->soff);
+            iov[k].iov_base = x->addr;
+            iov[k++].iov_len = (size_t)x->len;
+        } else {
+            iov[k].iov_base = x->addr + (s->soff - HDR);
+            iov[k++].iov_len = (size_t)(x->len - (s->soff - HDR));
+        }
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)k;
+        ssize_t w = sendmsg(fd, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? DONE : BROKEN;
+        }
+        s->soff += w;
+        if (s->soff < HDR + x->len) return DONE;  /* the socket is full */
+        (*left)--;
+        start_send(s, m, next_of(m, n, f, s->si + 1));
+    }
+    return DONE;
+}
+
+/* Read what the socket holds into the expected frames; DONE, OTHER or BROKEN. */
+static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *left,
+                     int *news) {
+    while (s->ri >= 0) {
+        const msg_t *x = &m[s->ri];
+        ssize_t g;
+        if (s->roff < HDR)
+            g = recv(fd, s->rhdr + s->roff, (size_t)(HDR - s->roff), MSG_DONTWAIT);
+        else
+            g = recv(fd, x->addr + (s->roff - HDR), (size_t)(x->len - (s->roff - HDR)),
+                     MSG_DONTWAIT);
+        if (g < 0) {
+            if (errno == EINTR) continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? DONE : BROKEN;
+        }
+        if (g == 0) return BROKEN;
+        int had_header = s->roff >= HDR;
+        s->roff += g;
+        if (!had_header && s->roff == HDR) {
+            int64_t digest = get64(s->rhdr + 16);
+            if (get64(s->rhdr) != x->tag || get64(s->rhdr + 8) != x->len ||
+                (x->digest && (digest & ~NEWS_FLAG) != x->digest))
+                return OTHER;
+            if (digest & NEWS_FLAG) *news = 1;
+        }
+        if (s->roff == HDR + x->len) {  /* else read on until the socket is empty */
+            (*left)--;
+            s->ri = next_of(m, n, f, s->ri + 1);
+            s->roff = 0;
+        }
+    }
+    return DONE;
+}
+
+static int run(const int *fds, int nfd, const msg_t *sends, int ns, const msg_t *recvs,
+               int nr, int64_t timeout_ms, stream_t *st, int *news) {
+    int left = ns + nr;
+    int64_t deadline = now_ms() + timeout_ms;
+    struct pollfd pf[MAX_FDS];
+    for (int f = 0; f < nfd; f++) {
+        start_send(&st[f], sends, next_of(sends, ns, f, 0));
+        st[f].ri = next_of(recvs, nr, f, 0);
+        st[f].roff = 0;
+    }
+    int first = 1;
+    while (left > 0) {
+        for (int f = 0; f < nfd; f++) {
+            short ev = (short)((st[f].si >= 0 ? POLLOUT : 0) | (st[f].ri >= 0 ? POLLIN : 0));
+            pf[f].fd = ev ? fds[f] : -1;
+            pf[f].events = ev;
+            pf[f].revents = first ? ev : 0;  /* the first round tries every socket */
+        }
+        if (!first) {
+            int64_t rem = deadline - now_ms();
+            if (rem <= 0) return LATE;
+            int rc = poll(pf, (nfds_t)nfd, (int)rem);
+            if (rc < 0 && errno != EINTR) return BROKEN;
+            if (rc <= 0) continue;
+        }
+        first = 0;
+        for (int f = 0; f < nfd; f++) {
+            short re = pf[f].revents;
+            if (re & POLLNVAL) return BROKEN;
+            if ((re & (POLLOUT | POLLERR | POLLHUP)) && st[f].si >= 0) {
+                if (write_some(fds[f], &st[f], sends, ns, f, &left) != DONE) return BROKEN;
+            }
+            if ((re & (POLLIN | POLLERR | POLLHUP)) && st[f].ri >= 0) {
+                int rc = read_some(fds[f], &st[f], recvs, nr, f, &left, news);
+                if (rc != DONE) return rc;
+            }
+        }
+    }
+    return DONE;
+}
+
+static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > cap) {
+        PyErr_Format(PyExc_ValueError, "exchange: more than %d %s", cap, what);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        int f;
+        long long tag, digest, len;
+        unsigned long long addr;
+        if (!PyArg_ParseTuple(item, "iLLKL", &f, &tag, &digest, &addr, &len)) return -1;
+        if (f < 0 || f >= nfd || len < 0) {
+            PyErr_Format(PyExc_ValueError, "exchange: %s %zd names fd index %d of %d",
+                         what, i, f, nfd);
+            return -1;
+        }
+        out[i].fd = f;
+        out[i].tag = tag;
+        out[i].digest = digest;
+        out[i].addr = (char *)(uintptr_t)addr;
+        out[i].len = len;
+    }
+    return (int)n;
+}
+
+static PyObject *exchange(PyObject *self, PyObject *args) {
+    PyObject *fds_in, *sends_in, *recvs_in;
+    long long timeout_ms;
+    if (!PyArg_ParseTuple(args, "OOOL", &fds_in, &sends_in, &recvs_in, &timeout_ms))
+        return NULL;
+    int fds[MAX_FDS];
+    static msg_t sends[MAX_MSGS], recvs[MAX_MSGS];  /* one caller at a time: see below */
+    PyObject *fseq = PySequence_Fast(fds_in, "exchange: fds must be a sequence");
+    if (fseq == NULL) return NULL;
+    Py_ssize_t nfd = PySequence_Fast_GET_SIZE(fseq);
+    if (nfd > MAX_FDS) {
+        Py_DECREF(fseq);
+        return PyErr_Format(PyExc_ValueError, "exchange: more than %d sockets", MAX_FDS);
+    }
+    for (Py_ssize_t f = 0; f < nfd; f++) {
+        fds[f] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, f));
+    }
+    Py_DECREF(fseq);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *sseq = PySequence_Fast(sends_in, "exchange: sends must be a sequence");
+    if (sseq == NULL) return NULL;
+    PyObject *rseq = PySequence_Fast(recvs_in, "exchange: recvs must be a sequence");
+    if (rseq == NULL) {
+        Py_DECREF(sseq);
+        return NULL;
+    }
+    /* The message tables are static (no allocation per call); the GIL is held until
+     * they are filled, and a lock keeps a second caller out while they are in use. */
+    static PyThread_type_lock busy = NULL;
+    if (busy == NULL) busy = PyThread_allocate_lock();
+    int ns, nr, code = DONE, news = 0;
+    stream_t st[MAX_FDS];
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(busy, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+    ns = parse(sseq, sends, MAX_MSGS, (int)nfd, "sends");
+    nr = ns < 0 ? -1 : parse(rseq, recvs, MAX_MSGS, (int)nfd, "receives");
+    Py_DECREF(sseq);
+    Py_DECREF(rseq);
+    if (nr < 0) {
+        PyThread_release_lock(busy);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    code = run(fds, (int)nfd, sends, ns, recvs, nr, timeout_ms, st, &news);
+    Py_END_ALLOW_THREADS
+    PyThread_release_lock(busy);
+    if (code == DONE) return Py_BuildValue("iiO", code, news, Py_None);
+    PyObject *states = PyTuple_New(nfd);
+    if (states == NULL) return NULL;
+    for (Py_ssize_t f = 0; f < nfd; f++) {
+        int hdr = st[f].ri >= 0 ? (int)(st[f].roff < HDR ? st[f].roff : HDR) : 0;
+        PyObject *one = Py_BuildValue("iLiLy#", st[f].si, (long long)st[f].soff, st[f].ri,
+                                      (long long)st[f].roff, (const char *)st[f].rhdr,
+                                      (Py_ssize_t)hdr);
+        if (one == NULL) {
+            Py_DECREF(states);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(states, f, one);
+    }
+    PyObject *out = Py_BuildValue("iiN", code, news, states);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"exchange", exchange, METH_VARARGS,
+     "exchange(fds, sends, recvs, timeout_ms) -> (code, news, states): see the source."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "resilient._meshio",
+    "Mesh steps moved without the GIL (see resilient._native).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__meshio(void) { return PyModule_Create(&module); }

@@ -1,0 +1,174 @@
+"""A mesh step's socket traffic moved in C, without the GIL, when every link is quiet.
+
+The Python socket engine (:mod:`resilient._sockpair`) pays the interpreter for every
+poll, read and write, on a thread that shares the GIL and two cores with the
+training thread. A mesh step knows in advance every frame each of its sockets will
+carry, in order: the contributions it sends and receives, or the results. So when
+the step's socket pairs hold nothing half-done (:func:`quiet`), ``_meshio.exchange``
+moves them all in one call that releases the GIL (measured: DDP's step overhead
+from +5 % to about 0 %, docs/BENCHMARKS.md).
+
+The C code decides nothing. The first thing that is not plain progress (a frame of
+another tag, size or digest, a socket error, the end of a stream, the time slice
+running out) stops the step, and :func:`hand_back` gives every pair the exact state
+of its stream: a header read so far goes back into the pair's buffer, a message
+half written goes to the head of its queue, a body half read becomes the pair's
+body in progress. The ordinary path (channels, failover, digest checks, stall watch)
+then finishes the step from there, as if it had moved those bytes itself.
+
+Without the compiled module (no C compiler at install) :func:`available` is False
+and the Python path runs alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+from resilient._sockpair import _HEADER, NEWS, SocketPair, SocketWork
+
+try:
+    from resilient import _meshio  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler
+    _meshio = None
+
+__all__ = ["DONE", "Step", "available", "finished", "hand_back", "quiet"]
+
+# How long one C step may wait before the Python path takes over (with its stall
+# watch and deadlines): healthy steps take milliseconds.
+SLICE_S: Final = 0.05
+# A message moved whole by the C step (where a work would stand otherwise).
+DONE: Final = "done"
+_HDR: Final = _HEADER.size
+
+
+def available() -> bool:
+    return _meshio is not None
+
+
+def quiet(pair: Any) -> bool:
+    """``pair`` is a healthy socket pair with nothing queued, posted, stashed or half
+    read (so its stream is exactly at a frame boundary on both sides)."""
+    return (
+        type(pair) is SocketPair
+        and pair.error is None
+        and not pair._outq
+        and not pair._pending
+        and not pair._stash
+        and pair._body is None
+        and pair._start == pair._end
+        and not pair._parked
+    )
+
+
+class Step:
+    """The frames of one mesh step, in the order each socket carries them.
+
+    A message is (pair index, wire tag, digest, address, bytes) for the C code, and
+    (byte view, offset) to hand it back from."""
+
+    __slots__ = ("news", "pairs", "recv_at", "recvs", "send_at", "sends")
+
+    def __init__(self, pairs: Sequence[SocketPair]) -> None:
+        self.pairs = pairs
+        self.sends: list[tuple[int, int, int, int, int]] = []
+        self.recvs: list[tuple[int, int, int, int, int]] = []
+        self.send_at: list[tuple[memoryview, int]] = []
+        self.recv_at: list[tuple[memoryview, int]] = []
+        self.news = False
+
+    def send(
+        self, i: int, tag: int, digest: int, view: memoryview, base: int, off: int, n: int
+    ) -> None:
+        self.sends.append((i, tag, digest, base + off, n))
+        self.send_at.append((view, off))
+
+    def recv(
+        self, i: int, tag: int, digest: int, view: memoryview, base: int, off: int, n: int
+    ) -> None:
+        self.recvs.append((i, tag, digest, base + off, n))
+        self.recv_at.append((view, off))
+
+    def run(self) -> tuple[list[Any], list[Any]] | None:
+        """Move every frame; None when all moved, else the works to finish it with:
+        per send DONE, per receive a finished work, a :class:`SocketWork` the pair
+        finishes, or None (not begun: post it as usual). Holds the engine's lock
+        meanwhile, so no Python driver touches these sockets."""
+        assert _meshio is not None
+        engine = self.pairs[0].engine
+        fds = [p.fileno for p in self.pairs]
+        with engine.lock:
+            if engine.driving or not all(quiet(p) for p in self.pairs):
+                return [None] * len(self.sends), [None] * len(self.recvs)
+            code, news, states = _meshio.exchange(fds, self.sends, self.recvs, int(SLICE_S * 1000))
+            self.news = self.news or bool(news)
+            if code == 0:
+                return None
+            return hand_back(self, states)
+
+
+def hand_back(
+    step: Step, states: Sequence[tuple[int, int, int, int, bytes]]
+) -> tuple[list[Any], list[Any]]:
+    """Give each pair its stream's state after a stopped C step (holds the lock)."""
+    sent: list[Any] = [DONE] * len(step.sends)
+    got: list[Any] = [DONE] * len(step.recvs)
+    for f, (si, soff, ri, roff, head) in enumerate(states):
+        pair = step.pairs[f]
+        for i in _from(step.sends, f, si):
+            sent[i] = None
+        for i in _from(step.recvs, f, ri):
+            got[i] = None
+        if si >= 0 and soff:
+            sent[si] = _half_sent(pair, step, si, soff)
+        if ri >= 0 and roff > _HDR:
+            got[ri] = _half_read(pair, step, ri, roff, head)
+        elif ri >= 0 and roff:
+            # The header so far (the whole one, when it was another frame) goes back
+            # into the pair's buffer, and is delivered as if the pair had read it
+            # (stashed, parked or dropped; a part of one waits for the rest).
+            pair._buf[: len(head)] = head
+            pair._start, pair._end = 0, len(head)
+            pair._deliver()
+    for i, w in enumerate(got):
+        if w is DONE:
+            got[i] = finished(step.pairs[step.recvs[i][0]], step.news)
+    return sent, got
+
+
+def _from(msgs: Sequence[tuple[int, int, int, int, int]], f: int, first: int) -> Iterator[int]:
+    """Indexes of pair ``f``'s messages from ``first`` on (none when first < 0)."""
+    if first < 0:
+        return
+    for i in range(first, len(msgs)):
+        if msgs[i][0] == f:
+            yield i
+
+
+def _half_sent(pair: SocketPair, step: Step, i: int, off: int) -> SocketWork:
+    _, tag, digest, _, n = step.sends[i]
+    view, at = step.send_at[i]
+    payload = view[at : at + n]
+    header = memoryview(_HEADER.pack(tag, n, digest))
+    bufs = [header[off:], payload] if off < _HDR else [payload[off - _HDR :]]
+    work = SocketWork(pair, payload, sending=True)
+    pair._outq.append((bufs, work))
+    return work
+
+
+def _half_read(pair: SocketPair, step: Step, i: int, off: int, head: bytes) -> SocketWork:
+    _, tag, expected, _, n = step.recvs[i]
+    view, at = step.recv_at[i]
+    into = view[at : at + n]
+    digest = _HEADER.unpack(head)[2]
+    work = SocketWork(pair, into, sending=False, digest=expected)
+    work.news = digest & NEWS != 0
+    pair._body = (tag, into, off - _HDR, work, digest)
+    return work
+
+
+def finished(pair: SocketPair, news: bool) -> SocketWork:
+    """A receive the C step completed, as a finished work (its news: the step's)."""
+    work = SocketWork(pair, memoryview(b""), sending=False)
+    work.done, work.news = True, news
+    return work
