@@ -64,6 +64,7 @@ class Plan:
     elide_every: int = ELIDE_EVERY
     data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
+    native_io: bool = True
     lr: float = 0.05
     seed: int = 0
     timeout_s: float = 120.0
@@ -77,6 +78,11 @@ def add_step_flags(p: argparse.ArgumentParser, steps_help: str) -> None:
     p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
+    p.add_argument(
+        "--no-native-io",
+        action="store_true",
+        help="resilient without its C mesh steps (DataPlaneConfig.native_io=False)",
+    )
     add_common_flags(p)
 
 
@@ -95,6 +101,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
         elide_every=args.elide_every,
         data_transport=args.data_transport,
         topology=args.topology,
+        native_io=not args.no_native_io,
     )
 
 
@@ -183,6 +190,7 @@ def make_groups(rank: int, store: Any, plan: Plan) -> dict[str, Any]:
                 elide_every=plan.elide_every,
                 topology=plan.topology,
                 data_transport=plan.data_transport,
+                native_io=plan.native_io,
             ),
         ),
     }
@@ -217,13 +225,17 @@ def train(
 def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
     import torch
 
+    from resilient import _native
+
     torch.set_num_threads(1)
     example = load_example()
     store = tcp_store(rank, world, port, plan.timeout_s)
     groups = make_groups(rank, store, plan)
     try:
         trainers = {n: Trainer(example, groups[n], plan, rank) for n in NAMES}
+        before = dict(_native.STATS)
         times, cpu = train(trainers, groups["control"], plan)
+        c_steps = [_native.STATS[k] - before[k] for k in ("steps", "stopped")]
         digests = {n: t.digest() for n, t in trainers.items()}
         diff = max(
             float((a.detach() - b.detach()).abs().max())
@@ -236,7 +248,13 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
         del trainers
     finally:
         close_groups(groups)
-    return {"times": times, "cpu": cpu, "digests": digests, "max_param_diff": diff}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "digests": digests,
+        "max_param_diff": diff,
+        "c_steps": c_steps,
+    }
 
 
 # -- parent side -----------------------------------------------------------------------
@@ -262,6 +280,9 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "elide_every": plan.elide_every,
         "topology": plan.topology,
         "data_transport": plan.data_transport,
+        "native_io": plan.native_io,
+        # C mesh steps run on all ranks, and those that stopped and handed back.
+        "c_steps": [sum(r["c_steps"][i] for r in results) for i in (0, 1)],
         "resilient_step_ms": round(res, 2),
         "gloo_step_ms": round(gloo, 2),
         "overhead": round(res / gloo - 1, 4),
@@ -311,6 +332,7 @@ def combined(launches: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("resilient_step_ms", "gloo_step_ms", "resilient_step_cpu_ms", "gloo_step_cpu_ms"):
         out[key] = round(statistics.median(s[key] for s in launches), 2)
     out["overhead"] = round(statistics.median(s["overhead"] for s in launches), 4)
+    out["c_steps"] = [sum(s["c_steps"][i] for s in launches) for i in (0, 1)]
     out["min_max_ms"] = {
         n: [
             min(s["min_max_ms"][n][0] for s in launches),

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from resilient import _faults, _native
 from resilient._channel import Route, Rx, Tx
+from resilient._meshc import in_c
 from resilient._ring import Span, even_bounds, rail_pieces, skip_bounds, sub_count, sub_spans
-from resilient._sockpair import DigestMismatch, SocketPair, bytes_of
+from resilient._sockpair import DigestMismatch, bytes_of
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
@@ -193,7 +193,7 @@ class MeshRail:
         # on 4 ranks sharing 2 cores (and posting a receive reads its socket, which
         # may already hold a peer's result).
         pool = self._scratch(own_n)
-        if not self._in_c(reduce, pool, then_gather=then_gather):
+        if not in_c(self, reduce, pool, then_gather=then_gather):
             self._channels()
             self._python(reduce, pool, then_gather=then_gather, folded=False)
 
@@ -209,6 +209,9 @@ class MeshRail:
                 self._send(self.rs_sends, p, self.subs[p][j], j)
         if self.gated and not folded:
             self._gate(recvs)
+        if folded:  # the C step received them all: each is a finished work
+            for (p, j), idx in recvs.items():
+                self.rx[p].wait(idx, own[j].size * self.elem)
         for j in range(self.k):
             if own[j].size and not folded:
                 self._fold(j, reduce, scratch, recvs, waited=self.gated and j == 0)
@@ -217,116 +220,6 @@ class MeshRail:
         self._wait_all(self.rs_sends)
         self._finish_gather(gathers)
         self._close()
-
-    def _quiet_pairs(self) -> list[SocketPair] | None:
-        """The socket pairs to every peer when a C step may move this call's bytes:
-        one rail (no failover to another rail's channel to keep up), a healthy and
-        quiet pair per peer, no chaos hook (its faults act in the Python path)."""
-        route = self.route
-        if (
-            self._bytes is None
-            or self.skip is not None
-            or not _native.available()
-            or len(route.links.rails) != 1
-            or not route.links.config.native_io
-            or _faults.hook() is not None
-        ):
-            return None
-        pairs = []
-        for p in self.peers:
-            link = route.links.get(p, self.rail)
-            if link.broken or not _native.quiet(link.pg):
-                return None
-            pairs.append(link.pg)
-        return pairs
-
-    def _in_c(self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool) -> bool:
-        """The call's two steps in C (resilient._native): the contributions, then the
-        results. False: the pairs are not quiet, nothing was moved. A step that stops
-        hands its streams back, and the channels finish the call from there."""
-        pairs = self._quiet_pairs()
-        if pairs is None:
-            return False
-        assert self._bytes is not None
-        e, k, route = self.elem, self.k, self.route
-        own, at = self.subs[self.rank], {p: i for i, p in enumerate(self.peers)}
-        tag = [self.route.links.get(p, self.rail).ledger.tag for p in self.peers]
-        buf, base, raw, pbase = self._bytes, self.flat.data_ptr(), bytes_of(pool), pool.data_ptr()
-        sent, want = route.sent_digest, route.digest
-        one, scratch, off = _native.Step(pairs), {}, 0
-        for j in range(k):
-            for p in self.peers:
-                i, span = at[p], self.subs[p][j]
-                if span.size:
-                    one.send(
-                        i, tag[i](j + route.base), sent, buf, base, span.start * e, span.size * e
-                    )
-                if own[j].size:
-                    one.recv(i, tag[i](j + route.base), want, raw, pbase, off * e, own[j].size * e)
-                    scratch[(p, j)] = pool[off : off + own[j].size]
-                    off += own[j].size
-        stopped = one.run()
-        if stopped is not None:
-            self._channels(*self._ahead(one, stopped, None))
-            self._python(reduce, pool, then_gather=then_gather, folded=False)
-            return True
-        self.gate_news = one.news
-        for j in range(k):
-            if own[j].size:
-                self._fold(j, reduce, scratch, {}, waited=True)
-        if not then_gather:
-            return True
-        two = _native.Step(pairs)
-        for j in range(k):
-            for p in self.peers:
-                i, span = at[p], self.subs[p][j]
-                if own[j].size:
-                    two.send(
-                        i,
-                        tag[i](k + j + route.base),
-                        sent,
-                        buf,
-                        base,
-                        own[j].start * e,
-                        own[j].size * e,
-                    )
-                if span.size:
-                    two.recv(
-                        i,
-                        tag[i](k + j + route.base),
-                        want,
-                        buf,
-                        base,
-                        span.start * e,
-                        span.size * e,
-                    )
-        stopped = two.run()
-        self.gate_news = self.gate_news or two.news
-        if stopped is not None:
-            self._channels(*self._ahead(two, stopped, one))
-            self._python(reduce, pool, then_gather=True, folded=True)
-        return True
-
-    def _ahead(
-        self,
-        step: _native.Step,
-        stopped: tuple[list[object], list[object]],
-        before: _native.Step | None,
-    ) -> tuple[dict[int, list[object]], dict[int, list[object]]]:
-        """Per peer, what the C steps did of each message, in posting order (``before``:
-        the contributions' step, moved whole, when the results' one stopped)."""
-        tx: dict[int, list[object]] = {p: [] for p in self.peers}
-        rx: dict[int, list[object]] = {p: [] for p in self.peers}
-        if before is not None:
-            for m in before.sends:
-                tx[self.peers[m[0]]].append(_native.DONE)
-            for m in before.recvs:
-                rx[self.peers[m[0]]].append(_native.finished(before.pairs[m[0]], before.news))
-        for m, w in zip(step.sends, stopped[0], strict=True):
-            tx[self.peers[m[0]]].append(w)
-        for m, w in zip(step.recvs, stopped[1], strict=True):
-            rx[self.peers[m[0]]].append(w)
-        return tx, rx
 
     def _gate(self, recvs: dict[tuple[int, int], int]) -> None:
         """Wait for every peer's first contribution before anything folds (an elided

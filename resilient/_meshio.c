@@ -1,6 +1,6 @@
 /* One step of a mesh call's messages, moved without the GIL (resilient._native).
  *
- * exchange(fds, sends, recvs, timeout_ms) writes and reads framed messages on
+ * exchange(fds, sends, recvs, timeout_ms, wake_fd) writes and reads framed messages on
  * nonblocking, connected sockets: each message is the SocketPair frame (a 24-byte
  * header: tag, payload bytes, digest, little-endian; then the payload). Sends and
  * receives are (fd index, tag, digest, address, bytes); each socket's come in the
@@ -8,7 +8,8 @@
  *
  * Nothing here decides what a failure means. The first thing that is not the
  * expected frame (another tag, size or digest), a socket error, the end of a
- * stream, or the deadline stops the step, and the caller gets the exact place every
+ * stream, the deadline, or a byte on wake_fd (another thread needs the pairs: it
+ * is drained) stops the step, and the caller gets the exact place every
  * stream stopped at, to hand it back to the Python socket pair, which knows what
  * to do (resilient._native.hand_back).
  *
@@ -28,6 +29,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #define HDR 24
 #define MAX_FDS 64
@@ -140,11 +142,11 @@ static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *lef
     return DONE;
 }
 
-static int run(const int *fds, int nfd, const msg_t *sends, int ns, const msg_t *recvs,
-               int nr, int64_t timeout_ms, stream_t *st, int *news) {
+static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
+               const msg_t *recvs, int nr, int64_t timeout_ms, stream_t *st, int *news) {
     int left = ns + nr;
     int64_t deadline = now_ms() + timeout_ms;
-    struct pollfd pf[MAX_FDS];
+    struct pollfd pf[MAX_FDS + 1];
     for (int f = 0; f < nfd; f++) {
         start_send(&st[f], sends, next_of(sends, ns, f, 0));
         st[f].ri = next_of(recvs, nr, f, 0);
@@ -158,12 +160,21 @@ static int run(const int *fds, int nfd, const msg_t *sends, int ns, const msg_t 
             pf[f].events = ev;
             pf[f].revents = first ? ev : 0;  /* the first round tries every socket */
         }
+        pf[nfd].fd = wake;
+        pf[nfd].events = POLLIN;
+        pf[nfd].revents = 0;
         if (!first) {
             int64_t rem = deadline - now_ms();
             if (rem <= 0) return LATE;
-            int rc = poll(pf, (nfds_t)nfd, (int)rem);
+            int rc = poll(pf, (nfds_t)(nfd + 1), (int)rem);
             if (rc < 0 && errno != EINTR) return BROKEN;
             if (rc <= 0) continue;
+            if (pf[nfd].revents) {  /* another thread needs the pairs (to fail one) */
+                char drain[64];
+                while (read(wake, drain, sizeof drain) > 0) {
+                }
+                return LATE;
+            }
         }
         first = 0;
         for (int f = 0; f < nfd; f++) {
@@ -207,54 +218,8 @@ static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what) 
     return (int)n;
 }
 
-static PyObject *exchange(PyObject *self, PyObject *args) {
-    PyObject *fds_in, *sends_in, *recvs_in;
-    long long timeout_ms;
-    if (!PyArg_ParseTuple(args, "OOOL", &fds_in, &sends_in, &recvs_in, &timeout_ms))
-        return NULL;
-    int fds[MAX_FDS];
-    static msg_t sends[MAX_MSGS], recvs[MAX_MSGS];  /* one caller at a time: see below */
-    PyObject *fseq = PySequence_Fast(fds_in, "exchange: fds must be a sequence");
-    if (fseq == NULL) return NULL;
-    Py_ssize_t nfd = PySequence_Fast_GET_SIZE(fseq);
-    if (nfd > MAX_FDS) {
-        Py_DECREF(fseq);
-        return PyErr_Format(PyExc_ValueError, "exchange: more than %d sockets", MAX_FDS);
-    }
-    for (Py_ssize_t f = 0; f < nfd; f++) {
-        fds[f] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, f));
-    }
-    Py_DECREF(fseq);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *sseq = PySequence_Fast(sends_in, "exchange: sends must be a sequence");
-    if (sseq == NULL) return NULL;
-    PyObject *rseq = PySequence_Fast(recvs_in, "exchange: recvs must be a sequence");
-    if (rseq == NULL) {
-        Py_DECREF(sseq);
-        return NULL;
-    }
-    /* The message tables are static (no allocation per call); the GIL is held until
-     * they are filled, and a lock keeps a second caller out while they are in use. */
-    static PyThread_type_lock busy = NULL;
-    if (busy == NULL) busy = PyThread_allocate_lock();
-    int ns, nr, code = DONE, news = 0;
-    stream_t st[MAX_FDS];
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(busy, WAIT_LOCK);
-    Py_END_ALLOW_THREADS
-    ns = parse(sseq, sends, MAX_MSGS, (int)nfd, "sends");
-    nr = ns < 0 ? -1 : parse(rseq, recvs, MAX_MSGS, (int)nfd, "receives");
-    Py_DECREF(sseq);
-    Py_DECREF(rseq);
-    if (nr < 0) {
-        PyThread_release_lock(busy);
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    code = run(fds, (int)nfd, sends, ns, recvs, nr, timeout_ms, st, &news);
-    Py_END_ALLOW_THREADS
-    PyThread_release_lock(busy);
-    if (code == DONE) return Py_BuildValue("iiO", code, news, Py_None);
+/* Per fd: (send index, bytes of it written, receive index, bytes of it read, header). */
+static PyObject *states_of(const stream_t *st, Py_ssize_t nfd) {
     PyObject *states = PyTuple_New(nfd);
     if (states == NULL) return NULL;
     for (Py_ssize_t f = 0; f < nfd; f++) {
@@ -268,13 +233,62 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
         }
         PyTuple_SET_ITEM(states, f, one);
     }
-    PyObject *out = Py_BuildValue("iiN", code, news, states);
-    return out;
+    return states;
+}
+
+static PyObject *exchange(PyObject *self, PyObject *args) {
+    PyObject *fds_in, *sends_in, *recvs_in;
+    long long timeout_ms;
+    int wake;
+    if (!PyArg_ParseTuple(args, "OOOLi", &fds_in, &sends_in, &recvs_in, &timeout_ms, &wake))
+        return NULL;
+    int fds[MAX_FDS];
+    stream_t st[MAX_FDS];
+    PyObject *fseq = PySequence_Fast(fds_in, "exchange: fds must be a sequence");
+    if (fseq == NULL) return NULL;
+    Py_ssize_t nfd = PySequence_Fast_GET_SIZE(fseq);
+    if (nfd > MAX_FDS) {
+        Py_DECREF(fseq);
+        return PyErr_Format(PyExc_ValueError, "exchange: more than %d sockets", MAX_FDS);
+    }
+    for (Py_ssize_t f = 0; f < nfd; f++)
+        fds[f] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, f));
+    Py_DECREF(fseq);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *sseq = PySequence_Fast(sends_in, "exchange: sends must be a sequence");
+    PyObject *rseq = PySequence_Fast(recvs_in, "exchange: recvs must be a sequence");
+    msg_t *sends = NULL, *recvs = NULL;
+    int ns = -1, nr = -1, code = DONE, news = 0;
+    if (sseq != NULL && rseq != NULL) {
+        /* Each call has its own tables: several groups' threads may run steps at once. */
+        Py_ssize_t cs = PySequence_Fast_GET_SIZE(sseq), cr = PySequence_Fast_GET_SIZE(rseq);
+        sends = PyMem_Malloc(sizeof(msg_t) * (size_t)(cs ? cs : 1));
+        recvs = PyMem_Malloc(sizeof(msg_t) * (size_t)(cr ? cr : 1));
+        if (sends == NULL || recvs == NULL) PyErr_NoMemory();
+        else {
+            ns = parse(sseq, sends, MAX_MSGS, (int)nfd, "sends");
+            nr = ns < 0 ? -1 : parse(rseq, recvs, MAX_MSGS, (int)nfd, "receives");
+        }
+    }
+    Py_XDECREF(sseq);
+    Py_XDECREF(rseq);
+    if (nr >= 0) {
+        Py_BEGIN_ALLOW_THREADS
+        code = run(fds, (int)nfd, wake, sends, ns, recvs, nr, timeout_ms, st, &news);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(sends);
+    PyMem_Free(recvs);
+    if (nr < 0) return NULL;
+    if (code == DONE) return Py_BuildValue("iiO", code, news, Py_None);
+    PyObject *states = states_of(st, nfd);
+    return states == NULL ? NULL : Py_BuildValue("iiN", code, news, states);
 }
 
 static PyMethodDef methods[] = {
     {"exchange", exchange, METH_VARARGS,
-     "exchange(fds, sends, recvs, timeout_ms) -> (code, news, states): see the source."},
+     "exchange(fds, sends, recvs, timeout_ms, wake_fd) -> (code, news, states): see the "
+     "source."},
     {NULL, NULL, 0, NULL},
 };
 

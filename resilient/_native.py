@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
+from resilient._ledger import OpLedger
 from resilient._sockpair import _HEADER, NEWS, SocketPair, SocketWork
 
 try:
@@ -32,7 +33,7 @@ try:
 except ImportError:  # built without a C compiler
     _meshio = None
 
-__all__ = ["DONE", "Step", "available", "finished", "hand_back", "quiet"]
+__all__ = ["DONE", "STATS", "Step", "available", "finished", "hand_back", "quiet"]
 
 # How long one C step may wait before the Python path takes over (with its stall
 # watch and deadlines): healthy steps take milliseconds.
@@ -40,6 +41,22 @@ SLICE_S: Final = 0.05
 # A message moved whole by the C step (where a work would stand otherwise).
 DONE: Final = "done"
 _HDR: Final = _HEADER.size
+
+
+# C steps run, and those that stopped and handed back (for tests and benchmarks).
+STATS: Final[dict[str, int]] = {"steps": 0, "stopped": 0}
+
+
+class _Blocked:
+    """A C step as one op of each of its links' ledgers."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
 
 
 def available() -> bool:
@@ -67,10 +84,10 @@ class Step:
     A message is (pair index, wire tag, digest, address, bytes) for the C code, and
     (byte view, offset) to hand it back from."""
 
-    __slots__ = ("news", "pairs", "recv_at", "recvs", "send_at", "sends")
+    __slots__ = ("ledgers", "news", "pairs", "recv_at", "recvs", "send_at", "sends")
 
-    def __init__(self, pairs: Sequence[SocketPair]) -> None:
-        self.pairs = pairs
+    def __init__(self, pairs: Sequence[SocketPair], ledgers: Sequence[OpLedger]) -> None:
+        self.pairs, self.ledgers = pairs, ledgers
         self.sends: list[tuple[int, int, int, int, int]] = []
         self.recvs: list[tuple[int, int, int, int, int]] = []
         self.send_at: list[tuple[memoryview, int]] = []
@@ -97,14 +114,37 @@ class Step:
         assert _meshio is not None
         engine = self.pairs[0].engine
         fds = [p.fileno for p in self.pairs]
-        with engine.lock:
-            if engine.driving or not all(quiet(p) for p in self.pairs):
-                return [None] * len(self.sends), [None] * len(self.recvs)
-            code, news, states = _meshio.exchange(fds, self.sends, self.recvs, int(SLICE_S * 1000))
-            self.news = self.news or bool(news)
-            if code == 0:
-                return None
-            return hand_back(self, states)
+        # The step is an op a thread is blocked on, for each link's ledger: a given-up
+        # call cuts such links (which ends the step at once), and recovery keeps no
+        # link with one (resilient._ledger, recovery.agree).
+        blocked = _Blocked()
+        entered = []
+        for ledger in self.ledgers:
+            ledger.posted(blocked)
+            if not ledger.begin_wait(blocked):
+                break
+            entered.append(ledger)
+        try:
+            with engine.lock:
+                if (
+                    len(entered) < len(self.ledgers)
+                    or engine.driving
+                    or not all(quiet(p) for p in self.pairs)
+                ):
+                    return [None] * len(self.sends), [None] * len(self.recvs)
+                code, news, states = _meshio.exchange(
+                    fds, self.sends, self.recvs, int(SLICE_S * 1000), engine.stop_r
+                )
+                self.news = self.news or bool(news)
+                STATS["steps"] += 1
+                if code == 0:
+                    return None
+                STATS["stopped"] += 1
+                return hand_back(self, states)
+        finally:
+            blocked.done = True
+            for ledger in self.ledgers:
+                ledger.end_wait(blocked, finished=True)
 
 
 def hand_back(

@@ -171,8 +171,15 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._rung = False
+        # A C step (resilient._native) holds the lock for its whole step; a thread that
+        # needs it to fail a pair writes here first, which ends the step at once.
+        self.stop_r, self._stop_w = os.pipe()
+        os.set_blocking(self.stop_r, False)
+        os.set_blocking(self._stop_w, False)
         # The process's engines live as long as it does; a test's die with it.
-        self._closer = weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self._closer = weakref.finalize(
+            self, _close_fds, self._wake_r, self._wake_w, self.stop_r, self._stop_w
+        )
 
     def close(self) -> None:
         """Close the wake-up pipe; the engine's pairs must be shut down first."""
@@ -197,6 +204,12 @@ class Engine:
             self._rung = True
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"x")
+
+    def stop_c_step(self) -> None:
+        """End a C step that holds the lock (a byte left over ends the next one early,
+        which only hands its bytes to the Python path)."""
+        with contextlib.suppress(OSError):  # full (steps are being stopped) or closed
+            os.write(self._stop_w, b"x")
 
     def handed_over(self) -> None:
         """Ops of sleeping threads may have completed (holds the lock)."""
@@ -463,12 +476,14 @@ class SocketPair:
     def fail(self, why: str) -> None:
         """Fail every pending op now (the link above broke), waking their waiters; the
         connection stays open until :meth:`shutdown`."""
+        self.engine.stop_c_step()
         with self.engine.lock:
             self.fail_locked(why)
             self.engine.ring()
 
     def shutdown(self) -> None:
         """Close the connection; every pending op fails."""
+        self.engine.stop_c_step()
         with self.engine.lock:
             with contextlib.suppress(OSError):  # already cut or reset
                 self._sock.shutdown(socket.SHUT_RDWR)

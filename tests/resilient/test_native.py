@@ -1,0 +1,280 @@
+"""Mesh steps moved in C (resilient._native): frames the Python socket pair reads and
+writes alike, and every way a step stops handed back so the pair finishes it. Real
+TCP connections on loopback; the far end is a Python SocketPair or a raw socket."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from resilient import _native
+from resilient._ledger import OpLedger
+from resilient._sockconnect import PairError
+from resilient._sockpair import _HEADER, DigestMismatch, Engine, SocketPair, SocketWork
+from tests._dist import run_world
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not _native.available(), reason="resilient._meshio is not built"),
+]
+
+BIG = 8 << 20  # more than loopback's socket buffers take at once
+WAIT = timedelta(seconds=20)
+
+
+@pytest.fixture
+def ends() -> Iterator[tuple[SocketPair, socket.socket]]:
+    """A quiet SocketPair (the C step's end) and the raw socket at the other end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    far = socket.create_connection(listener.getsockname(), timeout=10)
+    near, _ = listener.accept()
+    listener.close()
+    for s in (near, far):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    engine = Engine()
+    pair = SocketPair(near, engine)
+    yield pair, far
+    pair.shutdown()
+    far.close()
+    engine.close()
+
+
+def _python_end(far: socket.socket) -> tuple[SocketPair, Engine]:
+    engine = Engine()
+    return SocketPair(far, engine), engine
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _step(pair: SocketPair) -> _native.Step:
+    return _native.Step([pair], [OpLedger()])
+
+
+def _send(step: _native.Step, tag: int, digest: int, data: torch.Tensor) -> None:
+    step.send(0, tag, digest, memoryview(data.numpy()), data.data_ptr(), 0, data.numel())
+
+
+def _recv(step: _native.Step, tag: int, digest: int, into: torch.Tensor) -> None:
+    step.recv(0, tag, digest, memoryview(into.numpy()), into.data_ptr(), 0, into.numel())
+
+
+def _finish(works: list[Any]) -> None:
+    """Wait for what a stopped step handed back (DONE and finished works need none)."""
+    for w in works:
+        assert w is not None, "a message was not begun: the test expected it moved"
+        if isinstance(w, SocketWork):
+            w.wait(WAIT)
+
+
+def _frame(tag: int, digest: int, body: bytes) -> bytes:
+    return _HEADER.pack(tag, len(body), digest) + body
+
+
+def test_frames_go_both_ways_between_a_c_step_and_a_python_pair(ends: Any) -> None:
+    pair, far = ends
+    peer, engine = _python_end(far)
+    out = [_bytes(BIG, 1), _bytes(100, 2), _bytes(0, 3)]
+    back = [_bytes(1 << 20, 4), _bytes(17, 5)]
+    got_there = [torch.zeros_like(t) for t in out]
+    got_here = [torch.zeros_like(t) for t in back]
+    step = _step(pair)
+    for i, t in enumerate(out):
+        _send(step, 10 + i, 0xD1, t)
+    for i, t in enumerate(got_here):
+        _recv(step, 20 + i, 0xD2, t)
+
+    def python_side() -> None:
+        recvs = [peer.recv([t], 0, 10 + i, 0xD1) for i, t in enumerate(got_there)]
+        sends = [peer.send([t], 0, 20 + i, 0xD2) for i, t in enumerate(back)]
+        for w in recvs + sends:
+            w.wait(WAIT)
+
+    thread = threading.Thread(target=python_side)
+    thread.start()
+    stopped = step.run()
+    if stopped is not None:  # a loaded host can outlast the slice: the pair finishes
+        _finish(stopped[0] + stopped[1])
+    thread.join(30)
+    assert not thread.is_alive()
+    assert all(torch.equal(a, b) for a, b in zip(out, got_there, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(back, got_here, strict=True))
+    peer.shutdown()
+    engine.close()
+
+
+def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(ends: Any) -> None:
+    pair, far = ends
+    data = _bytes(BIG, 6)
+    step = _step(pair)
+    _send(step, 7, 0, data)
+    before = _native.STATS["stopped"]
+    stopped = step.run()  # nobody reads yet: the socket fills, the slice runs out
+    assert stopped is not None and _native.STATS["stopped"] == before + 1
+    (work,), () = stopped
+    assert isinstance(work, SocketWork) and not work.is_completed()
+    peer, engine = _python_end(far)
+    into = torch.zeros_like(data)
+    got = peer.recv([into], 0, 7)
+    waiter = threading.Thread(target=got.wait, args=(WAIT,))
+    waiter.start()
+    work.wait(WAIT)
+    waiter.join(30)
+    assert torch.equal(into, data)
+    peer.shutdown()
+    engine.close()
+
+
+def test_a_half_read_message_is_finished_by_the_pair(ends: Any) -> None:
+    pair, far = ends
+    data = _bytes(64 << 10, 8)  # half a frame fits the socket buffers: sendall returns
+    frame = _frame(3, 0xAB, data.numpy().tobytes())
+    far.sendall(frame[: len(frame) // 2])
+    into = torch.zeros_like(data)
+    step = _step(pair)
+    _recv(step, 3, 0xAB, into)
+    stopped = step.run()
+    assert stopped is not None
+    (), (work,) = stopped
+    assert isinstance(work, SocketWork) and not work.is_completed()
+    far.sendall(frame[len(frame) // 2 :])
+    work.wait(WAIT)
+    assert torch.equal(into, data)
+
+
+def test_a_header_cut_short_waits_in_the_pairs_buffer(ends: Any) -> None:
+    pair, far = ends
+    frame = _frame(4, 0, b"x" * 40)
+    far.sendall(frame[:10])
+    into = torch.zeros(40, dtype=torch.uint8)
+    step = _step(pair)
+    _recv(step, 4, 0, into)
+    stopped = step.run()
+    assert stopped is not None and stopped[1] == [None]  # not begun: post it as usual
+    got = pair.recv([into], 0, 4)
+    far.sendall(frame[10:])
+    got.wait(WAIT)
+    assert bytes(into.numpy()) == b"x" * 40
+
+
+def test_another_frame_stops_the_step_and_reaches_the_python_reader(ends: Any) -> None:
+    pair, far = ends
+    far.sendall(_frame(9, 0, b"early") + _frame(5, 0, b"wanted"))
+    into = torch.zeros(6, dtype=torch.uint8)
+    step = _step(pair)
+    _recv(step, 5, 0, into)
+    stopped = step.run()
+    assert stopped is not None and stopped[1] == [None]
+    early = torch.zeros(5, dtype=torch.uint8)
+    pair.recv([early], 0, 9).wait(WAIT)  # the frame the step met, stashed for its tag
+    pair.recv([into], 0, 5).wait(WAIT)
+    assert bytes(early.numpy()) == b"early" and bytes(into.numpy()) == b"wanted"
+
+
+def test_a_message_of_another_call_fails_its_receive_as_refused(ends: Any) -> None:
+    pair, far = ends
+    far.sendall(_frame(5, 0x1111, b"z" * (64 << 10)))
+    into = torch.zeros(64 << 10, dtype=torch.uint8)
+    step = _step(pair)
+    _recv(step, 5, 0x2222, into)
+    stopped = step.run()
+    assert stopped is not None and stopped[1] == [None]
+    with pytest.raises(DigestMismatch):
+        pair.recv([into], 0, 5, 0x2222).wait(WAIT)
+    assert pair.error is None  # refused, not broken
+    assert not into.any()  # nothing of the refused message landed in the buffer
+
+
+def test_a_closed_peer_stops_the_step_and_the_pair_fails(ends: Any) -> None:
+    pair, far = ends
+    far.close()
+    into = torch.zeros(16, dtype=torch.uint8)
+    step = _step(pair)
+    _recv(step, 1, 0, into)
+    began = time.monotonic()
+    stopped = step.run()
+    assert stopped is not None and time.monotonic() - began < _native.SLICE_S * 4
+    with pytest.raises(PairError):
+        pair.recv([into], 0, 1).wait(WAIT)
+
+
+def test_a_given_up_epoch_keeps_the_step_out() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    far = socket.create_connection(listener.getsockname(), timeout=10)
+    near, _ = listener.accept()
+    listener.close()
+    engine = Engine()
+    pair = SocketPair(near, engine)
+    ledger = OpLedger()
+    ledger.freeze()  # the epoch was given up: no op of it is waited for
+    step = _native.Step([pair], [ledger])
+    _recv(step, 1, 0, torch.zeros(4, dtype=torch.uint8))
+    assert step.run() == ([], [None])
+    assert ledger.blocked() == 0
+    pair.shutdown()
+    far.close()
+    engine.close()
+
+
+def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tuple[str, int, int]:
+    if slice_s >= 0:
+        # 0 (even ranks): a step stops after one try at each socket; odd ranks wait a
+        # little, so their first steps often finish and their second ones stop.
+        _native.SLICE_S = slice_s if rank % 2 else 0.0
+    digest = hashlib.sha256()
+    before = dict(_native.STATS)
+    for i, numel in enumerate([1 << 20, 3 << 16, 12345, 1 << 20]):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            t = (torch.arange(numel, dtype=torch.float64) * (rank + 1) + i).to(dtype)
+            pg.allreduce([t]).wait()
+            expect = (torch.arange(numel, dtype=torch.float64) * 10 + 4 * i).to(dtype)
+            if dtype is torch.int64:
+                assert torch.equal(t, expect)
+            digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return (
+        digest.hexdigest(),
+        _native.STATS["steps"] - before["steps"],
+        _native.STATS["stopped"] - before["stopped"],
+    )
+
+
+@pytest.mark.timeout(240)
+def test_all_reduce_is_bitwise_the_same_with_c_steps_without_and_handed_back() -> None:
+    on = run_world(_allreduce_many, 4)
+    off = run_world(_allreduce_many, 4, config={"native_io": False})
+    # Steps with no time to wait: nearly every one stops part-way, at whatever byte
+    # each stream had reached, and the channels finish the call.
+    stopping = run_world(_allreduce_many, 4, args=(0.002,))
+    # Every rank, all three ways: the same bits.
+    assert len({d for d, _, _ in on + off + stopping}) == 1
+    assert all(steps > 0 for _, steps, _ in on)
+    assert all(steps == 0 for _, steps, _ in off)
+    assert sum(stopped for _, _, stopped in stopping) > 0
+
+
+def test_failing_a_pair_ends_a_step_that_holds_its_engine(
+    ends: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair, _far = ends
+    monkeypatch.setattr(_native, "SLICE_S", 20.0)  # only the stop pipe can end it early
+    step = _step(pair)
+    _recv(step, 1, 0, torch.zeros(16, dtype=torch.uint8))
+    failer = threading.Timer(0.2, pair.fail, args=("the link above broke",))
+    began = time.monotonic()
+    failer.start()
+    stopped = step.run()
+    took = time.monotonic() - began
+    failer.join(10)
+    assert stopped is not None and stopped[1] == [None]
+    assert took < 5.0  # not the slice: the failing thread stopped the step
+    assert pair.error == "the link above broke"
