@@ -12,7 +12,7 @@ setup(
         Extension(
             "resilient._meshio",
             sources=["resilient/_meshio.c"],
-            extra_compile_args=["-O2", "-Wall"],
+            extra_compile_args=["-O3", "-Wall"],
             optional=True,
         )
     ]

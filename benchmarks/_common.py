@@ -408,4 +408,9 @@ def add_common_flags(p: Any) -> None:
         help="resilient: keep the signature exchange for every K-th call only, check the "
         f"others by a digest in their data (DataPlaneConfig.elide_every, default {ELIDE_EVERY})",
     )
+    p.add_argument(
+        "--no-native-io",
+        action="store_true",
+        help="resilient without its C mesh and ring steps (DataPlaneConfig.native_io=False)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="whole-run limit in seconds")

@@ -60,6 +60,7 @@ class Plan:
     op_timeout_s: float
     sub_chunk_bytes: int = 1 << 20
     check_mismatch: bool = True
+    native_io: bool = True
     elide_every: int = ELIDE_EVERY
     data_transport: str = DATA_TRANSPORT
     topology: str = "auto"
@@ -131,6 +132,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         op_timeout_s=60.0 + 10 * est,
         sub_chunk_bytes=args.sub_chunk_kb * 1024 if args.sub_chunk_kb else 1 << 20,
         check_mismatch=not args.no_check_mismatch,
+        native_io=not args.no_native_io,
         elide_every=args.elide_every,
         data_transport=args.data_transport,
         topology=args.topology,
@@ -175,6 +177,7 @@ class Comms:
             op_timeout_floor_s=t,
             sub_chunk_bytes=plan.sub_chunk_bytes,
             check_mismatch=plan.check_mismatch,
+            native_io=plan.native_io,
             elide_every=plan.elide_every,
             topology=plan.topology,
             data_transport=plan.data_transport,
@@ -369,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["shaping"] = SHAPING if plan.rates_mbit else None
     summary["sub_chunk_bytes"] = plan.sub_chunk_bytes
     summary["check_mismatch"] = plan.check_mismatch
+    summary["native_io"] = plan.native_io
     summary["elide_every"] = plan.elide_every
     summary["topology"] = plan.topology
     summary["data_transport"] = plan.data_transport

@@ -78,11 +78,6 @@ def add_step_flags(p: argparse.ArgumentParser, steps_help: str) -> None:
     p.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.1M params)")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch size (default 32)")
     p.add_argument("--rails", type=int, default=1, help="rails of the resilient group")
-    p.add_argument(
-        "--no-native-io",
-        action="store_true",
-        help="resilient without its C mesh steps (DataPlaneConfig.native_io=False)",
-    )
     add_common_flags(p)
 
 

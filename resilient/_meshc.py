@@ -126,12 +126,12 @@ def _ahead(
     tx: dict[int, list[object]] = {p: [] for p in m.peers}
     rx: dict[int, list[object]] = {p: [] for p in m.peers}
     if before is not None:
-        for msg in before.sends:
-            tx[m.peers[msg[0]]].append(_native.DONE)
-        for msg in before.recvs:
-            rx[m.peers[msg[0]]].append(_native.finished(before.pairs[msg[0]], before.news))
-    for msg, w in zip(step.sends, stopped[0], strict=True):
-        tx[m.peers[msg[0]]].append(w)
-    for msg, w in zip(step.recvs, stopped[1], strict=True):
-        rx[m.peers[msg[0]]].append(w)
+        for out in before.sends:
+            tx[m.peers[out[0]]].append(_native.DONE)
+        for got in before.recvs:
+            rx[m.peers[got[0]]].append(_native.finished(before.pairs[got[0]], before.news))
+    for out, w in zip(step.sends, stopped[0], strict=True):
+        tx[m.peers[out[0]]].append(w)
+    for got, w in zip(step.recvs, stopped[1], strict=True):
+        rx[m.peers[got[0]]].append(w)
     return tx, rx

@@ -4,7 +4,9 @@
  * nonblocking, connected sockets: each message is the SocketPair frame (a 24-byte
  * header: tag, payload bytes, digest, little-endian; then the payload). Sends and
  * receives are (fd index, tag, digest, address, bytes); each socket's come in the
- * order they go on its stream, which a mesh step knows in advance.
+ * order they go on its stream, which a mesh or ring step knows in advance. A
+ * receive may add (fold address, kind): once whole, it is added into that address
+ * at once (a sum of float32, float64, int32 or int64), while the rest still moves.
  *
  * Nothing here decides what a failure means. The first thing that is not the
  * expected frame (another tag, size or digest), a socket error, the end of a
@@ -43,7 +45,44 @@ typedef struct {
     int64_t tag, digest;
     char *addr;
     int64_t len;
+    char *fold;  /* a receive's: fold it into here once whole (kind below), or NULL */
+    int kind;
+    int after_recv, after_send;  /* may start once that receive / send is whole (-1: now) */
 } msg_t;
+
+/* Which messages are whole, for the messages that wait for them. */
+typedef struct {
+    unsigned char *sent, *got;
+} done_t;
+
+static int ready(const msg_t *x, const done_t *d) {
+    return (x->after_recv < 0 || d->got[x->after_recv]) &&
+           (x->after_send < 0 || d->sent[x->after_send]);
+}
+
+enum { ADD_F32 = 1, ADD_F64 = 2, ADD_I32 = 3, ADD_I64 = 4 };
+
+/* dst += src elementwise, as torch's add_ does it bit for bit: IEEE adds (no
+ * reassociation; the compiler's vector adds give the same bits), integers wrap. */
+static void fold_into(char *dst, const char *src, int64_t len, int kind) {
+    if (kind == ADD_F32) {
+        float *d = (float *)dst;
+        const float *x = (const float *)src;
+        for (int64_t i = 0, n = len / 4; i < n; i++) d[i] += x[i];
+    } else if (kind == ADD_F64) {
+        double *d = (double *)dst;
+        const double *x = (const double *)src;
+        for (int64_t i = 0, n = len / 8; i < n; i++) d[i] += x[i];
+    } else if (kind == ADD_I32) {
+        uint32_t *d = (uint32_t *)dst;
+        const uint32_t *x = (const uint32_t *)src;
+        for (int64_t i = 0, n = len / 4; i < n; i++) d[i] += x[i];
+    } else if (kind == ADD_I64) {
+        uint64_t *d = (uint64_t *)dst;
+        const uint64_t *x = (const uint64_t *)src;
+        for (int64_t i = 0, n = len / 8; i < n; i++) d[i] += x[i];
+    }
+}
 
 typedef struct {
     int si, ri;            /* current send / receive message, -1: none left */
@@ -77,9 +116,10 @@ static void start_send(stream_t *s, const msg_t *m, int i) {
 }
 
 /* Write what the socket takes; returns BROKEN, or DONE (nothing more now). */
-static int write_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *left) {
+static int write_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *left, done_t *d) {
     while (s->si >= 0) {
         const msg_t *x = &m[s->si];
+        if (s->soff == 0 && !ready(x, d)) return DONE;
         struct iovec iov[2];
         int k = 0;
         if (s->soff < HDR) {
@@ -102,6 +142,7 @@ static int write_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *le
         }
         s->soff += w;
         if (s->soff < HDR + x->len) return DONE;  /* the socket is full */
+        d->sent[s->si] = 1;
         (*left)--;
         start_send(s, m, next_of(m, n, f, s->si + 1));
     }
@@ -110,9 +151,10 @@ static int write_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *le
 
 /* Read what the socket holds into the expected frames; DONE, OTHER or BROKEN. */
 static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *left,
-                     int *news) {
+                     int *news, done_t *d) {
     while (s->ri >= 0) {
         const msg_t *x = &m[s->ri];
+        if (s->roff == 0 && !ready(x, d)) return DONE;
         ssize_t g;
         if (s->roff < HDR)
             g = recv(fd, s->rhdr + s->roff, (size_t)(HDR - s->roff), MSG_DONTWAIT);
@@ -134,6 +176,8 @@ static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *lef
             if (digest & NEWS_FLAG) *news = 1;
         }
         if (s->roff == HDR + x->len) {  /* else read on until the socket is empty */
+            if (x->fold != NULL) fold_into(x->fold, x->addr, x->len, x->kind);
+            d->got[s->ri] = 1;
             (*left)--;
             s->ri = next_of(m, n, f, s->ri + 1);
             s->roff = 0;
@@ -143,7 +187,8 @@ static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *lef
 }
 
 static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
-               const msg_t *recvs, int nr, int64_t timeout_ms, stream_t *st, int *news) {
+               const msg_t *recvs, int nr, int64_t timeout_ms, stream_t *st, int *news,
+               done_t *d) {
     int left = ns + nr;
     int64_t deadline = now_ms() + timeout_ms;
     struct pollfd pf[MAX_FDS + 1];
@@ -154,12 +199,17 @@ static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
     }
     int first = 1;
     while (left > 0) {
+        int any = 0;
         for (int f = 0; f < nfd; f++) {
-            short ev = (short)((st[f].si >= 0 ? POLLOUT : 0) | (st[f].ri >= 0 ? POLLIN : 0));
+            int out = st[f].si >= 0 && (st[f].soff > 0 || ready(&sends[st[f].si], d));
+            int in = st[f].ri >= 0 && (st[f].roff > 0 || ready(&recvs[st[f].ri], d));
+            short ev = (short)((out ? POLLOUT : 0) | (in ? POLLIN : 0));
+            any |= ev != 0;
             pf[f].fd = ev ? fds[f] : -1;
             pf[f].events = ev;
             pf[f].revents = first ? ev : 0;  /* the first round tries every socket */
         }
+        if (!any) return LATE;  /* only messages that wait for nothing left to come */
         pf[nfd].fd = wake;
         pf[nfd].events = POLLIN;
         pf[nfd].revents = 0;
@@ -181,10 +231,10 @@ static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
             short re = pf[f].revents;
             if (re & POLLNVAL) return BROKEN;
             if ((re & (POLLOUT | POLLERR | POLLHUP)) && st[f].si >= 0) {
-                if (write_some(fds[f], &st[f], sends, ns, f, &left) != DONE) return BROKEN;
+                if (write_some(fds[f], &st[f], sends, ns, f, &left, d) != DONE) return BROKEN;
             }
             if ((re & (POLLIN | POLLERR | POLLHUP)) && st[f].ri >= 0) {
-                int rc = read_some(fds[f], &st[f], recvs, nr, f, &left, news);
+                int rc = read_some(fds[f], &st[f], recvs, nr, f, &left, news, d);
                 if (rc != DONE) return rc;
             }
         }
@@ -192,7 +242,7 @@ static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
     return DONE;
 }
 
-static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what) {
+static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what, int folds) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > cap) {
         PyErr_Format(PyExc_ValueError, "exchange: more than %d %s", cap, what);
@@ -200,10 +250,18 @@ static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what) 
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        int f;
+        int f, kind = 0, after_recv = -1, after_send = -1;
         long long tag, digest, len;
-        unsigned long long addr;
-        if (!PyArg_ParseTuple(item, "iLLKL", &f, &tag, &digest, &addr, &len)) return -1;
+        unsigned long long addr, fold = 0;
+        if (folds ? !PyArg_ParseTuple(item, "iLLKL|Kiii", &f, &tag, &digest, &addr, &len, &fold,
+                                      &kind, &after_recv, &after_send)
+                  : !PyArg_ParseTuple(item, "iLLKL|ii", &f, &tag, &digest, &addr, &len,
+                                      &after_recv, &after_send))
+            return -1;
+        if (kind < 0 || kind > ADD_I64 || (kind && fold == 0)) {
+            PyErr_Format(PyExc_ValueError, "exchange: %s %zd has fold kind %d", what, i, kind);
+            return -1;
+        }
         if (f < 0 || f >= nfd || len < 0) {
             PyErr_Format(PyExc_ValueError, "exchange: %s %zd names fd index %d of %d",
                          what, i, f, nfd);
@@ -214,8 +272,22 @@ static int parse(PyObject *seq, msg_t *out, int cap, int nfd, const char *what) 
         out[i].digest = digest;
         out[i].addr = (char *)(uintptr_t)addr;
         out[i].len = len;
+        out[i].fold = kind ? (char *)(uintptr_t)fold : NULL;
+        out[i].kind = kind;
+        out[i].after_recv = after_recv;
+        out[i].after_send = after_send;
     }
     return (int)n;
+}
+
+/* Every message waits only for messages there are (indexes in range). */
+static int deps_ok(const msg_t *sends, int ns, const msg_t *recvs, int nr) {
+    for (int pass = 0; pass < 2; pass++) {
+        const msg_t *m = pass ? recvs : sends;
+        for (int i = 0, n = pass ? nr : ns; i < n; i++)
+            if (m[i].after_recv >= nr || m[i].after_send >= ns) return 0;
+    }
+    return 1;
 }
 
 /* Per fd: (send index, bytes of it written, receive index, bytes of it read, header). */
@@ -266,17 +338,31 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
         recvs = PyMem_Malloc(sizeof(msg_t) * (size_t)(cr ? cr : 1));
         if (sends == NULL || recvs == NULL) PyErr_NoMemory();
         else {
-            ns = parse(sseq, sends, MAX_MSGS, (int)nfd, "sends");
-            nr = ns < 0 ? -1 : parse(rseq, recvs, MAX_MSGS, (int)nfd, "receives");
+            ns = parse(sseq, sends, MAX_MSGS, (int)nfd, "sends", 0);
+            nr = ns < 0 ? -1 : parse(rseq, recvs, MAX_MSGS, (int)nfd, "receives", 1);
         }
     }
     Py_XDECREF(sseq);
     Py_XDECREF(rseq);
+    done_t d = {NULL, NULL};
+    if (nr >= 0) {
+        d.sent = PyMem_Calloc((size_t)(ns ? ns : 1), 1);
+        d.got = PyMem_Calloc((size_t)(nr ? nr : 1), 1);
+        if (d.sent == NULL || d.got == NULL) {
+            PyErr_NoMemory();
+            nr = -1;
+        } else if (!deps_ok(sends, ns, recvs, nr)) {
+            PyErr_SetString(PyExc_ValueError, "exchange: a message waits for one out of range");
+            nr = -1;
+        }
+    }
     if (nr >= 0) {
         Py_BEGIN_ALLOW_THREADS
-        code = run(fds, (int)nfd, wake, sends, ns, recvs, nr, timeout_ms, st, &news);
+        code = run(fds, (int)nfd, wake, sends, ns, recvs, nr, timeout_ms, st, &news, &d);
         Py_END_ALLOW_THREADS
     }
+    PyMem_Free(d.sent);
+    PyMem_Free(d.got);
     PyMem_Free(sends);
     PyMem_Free(recvs);
     if (nr < 0) return NULL;

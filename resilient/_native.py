@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
+import torch
+
 from resilient._ledger import OpLedger
 from resilient._sockpair import _HEADER, NEWS, SocketPair, SocketWork
 
@@ -33,16 +35,25 @@ try:
 except ImportError:  # built without a C compiler
     _meshio = None
 
-__all__ = ["DONE", "STATS", "Step", "available", "finished", "hand_back", "quiet"]
+__all__ = ["DONE", "FOLDS", "STATS", "Moved", "Step", "available", "finished", "hand_back", "quiet"]
 
 # How long one C step may wait before the Python path takes over (with its stall
-# watch and deadlines): healthy steps take milliseconds.
+# watch and deadlines): healthy steps take milliseconds, plus the time their bytes
+# take at what a healthy link moves at least (a whole ring pass is one step).
 SLICE_S: Final = 0.05
+HEALTHY_BYTES_PER_S: Final = 1e9
 # A message moved whole by the C step (where a work would stand otherwise).
 DONE: Final = "done"
 _HDR: Final = _HEADER.size
 
 
+# The sums a receive may be folded with in C (Step.recv), bit for bit torch's add_.
+FOLDS: Final[dict[torch.dtype, int]] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+}
 # C steps run, and those that stopped and handed back (for tests and benchmarks).
 STATS: Final[dict[str, int]] = {"steps": 0, "stopped": 0}
 
@@ -88,23 +99,59 @@ class Step:
 
     def __init__(self, pairs: Sequence[SocketPair], ledgers: Sequence[OpLedger]) -> None:
         self.pairs, self.ledgers = pairs, ledgers
-        self.sends: list[tuple[int, int, int, int, int]] = []
-        self.recvs: list[tuple[int, int, int, int, int]] = []
+        self.sends: list[tuple[int, ...]] = []
+        self.recvs: list[tuple[int, ...]] = []
         self.send_at: list[tuple[memoryview, int]] = []
         self.recv_at: list[tuple[memoryview, int]] = []
         self.news = False
 
     def send(
-        self, i: int, tag: int, digest: int, view: memoryview, base: int, off: int, n: int
-    ) -> None:
-        self.sends.append((i, tag, digest, base + off, n))
+        self,
+        i: int,
+        tag: int,
+        digest: int,
+        view: memoryview,
+        base: int,
+        off: int,
+        n: int,
+        *,
+        after_recv: int = -1,
+    ) -> int:
+        """Add a send; its index. ``after_recv``: it starts once that receive (an
+        index into this step's) is whole, and folded when it folds."""
+        if after_recv >= 0:
+            self.sends.append((i, tag, digest, base + off, n, after_recv, -1))
+        else:
+            self.sends.append((i, tag, digest, base + off, n))
         self.send_at.append((view, off))
+        return len(self.sends) - 1
 
     def recv(
-        self, i: int, tag: int, digest: int, view: memoryview, base: int, off: int, n: int
-    ) -> None:
-        self.recvs.append((i, tag, digest, base + off, n))
+        self,
+        i: int,
+        tag: int,
+        digest: int,
+        view: memoryview,
+        base: int,
+        off: int,
+        n: int,
+        *,
+        fold: int = 0,
+        kind: int = 0,
+    ) -> int:
+        """Add a receive; its index. ``fold``, ``kind``: add the message into that
+        address once whole (see FOLDS), in C, while the rest of the step still
+        moves."""
+        if kind:
+            self.recvs.append((i, tag, digest, base + off, n, fold, kind))
+        else:
+            self.recvs.append((i, tag, digest, base + off, n))
         self.recv_at.append((view, off))
+        return len(self.recvs) - 1
+
+    def slice_s(self) -> float:
+        moved = sum(m[4] for m in self.sends) + sum(m[4] for m in self.recvs)
+        return SLICE_S + moved / HEALTHY_BYTES_PER_S
 
     def run(self) -> tuple[list[Any], list[Any]] | None:
         """Move every frame; None when all moved, else the works to finish it with:
@@ -133,7 +180,7 @@ class Step:
                 ):
                     return [None] * len(self.sends), [None] * len(self.recvs)
                 code, news, states = _meshio.exchange(
-                    fds, self.sends, self.recvs, int(SLICE_S * 1000), engine.stop_r
+                    fds, self.sends, self.recvs, int(self.slice_s() * 1000), engine.stop_r
                 )
                 self.news = self.news or bool(news)
                 STATS["steps"] += 1
@@ -176,7 +223,7 @@ def hand_back(
     return sent, got
 
 
-def _from(msgs: Sequence[tuple[int, int, int, int, int]], f: int, first: int) -> Iterator[int]:
+def _from(msgs: Sequence[tuple[int, ...]], f: int, first: int) -> Iterator[int]:
     """Indexes of pair ``f``'s messages from ``first`` on (none when first < 0)."""
     if first < 0:
         return
@@ -186,7 +233,7 @@ def _from(msgs: Sequence[tuple[int, int, int, int, int]], f: int, first: int) ->
 
 
 def _half_sent(pair: SocketPair, step: Step, i: int, off: int) -> SocketWork:
-    _, tag, digest, _, n = step.sends[i]
+    _, tag, digest, _, n = step.sends[i][:5]
     view, at = step.send_at[i]
     payload = view[at : at + n]
     header = memoryview(_HEADER.pack(tag, n, digest))
@@ -197,7 +244,7 @@ def _half_sent(pair: SocketPair, step: Step, i: int, off: int) -> SocketWork:
 
 
 def _half_read(pair: SocketPair, step: Step, i: int, off: int, head: bytes) -> SocketWork:
-    _, tag, expected, _, n = step.recvs[i]
+    _, tag, expected, _, n = step.recvs[i][:5]
     view, at = step.recv_at[i]
     into = view[at : at + n]
     digest = _HEADER.unpack(head)[2]
@@ -207,8 +254,14 @@ def _half_read(pair: SocketPair, step: Step, i: int, off: int, head: bytes) -> S
     return work
 
 
-def finished(pair: SocketPair, news: bool) -> SocketWork:
+class Moved(SocketWork):
+    """A receive a C step completed (and folded, when it was to fold)."""
+
+    __slots__ = ()
+
+
+def finished(pair: SocketPair, news: bool) -> Moved:
     """A receive the C step completed, as a finished work (its news: the step's)."""
-    work = SocketWork(pair, memoryview(b""), sending=False)
+    work = Moved(pair, memoryview(b""), sending=False)
     work.done, work.news = True, news
     return work

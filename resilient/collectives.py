@@ -36,6 +36,7 @@ from resilient._ring import (
     sub_count,
     sub_spans,
 )
+from resilient._ringc import ring_in_c
 from resilient._slowrank import SendRates
 from resilient._sockpair import CALL_SHIFT, NEWS, DigestMismatch
 from resilient.errors import ConfigError
@@ -509,8 +510,24 @@ class RingEngine:
             rates[rail] = 1.0 / cost
         self.rail_rates = tuple(rates)
 
-    def _ring_rail(self, flat: torch.Tensor, plan: _RingPlan, op: Reduce, route: Route) -> None:
+    def _ring_rail(
+        self,
+        flat: torch.Tensor,
+        plan: _RingPlan,
+        op: Reduce,
+        route: Route,
+        ahead: tuple[list[object], list[object]] | None = None,
+        folded: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
+        """One rail's ring pass; in C while its links are quiet (resilient._ringc).
+        ``ahead``: what stopped C steps moved (see Rx.ahead); ``folded``: the (step,
+        sub-chunk) receives they folded already."""
+        if ahead is None and ring_in_c(self, flat, plan, op, route):
+            return
         tx, rx = Tx(route, self.right, plan.rail), Rx(route, self.left, plan.rail)
+        if ahead is not None:
+            tx.ahead.extend(ahead[0])
+            rx.ahead.extend(ahead[1])
         reduce = REDUCERS[op]
         k, elem = plan.subs, flat.element_size()
         subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
@@ -542,7 +559,7 @@ class RingEngine:
             for j, (idx, r) in enumerate(recvs[step]):
                 if idx is not None:
                     rx.wait(idx, r.size * elem)
-                    if step < plan.reduce_steps:
+                    if step < plan.reduce_steps and (step, j) not in folded:
                         reduce(flat[r.start : r.stop], scratch[j][: r.size])
                 if step + 1 < plan.steps:
                     post(step + 1, j)  # what just arrived is what goes out next

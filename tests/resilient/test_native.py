@@ -231,6 +231,7 @@ def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tu
         # 0 (even ranks): a step stops after one try at each socket; odd ranks wait a
         # little, so their first steps often finish and their second ones stop.
         _native.SLICE_S = slice_s if rank % 2 else 0.0
+        _native.HEALTHY_BYTES_PER_S = float("inf")
     digest = hashlib.sha256()
     before = dict(_native.STATS)
     for i, numel in enumerate([1 << 20, 3 << 16, 12345, 1 << 20]):
@@ -249,12 +250,16 @@ def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tu
 
 
 @pytest.mark.timeout(240)
-def test_all_reduce_is_bitwise_the_same_with_c_steps_without_and_handed_back() -> None:
-    on = run_world(_allreduce_many, 4)
-    off = run_world(_allreduce_many, 4, config={"native_io": False})
+@pytest.mark.parametrize("topology", ["auto", "ring"])
+def test_all_reduce_is_bitwise_the_same_with_c_steps_without_and_handed_back(
+    topology: str,
+) -> None:
+    config: dict[str, Any] = {"topology": topology}
+    on = run_world(_allreduce_many, 4, config=config)
+    off = run_world(_allreduce_many, 4, config={**config, "native_io": False})
     # Steps with no time to wait: nearly every one stops part-way, at whatever byte
     # each stream had reached, and the channels finish the call.
-    stopping = run_world(_allreduce_many, 4, args=(0.002,))
+    stopping = run_world(_allreduce_many, 4, args=(0.002,), config=config)
     # Every rank, all three ways: the same bits.
     assert len({d for d, _, _ in on + off + stopping}) == 1
     assert all(steps > 0 for _, steps, _ in on)
