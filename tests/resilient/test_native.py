@@ -283,3 +283,55 @@ def test_failing_a_pair_ends_a_step_that_holds_its_engine(
     assert stopped is not None and stopped[1] == [None]
     assert took < 5.0  # not the slice: the failing thread stopped the step
     assert pair.error == "the link above broke"
+
+
+@pytest.mark.parametrize("dtype", list(_native.FOLDS))
+def test_a_folded_receive_adds_into_its_target_as_torch_does(ends: Any, dtype: Any) -> None:
+    pair, far = ends
+    g = torch.Generator().manual_seed(9)
+    if dtype.is_floating_point:
+        into, part = (torch.randn(3000, generator=g, dtype=dtype) * 1e3 for _ in range(2))
+    else:  # near the type's edges, so that the sum wraps as torch's does
+        info = torch.iinfo(dtype)
+        into, part = (
+            torch.randint(info.max // 2, info.max, (3000,), generator=g, dtype=dtype)
+            for _ in range(2)
+        )
+    expect = into.clone().add_(part)
+    far.sendall(_frame(6, 0, part.numpy().tobytes()))
+    scratch = torch.zeros_like(part)
+    step = _step(pair)
+    nbytes = scratch.numel() * scratch.element_size()
+    raw = memoryview(scratch.numpy()).cast("B")
+    step.recv(
+        0, 6, 0, raw, scratch.data_ptr(), 0, nbytes, fold=into.data_ptr(), kind=_native.FOLDS[dtype]
+    )
+    assert step.run() is None
+    assert torch.equal(scratch, part) and torch.equal(into, expect)  # bit for bit
+
+
+def test_a_send_waits_for_the_receive_it_follows(
+    ends: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair, far = ends
+    monkeypatch.setattr(_native, "SLICE_S", 20.0)  # the step outlasts the wait below
+    far.settimeout(0.2)
+    got = torch.zeros(64, dtype=torch.uint8)
+    out = _bytes(64, 11)
+    step = _step(pair)
+    first = step.recv(0, 1, 0, memoryview(got.numpy()), got.data_ptr(), 0, 64)
+    step.send(0, 2, 0, memoryview(out.numpy()), out.data_ptr(), 0, 64, after_recv=first)
+    result: list[Any] = []
+    runner = threading.Thread(target=lambda: result.append(step.run()))
+    runner.start()
+    with pytest.raises(TimeoutError):
+        far.recv(1)  # nothing leaves before the receive it waits for is whole
+    far.sendall(_frame(1, 0, bytes(range(64))))
+    far.settimeout(10)
+    answer = b""
+    while len(answer) < _HEADER.size + 64:
+        answer += far.recv(1 << 16)
+    runner.join(10)
+    assert result == [None]
+    assert answer == _frame(2, 0, out.numpy().tobytes())
+    assert bytes(got.numpy()) == bytes(range(64))
