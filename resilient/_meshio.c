@@ -64,23 +64,19 @@ enum { ADD_F32 = 1, ADD_F64 = 2, ADD_I32 = 3, ADD_I64 = 4 };
 
 /* dst += src elementwise, as torch's add_ does it bit for bit: IEEE adds (no
  * reassociation; the compiler's vector adds give the same bits), integers wrap. */
+#define ADD_AS(T)                                                                  \
+    do {                                                                           \
+        T *d = (T *)dst;                                                           \
+        const T *x = (const T *)src;                                               \
+        for (int64_t i = 0, n = len / (int64_t)sizeof(T); i < n; i++) d[i] += x[i]; \
+    } while (0)
+
 static void fold_into(char *dst, const char *src, int64_t len, int kind) {
-    if (kind == ADD_F32) {
-        float *d = (float *)dst;
-        const float *x = (const float *)src;
-        for (int64_t i = 0, n = len / 4; i < n; i++) d[i] += x[i];
-    } else if (kind == ADD_F64) {
-        double *d = (double *)dst;
-        const double *x = (const double *)src;
-        for (int64_t i = 0, n = len / 8; i < n; i++) d[i] += x[i];
-    } else if (kind == ADD_I32) {
-        uint32_t *d = (uint32_t *)dst;
-        const uint32_t *x = (const uint32_t *)src;
-        for (int64_t i = 0, n = len / 4; i < n; i++) d[i] += x[i];
-    } else if (kind == ADD_I64) {
-        uint64_t *d = (uint64_t *)dst;
-        const uint64_t *x = (const uint64_t *)src;
-        for (int64_t i = 0, n = len / 8; i < n; i++) d[i] += x[i];
+    switch (kind) {
+        case ADD_F32: ADD_AS(float); break;
+        case ADD_F64: ADD_AS(double); break;
+        case ADD_I32: ADD_AS(uint32_t); break;
+        case ADD_I64: ADD_AS(uint64_t); break;
     }
 }
 
