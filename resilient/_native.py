@@ -1,9 +1,10 @@
-"""A mesh step's socket traffic moved in C, without the GIL, when every link is quiet.
+"""Mesh and ring steps' socket traffic moved in C, without the GIL, when the links are quiet.
 
 The Python socket engine (:mod:`resilient._sockpair`) pays the interpreter for every
 poll, read and write, on a thread that shares the GIL and two cores with the
 training thread. A mesh step knows in advance every frame each of its sockets will
-carry, in order: the contributions it sends and receives, or the results. So when
+carry, in order: the contributions it sends and receives, or the results (and a
+ring pass: each ring step's sub-chunks, resilient._ringc). So when
 the step's socket pairs hold nothing half-done (:func:`quiet`), ``_meshio.exchange``
 moves them all in one call that releases the GIL (measured: DDP's step overhead
 from +5 % to about 0 %, docs/BENCHMARKS.md).
