@@ -15,41 +15,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from resilient import _faults, _native
+from resilient import _native
 from resilient._sockpair import bytes_of
 
 if TYPE_CHECKING:
     from resilient._mesh import MeshRail, Reducer
-    from resilient.links import Link
 
 __all__ = ["in_c"]
-
-
-def _quiet_links(m: MeshRail) -> list[Link] | None:
-    """The links to every peer when a C step may move this call's bytes:
-    one rail (no failover to another rail's channel to keep up), a healthy and
-    quiet pair per peer, no chaos hook (its faults act in the Python path)."""
-    route = m.route
-    if (
-        m._bytes is None
-        or m.skip is not None
-        or not _native.available()
-        or len(route.links.rails) != 1
-        or not route.links.config.native_io
-        or _faults.hook() is not None
-    ):
-        return None
-    links = [route.links.get(p, m.rail) for p in m.peers]
-    if any(link.broken or not _native.quiet(link.pg) for link in links):
-        return None
-    return links
 
 
 def in_c(m: MeshRail, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool) -> bool:
     """The call's two steps in C (resilient._native): the contributions, then the
     results. False: the pairs are not quiet, nothing was moved. A step that stops
     hands its streams back, and the channels finish the call from there."""
-    links = _quiet_links(m)
+    if m._bytes is None or m.skip is not None:  # CUDA or gloo links; a slow rank
+        return False
+    links = _native.quiet_links(m.route.links, m.peers, m.rail)
     if links is None:
         return False
     pairs, ledgers = [link.pg for link in links], [link.ledger for link in links]

@@ -24,19 +24,34 @@ and the Python path runs alone.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
+from resilient import _faults
 from resilient._ledger import OpLedger
 from resilient._sockpair import _HEADER, NEWS, SocketPair, SocketWork
+
+if TYPE_CHECKING:
+    from resilient.links import Link, LinkTable
 
 try:
     from resilient import _meshio  # type: ignore[attr-defined]
 except ImportError:  # built without a C compiler
     _meshio = None
 
-__all__ = ["DONE", "FOLDS", "STATS", "Moved", "Step", "available", "finished", "hand_back", "quiet"]
+__all__ = [
+    "DONE",
+    "FOLDS",
+    "STATS",
+    "Moved",
+    "Step",
+    "available",
+    "finished",
+    "hand_back",
+    "quiet",
+    "quiet_links",
+]
 
 # How long one C step may wait before the Python path takes over (with its stall
 # watch and deadlines): healthy steps take milliseconds, plus the time their bytes
@@ -73,6 +88,25 @@ class _Blocked:
 
 def available() -> bool:
     return _meshio is not None
+
+
+def quiet_links(table: LinkTable, peers: Sequence[int], rail: int) -> list[Link] | None:
+    """The links to ``peers`` on ``rail`` when C steps may move a call's bytes: the
+    module is built and on (``native_io``), one rail (no failover to another rail's
+    channel to keep up), socket links, no chaos hook (its faults act in the Python
+    path), and every pair healthy and :func:`quiet`. Else None."""
+    if (
+        _meshio is None
+        or len(table.rails) != 1
+        or not table.sockets
+        or not table.config.native_io
+        or _faults.hook() is not None
+    ):
+        return None
+    links = [table.get(p, rail) for p in peers]
+    if any(link.broken or not quiet(link.pg) for link in links):
+        return None
+    return links
 
 
 def quiet(pair: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from resilient import _faults, _native
+from resilient import _native
 from resilient._reduce import REDUCERS, Reduce
 from resilient._ring import Span, recv_chunk, send_chunk, sub_spans
 from resilient._sockpair import bytes_of
@@ -32,28 +32,13 @@ if TYPE_CHECKING:
 __all__ = ["ring_in_c"]
 
 
-def _quiet_links(eng: RingEngine, rail: int, route: Route, flat: torch.Tensor) -> list[Link] | None:
-    """[right, left] when C steps may move this pass (see resilient._meshc)."""
-    if (
-        flat.device.type != "cpu"
-        or not route.links.sockets
-        or not _native.available()
-        or len(route.links.rails) != 1
-        or not route.links.config.native_io
-        or _faults.hook() is not None
-    ):
-        return None
-    links = [route.links.get(eng.right, rail), route.links.get(eng.left, rail)]
-    if any(link.broken or not _native.quiet(link.pg) for link in links):
-        return None
-    return links
-
-
 def ring_in_c(
     eng: RingEngine, flat: torch.Tensor, plan: _RingPlan, op: Reduce, route: Route
 ) -> bool:
     """Run the pass in C steps; False: the links are not quiet, nothing was moved."""
-    links = _quiet_links(eng, plan.rail, route, flat)
+    if flat.device.type != "cpu":
+        return False
+    links = _native.quiet_links(route.links, [eng.right, eng.left], plan.rail)
     if links is None:
         return False
     # A sum of a dtype C adds bit for bit like torch folds in C, as each sub-chunk

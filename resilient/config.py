@@ -200,8 +200,8 @@ class DataPlaneConfig:
     rank with news (a NIC, a link) makes the next call an exchange for everyone,
     and a group that is not quiet exchanges on every call. 0 exchanges on every
     call. Only with socket control and data links and a meshing data plane.
-    ``native_io``: on one rail with socket data links, a mesh call's bytes move in
-    C without the GIL while its links are quiet (:mod:`resilient._native`; needs the
+    ``native_io``: on one rail with socket data links, a mesh call's or ring pass's
+    bytes move in C without the GIL while its links are quiet (:mod:`resilient._native`; needs the
     compiled ``resilient._meshio``, built at install when a C compiler is there);
     anything unusual hands the streams back to the Python path. Env
     ``RESILIENT_NATIVE_IO=0`` turns it off.
