@@ -8,7 +8,7 @@ import hashlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -47,9 +47,19 @@ def ends() -> Iterator[tuple[SocketPair, socket.socket]]:
     engine.close()
 
 
-def _python_end(far: socket.socket) -> tuple[SocketPair, Engine]:
-    engine = Engine()
-    return SocketPair(far, engine), engine
+@pytest.fixture
+def python_end() -> Iterator[Callable[[socket.socket], SocketPair]]:
+    """Makes the far end a Python SocketPair; shut down after the test, passed or not."""
+    made: list[SocketPair] = []
+
+    def make(far: socket.socket) -> SocketPair:
+        made.append(SocketPair(far, Engine()))
+        return made[-1]
+
+    yield make
+    for peer in made:
+        peer.shutdown()
+        peer.engine.close()
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:
@@ -81,9 +91,9 @@ def _frame(tag: int, digest: int, body: bytes) -> bytes:
     return _HEADER.pack(tag, len(body), digest) + body
 
 
-def test_frames_go_both_ways_between_a_c_step_and_a_python_pair(ends: Any) -> None:
+def test_frames_go_both_ways_between_a_c_step_and_a_python_pair(ends: Any, python_end: Any) -> None:
     pair, far = ends
-    peer, engine = _python_end(far)
+    peer = python_end(far)
     out = [_bytes(BIG, 1), _bytes(100, 2), _bytes(0, 3)]
     back = [_bytes(1 << 20, 4), _bytes(17, 5)]
     got_there = [torch.zeros_like(t) for t in out]
@@ -109,11 +119,11 @@ def test_frames_go_both_ways_between_a_c_step_and_a_python_pair(ends: Any) -> No
     assert not thread.is_alive()
     assert all(torch.equal(a, b) for a, b in zip(out, got_there, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(back, got_here, strict=True))
-    peer.shutdown()
-    engine.close()
 
 
-def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(ends: Any) -> None:
+def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(
+    ends: Any, python_end: Any
+) -> None:
     pair, far = ends
     data = _bytes(BIG, 6)
     step = _step(pair)
@@ -123,7 +133,7 @@ def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(ends: Any
     assert stopped is not None and _native.STATS["stopped"] == before + 1
     (work,), () = stopped
     assert isinstance(work, SocketWork) and not work.is_completed()
-    peer, engine = _python_end(far)
+    peer = python_end(far)
     into = torch.zeros_like(data)
     got = peer.recv([into], 0, 7)
     waiter = threading.Thread(target=got.wait, args=(WAIT,))
@@ -131,8 +141,6 @@ def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(ends: Any
     work.wait(WAIT)
     waiter.join(30)
     assert torch.equal(into, data)
-    peer.shutdown()
-    engine.close()
 
 
 def test_a_half_read_message_is_finished_by_the_pair(ends: Any) -> None:
@@ -208,22 +216,14 @@ def test_a_closed_peer_stops_the_step_and_the_pair_fails(ends: Any) -> None:
         pair.recv([into], 0, 1).wait(WAIT)
 
 
-def test_a_given_up_epoch_keeps_the_step_out() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    far = socket.create_connection(listener.getsockname(), timeout=10)
-    near, _ = listener.accept()
-    listener.close()
-    engine = Engine()
-    pair = SocketPair(near, engine)
+def test_a_given_up_epoch_keeps_the_step_out(ends: Any) -> None:
+    pair, _far = ends
     ledger = OpLedger()
     ledger.freeze()  # the epoch was given up: no op of it is waited for
     step = _native.Step([pair], [ledger])
     _recv(step, 1, 0, torch.zeros(4, dtype=torch.uint8))
     assert step.run() == ([], [None])
     assert ledger.blocked() == 0
-    pair.shutdown()
-    far.close()
-    engine.close()
 
 
 def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tuple[str, int, int]:
