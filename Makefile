@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: venv test lint typecheck pytest demo chaos-demo membership-demo clean
 
-$(STAMP): pyproject.toml setup.py resilient/_meshio.c
+$(STAMP): pyproject.toml setup.py resilient/links/_stepio.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned, so that `torch>=2.7` in pyproject never pulls a CUDA build.

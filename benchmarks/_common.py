@@ -161,7 +161,7 @@ def run_ranks(target: RankTarget, world: int, args: tuple[Any, ...], timeout_s: 
     rank. Raises RuntimeError with every failing rank's traceback, TimeoutError when a
     rank is silent for ``timeout_s``. The processes are always reaped.
     """
-    from resilient._proc import free_port
+    from resilient.procs import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -220,7 +220,7 @@ def train(
 def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
     import torch
 
-    from resilient import _native
+    from resilient.links import native_steps
 
     torch.set_num_threads(1)
     example = load_example()
@@ -228,9 +228,9 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
     groups = make_groups(rank, store, plan)
     try:
         trainers = {n: Trainer(example, groups[n], plan, rank) for n in NAMES}
-        before = dict(_native.STATS)
+        before = dict(native_steps.STATS)
         times, cpu = train(trainers, groups["control"], plan)
-        c_steps = [_native.STATS[k] - before[k] for k in ("steps", "stopped")]
+        c_steps = [native_steps.STATS[k] - before[k] for k in ("steps", "stopped")]
         digests = {n: t.digest() for n, t in trainers.items()}
         diff = max(
             float((a.detach() - b.detach()).abs().max())

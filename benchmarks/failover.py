@@ -175,7 +175,7 @@ def inject(testbed: Any, plan: Plan, started: Any, median_ms: Any, down_s: float
 
 def detection(run_dir: str, t_down: float | None) -> dict[str, Any]:
     """First event per rank that saw the fault, and how many links were repaired."""
-    from recovery.events import read_events
+    from resilient.events import read_events
 
     evs = read_events(run_dir)
     first: dict[int, float] = {}

@@ -58,7 +58,7 @@ from typing import Any
 import psutil
 from _common import print_table
 
-from recovery.events import read_events
+from resilient.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -238,7 +238,7 @@ def _resilient(
 
 
 def _torchrun(args: argparse.Namespace, width: int, tmp: Path) -> dict[str, Any]:
-    from resilient._proc import free_port
+    from resilient.procs import free_port
 
     # An earlier run's checkpoint would make this one resume from it at the start.
     shutil.rmtree(tmp / "ckpt", ignore_errors=True)

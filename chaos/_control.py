@@ -2,7 +2,7 @@
 
 Without namespaces there is no NIC to take down, so each network fault becomes a
 record under the job's ``chaos-faults/`` prefix in etcd that every rank applies
-to its own links (see :mod:`resilient._faults`): a NIC down or a partition fails
+to its own links (see :mod:`resilient.links.fault_hook`): a NIC down or a partition fails
 the matching links, a throttle stretches ops to the given rate, a drop delays
 some ops by a TCP retransmission timeout. The effect is emulated, not real: the
 report says which testbed ran.

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from resilient.config import EtcdConfig
 from resilient.errors import MembershipError
 from resilient.progress import progress_prefix

@@ -30,14 +30,14 @@ from chaos.injectors import InjectionContext, Injector, make_injector, needs_net
 from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
 from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers
-from membership._etcd import EtcdClient
-from membership._keys import JobKeys
+from membership.etcd_client import EtcdClient
+from membership.keys import JobKeys
 from membership.server import EtcdCluster
-from recovery.events import EventLog, read_events
-from resilient._faults import CONTROL_SUBPREFIX
 from resilient.config import EtcdConfig
 from resilient.errors import ChaosError, MembershipError, ResilientError
-from resilient.launcher import LaunchConfig, Launcher, new_job_name
+from resilient.events import EventLog, read_events
+from resilient.launch.launcher import LaunchConfig, Launcher, new_job_name
+from resilient.links.fault_hook import CONTROL_SUBPREFIX
 
 __all__ = ["make_testbed", "run_scenario"]
 

@@ -36,7 +36,7 @@ from typing import Final
 
 from chaos import _sh
 from resilient.errors import ChaosError
-from resilient.launcher import loopback_rails
+from resilient.launch.launcher import loopback_rails
 
 __all__ = ["Host", "LoopbackTestbed", "NetnsTestbed", "Testbed", "sweep_leftovers"]
 

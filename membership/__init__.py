@@ -14,7 +14,7 @@ import os
 # unless the user chose otherwise. Set before the first import of grpc.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from membership.health import HealthPublisher
 from membership.members import MemberInfo, Membership
 from membership.server import EmbeddedEtcd, EtcdCluster, ServerTLS, find_etcd_binary

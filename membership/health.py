@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from resilient.errors import MembershipError
 
 __all__ = ["HealthPublisher"]

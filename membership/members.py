@@ -6,7 +6,7 @@ whose process dies (or hangs past the TTL) disappears from the member list and
 every watcher sees the delete. The epoch only moves by compare-and-swap, so when
 several survivors react to the same event exactly one bump wins.
 
-Every call is bounded in time (see :class:`membership._etcd.EtcdClient`).
+Every call is bounded in time (see :class:`membership.etcd_client.EtcdClient`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from membership._etcd import EtcdClient
-from membership._keys import JobKeys, token_hash
+from membership.etcd_client import EtcdClient
 from membership.health import HealthPublisher
+from membership.keys import JobKeys, token_hash
 from membership.watch import PrefixWatch, WatchEvent
 from resilient.config import EtcdConfig, MembershipConfig
 from resilient.errors import (

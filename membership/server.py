@@ -26,10 +26,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from membership._etcd import EtcdClient
+    from membership.etcd_client import EtcdClient
 
-from resilient._proc import free_ports, spawn, stop_process
 from resilient.errors import ConfigError, MembershipError
+from resilient.procs import free_ports, spawn, stop_process
 
 __all__ = ["EmbeddedEtcd", "EtcdCluster", "ServerTLS", "find_etcd_binary"]
 
@@ -261,7 +261,7 @@ class EtcdCluster:
         client without them is known by its certificate's CN, which must then be a user.
         Auth state is in the data dir, so it survives :meth:`restart`.
 
-        Each step is sent once through :class:`~membership._etcd.EtcdClient` (transient
+        Each step is sent once through :class:`~membership.etcd_client.EtcdClient` (transient
         errors retried within ``timeout_s``); the steps are not idempotent, so a second
         call fails.
 
@@ -300,7 +300,7 @@ class EtcdCluster:
     def _admin_client(self, timeout_s: float) -> EtcdClient:
         """An unauthenticated client for setting auth up (with the probe cert under TLS)."""
         # Imported here: grpc/pyetcd are heavy and only enable_auth needs them.
-        from membership._etcd import EtcdClient
+        from membership.etcd_client import EtcdClient
         from resilient.config import EtcdConfig
 
         ca = cert = key = None

@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
 
-from membership._etcd import EtcdClient, KeyValue
+from membership.etcd_client import EtcdClient, KeyValue
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, EtcdUnavailable, MembershipError, StoreTimeout
 
@@ -196,7 +196,7 @@ class EtcdStore(Store):
 
     def client(self) -> EtcdClient:
         """The etcd client under this store (for watches on its keys, see
-        :mod:`resilient._bell`). Raises MembershipError once the store is closed."""
+        :mod:`resilient.detect.doorbell`). Raises MembershipError once the store is closed."""
         return self._etcd()
 
     def _key(self, key: str) -> str:

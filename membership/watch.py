@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pyetcd import events as etcd_events
 from pyetcd import exceptions as etcd_exc
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from resilient.errors import MembershipError
 
 __all__ = ["PrefixWatch", "WatchEvent"]

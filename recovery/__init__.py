@@ -1,7 +1,7 @@
 """Recovery: the step API (commit, replay, state restore from a live peer), the
 agreement on the next epoch after a rank is lost, and the event log.
 
-:mod:`recovery.events` writes and reads the recovery event log (JSON lines per
+:mod:`resilient.events` writes and reads the recovery event log (JSON lines per
 writer under ``RUN_DIR/events/``); docs/EVENTS.md describes it.
 :mod:`recovery.session` holds :class:`Session` and :class:`TrainState` (importing
 it imports torch); :mod:`recovery.agree` the epoch agreement;
@@ -11,9 +11,9 @@ it imports torch); :mod:`recovery.agree` the epoch agreement;
 
 from typing import Any
 
-from recovery.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
 from recovery.policy import Choice, Policy
 from recovery.shards import Piece
+from resilient.events import EVENT_KINDS, SCHEMA_VERSION, EventLog, read_events
 
 __all__ = [
     "EVENT_KINDS",

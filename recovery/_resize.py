@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recovery import events
 from recovery.agree import Plan, Record, join_requested
 from recovery.policy import JobView, Policy
+from resilient import events
 from resilient.config import EXIT_EVICTED, RecoveryConfig
 from resilient.errors import PeerLost, ResilientError
 

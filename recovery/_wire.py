@@ -3,7 +3,7 @@
 :func:`pack` walks a state (nested dicts, lists and tuples, as ``state_dict()``
 returns) and takes every tensor out, leaving a meta tensor of the same shape and
 dtype in its place; the header is ``torch.save`` of that skeleton (kilobytes),
-and the tensors go over the link as they are (:mod:`resilient._transfer`).
+and the tensors go over the link as they are (:mod:`resilient.links.transfer`).
 :func:`unpack` loads the header, allocates a tensor for each meta tensor, and
 returns the state that the received bytes complete. For 100 MB of parameters
 this skips serializing the bulk on the donor (which every survivor did while

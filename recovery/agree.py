@@ -27,7 +27,7 @@ left out it asks again at the next epoch.
 
 The plan keeps a link if both ends still hold it and no thread at either end is
 blocked on one of its ops. Ops the given-up call left half done may stay pending
-(unmatched, unwaited): every epoch salts its tags (:mod:`resilient._ledger`), so a
+(unmatched, unwaited): every epoch salts its tags (:mod:`resilient.links.ledger`), so a
 stale receive never swallows a message of the next epoch; a link whose leftovers
 were posted under the next epoch's salt (16 epochs ago) is not kept. The
 donors are the ranks with the highest committed step; every rank behind them,
@@ -49,10 +49,10 @@ from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
-from resilient._bell import watch_or_poll
-from resilient._ledger import salt_of
+from resilient.detect.doorbell import watch_or_poll
 from resilient.errors import RecoveryError, StaleEpoch
-from resilient.links import Counters
+from resilient.links.ledger import salt_of
+from resilient.links.table import Counters
 
 __all__ = [
     "EPOCH_KEY",
@@ -153,7 +153,7 @@ def _kept(
         for (peer, rail), (_, _, _, _, blocked, dirty) in sorted(mine.items()):
             theirs = (views.get(peer) or {}).get((me, rail))
             # Ops left half done by the given-up call (counts that differ) do not
-            # matter: the next epoch's tags never match them (resilient._ledger).
+            # matter: the next epoch's tags never match them (resilient.links.ledger).
             idle = theirs is not None and (blocked, theirs[4]) == (0, 0)
             if idle and theirs is not None and not (dirty | theirs[5]) & salt_bit:
                 keep.append((peer, rail))

@@ -131,7 +131,7 @@ def format_table(events: Sequence[dict[str, Any]], start: float | None = None) -
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from recovery.events import SCHEMA_VERSION, events_dir, read_events
+    from resilient.events import SCHEMA_VERSION, events_dir, read_events
 
     run_dir = Path(args.run_dir)
     if not events_dir(run_dir).is_dir():

@@ -17,7 +17,7 @@ event records every option with its estimate and the reason.
 ``straggler.confirmed`` (:meth:`Policy.straggler`)
     *tolerate*: every step waits for it, (slowdown - 1) of a step each.
     *reroute*: when its links are what is slow, the straggler-aware all_reduce
-    leaves it out of the reduction work (resilient._slowrank) and the remaining
+    leaves it out of the reduction work (resilient.detect.slow_rank) and the remaining
     cost is its own traffic.
     *evict* (only with ``evict_stragglers``): it leaves the job and is replaced
     as if it had crashed: a replacement reports (a warm spare or a cold start,
@@ -54,7 +54,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from recovery import events
+from resilient import events
 from resilient.config import RecoveryConfig
 
 __all__ = ["Choice", "JobView", "Option", "Policy"]

@@ -55,7 +55,6 @@ from typing import Any
 
 import torch
 
-from recovery import events
 from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of, unpack
 from recovery.agree import (
@@ -75,10 +74,11 @@ from recovery.state import (
     cut_forward,
     reset_reducer,
 )
-from resilient import _standby as standby
-from resilient._solo import SoloEngine
+from resilient import events
+from resilient.collectives.solo import SoloEngine
 from resilient.config import RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError
+from resilient.launch import standby as standby
 
 __all__ = ["Session", "StateHook", "TrainState"]
 

@@ -99,7 +99,7 @@ def cut_forward(ddp: Any, pg: Any) -> None:
     """Once the group knows a peer is lost, end ``ddp``'s forward pass at the next
     submodule with :class:`PeerLost`, instead of computing the rest of a step that
     is replayed anyway (with the launcher's announcement a loss is known within
-    milliseconds, mid-forward: resilient._announced). Costs one attribute read per
+    milliseconds, mid-forward: resilient.detect.announcements). Costs one attribute read per
     submodule and forward. Like ``cut_backward``, the session then resets DDP's
     reducer on entering the next epoch."""
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilient._rails import resolve_rails
 from resilient.config import DataPlaneConfig, RankEnv
 from resilient.errors import ConfigError
+from resilient.links.rails import resolve_rails
 from resilient.process_group import ResilientProcessGroup
 
 __all__ = ["BACKEND_NAME", "create_backend", "init", "register"]
@@ -60,9 +60,9 @@ def create_backend(
     if env.fault_control:
         if env.etcd is None:
             raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
-        from resilient import _faults
+        from resilient.links import fault_hook
 
-        _faults.install(env.etcd, env.job)
+        fault_hook.install(env.etcd, env.job)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
         rank=rank,

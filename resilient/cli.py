@@ -17,7 +17,7 @@ from chaos.cli import add_parser as add_chaos_parser
 from recovery.cli import add_parser as add_events_parser
 from resilient.config import env_token
 from resilient.errors import ConfigError, LauncherError
-from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
+from resilient.launch.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
 
 __all__ = ["build_parser", "main"]
 

@@ -175,34 +175,35 @@ class DataPlaneConfig:
     that, splitting costs more in per-op latency than it gains in bandwidth.
     ``learn_rail_weights``: with several rails, no explicit ``rail_weights`` and
     ``check_mismatch`` on, weights follow the measured rail rates (agreed by all
-    ranks in the signature exchange; see :mod:`resilient._weights`).
+    ranks in the signature exchange; see :mod:`resilient.detect.rail_weights`).
     ``straggler_schedule``: when the ranks agree that every link of one rank is slow,
     all_reduce gives that rank no share of the reduction (see
-    :mod:`resilient._slowrank`; needs ``check_mismatch`` and a mesh topology).
+    :mod:`resilient.detect.slow_rank`; needs ``check_mismatch`` and a mesh topology).
     ``relay_via_store``: when a pair has no working rail left (every rail's link
     between them cut for a partition or a dead NIC), move its messages through the
-    store so the collective still completes (slow; see :mod:`resilient._relay`;
+    store so the collective still completes (slow; see :mod:`resilient.collectives.relay`;
     with two rails or more, where failovers are acknowledged).
     ``repair_links``: rebuild a broken link in the background once the NICs at both
     ends are up, each attempt (rendezvous, probe) bounded by ``repair_timeout_s``
-    (see :mod:`resilient._repair`).
+    (see :mod:`resilient.links.repair`).
     ``control_transport``: what the signature exchange's control links are made of:
     "socket" (plain TCP connections, one per pair and rail; see
-    :mod:`resilient._socklink`) or "gloo" (two-rank gloo groups).
+    :mod:`resilient.links.socket_link`) or "gloo" (two-rank gloo groups).
     ``data_transport``: the same choice for the CPU data links (CUDA tensors always
     use NCCL pairs); "socket", the default, is faster on a loaded host and around a
     slow rank (docs/BENCHMARKS.md).
     ``elide_every``: with ``check_mismatch``, K > 0 (default 8) keeps the signature
     exchange for every K-th call (and the first) while the group is quiet; the
     others check a digest carried in their data messages and fall back to the
-    exchange only when a peer's call differs (see :mod:`resilient._elide`). Rail
+    exchange only when a peer's call differs (see :mod:`resilient.collectives.digest_check`). Rail
     rates, slow-link evidence and straggler clocks are then read every K calls; a
     rank with news (a NIC, a link) makes the next call an exchange for everyone,
     and a group that is not quiet exchanges on every call. 0 exchanges on every
     call. Only with socket control and data links and a meshing data plane.
     ``native_io``: on one rail with socket data links, a mesh call's or ring pass's
-    bytes move in C without the GIL while its links are quiet (:mod:`resilient._native`; needs the
-    compiled ``resilient._meshio``, built at install when a C compiler is there);
+    bytes move in C without the GIL while its links are quiet (:mod:`resilient.links.native_steps`;
+    needs the
+    compiled ``resilient.links._stepio``, built at install when a C compiler is there);
     anything unusual hands the streams back to the Python path. Env
     ``RESILIENT_NATIVE_IO=0`` turns it off.
     """

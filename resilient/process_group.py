@@ -4,7 +4,7 @@ Collectives run on one communication thread per group, in the order they were
 issued (every rank issues them in the same order, as with any process group), and
 return a :class:`ResilientWork` whose future completes when the collective does, so
 DDP overlaps them with backward exactly as with gloo. Each collective is a ring
-schedule over two-rank link groups (:mod:`resilient.collectives`).
+schedule over two-rank link groups (:mod:`resilient.collectives.engine`).
 
 Before the data moves, ranks exchange a small signature of the call (op, reduce
 op, dtype, shapes, sequence number). If ranks disagree, every rank raises
@@ -12,7 +12,7 @@ op, dtype, shapes, sequence number). If ranks disagree, every rank raises
 and the group stays usable, because no data phase was started. While the group
 is quiet most calls skip that exchange and are checked by a digest in their data
 messages instead, falling back to it when a rank refuses one
-(:mod:`resilient._elide`); nothing is folded before every peer's digest was seen.
+(:mod:`resilient.collectives.digest_check`); nothing is folded before every peer's digest was seen.
 """
 
 from __future__ import annotations
@@ -29,32 +29,32 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.futures import Future
 
-from resilient import _repair
-from resilient._announced import watch_announcements
-from resilient._args import check_tensors, reduce_op
-from resilient._elide import digest_of
-from resilient._elided import CHECKED, ElidedCalls
-from resilient._epochs import EpochControl
-from resilient._gathers import GatherOps
-from resilient._gpu import GpuHealth
-from resilient._handoff import Handoff
-from resilient._health import HealthBoard
-from resilient._loss import RailLoss
-from resilient._nic import NicMonitor
-from resilient._peerwatch import PeerWatch
-from resilient._precheck import Payload, SignatureChannel
-from resilient._reorder import cut_off_peers, follow_cuts
-from resilient._repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
-from resilient._signature import INLINE_BYTES, Exchange, Signature
-from resilient._slowrank import SendRates, SlowRankVote
-from resilient._solo import SoloEngine
-from resilient._stragglers import StragglerWatch, Verdicts
-from resilient._weights import DOWN, WeightLearner, agreed_backups
-from resilient._work import Failed, ResilientWork, _Flat, _packed
-from resilient.collectives import Reduce, RingEngine, fold_rows
+from resilient.check.elision import CHECKED, ElidedCalls
+from resilient.check.exchange import Payload, SignatureChannel
+from resilient.collectives.digest_check import digest_of
+from resilient.collectives.engine import Reduce, RingEngine, fold_rows
+from resilient.collectives.reorder import cut_off_peers, follow_cuts
+from resilient.collectives.signature import INLINE_BYTES, Exchange, Signature
+from resilient.collectives.solo import SoloEngine
 from resilient.config import DataPlaneConfig
+from resilient.detect.announcements import watch_announcements
+from resilient.detect.gpu import GpuHealth
+from resilient.detect.health_board import HealthBoard
+from resilient.detect.nic import NicMonitor
+from resilient.detect.peer_watch import PeerWatch
+from resilient.detect.rail_weights import DOWN, WeightLearner, agreed_backups
+from resilient.detect.retransmits import RailLoss
+from resilient.detect.slow_rank import SendRates, SlowRankVote
+from resilient.detect.stragglers import StragglerWatch, Verdicts
 from resilient.errors import CommunicationError, PeerLost, ResilientError
-from resilient.links import LinkTable
+from resilient.group.args import check_tensors, reduce_op
+from resilient.group.epochs import EpochControl
+from resilient.group.gathers import GatherOps
+from resilient.group.handoff import Handoff
+from resilient.group.work import Failed, ResilientWork, _Flat, _packed
+from resilient.links import repair
+from resilient.links.repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
+from resilient.links.table import LinkTable
 
 __all__ = ["ResilientProcessGroup", "ResilientWork"]
 
@@ -118,11 +118,11 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
         self._members, self._pos = tuple(range(world_size)), rank
         self._cuda: RingEngine | None = None
         self._channel: SignatureChannel | None = None
-        # Set when a peer is gone (resilient._lost): every later call fails at once
+        # Set when a peer is gone (resilient.detect.lost_peer): every later call fails at once
         # with it, until recovery.Session moves the group to the next epoch.
         self._lost: PeerLost | None = None
         self._lost_lock = threading.Lock()
-        # A replacement runs its calls alone until it is admitted (resilient._solo).
+        # A replacement runs its calls alone until it is admitted (resilient.collectives.solo).
         self._joining = joining
         self.engine: RingEngine | SoloEngine = (
             SoloEngine(rank, world_size) if joining else self._new_engine(self.links, world_size)
@@ -208,7 +208,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
         """Queue ``fn(table)``: ``table`` holds every rank's inline bytes once the
         signatures matched (an empty tensor for a call without ``payload``; None with
         checks off); a mismatch raises before ``fn``. ``digest``: the call's, when
-        it may run elided (resilient._elide: a CPU all_reduce with no payload)."""
+        it may run elided (resilient.collectives.digest_check: a CPU all_reduce with no payload)."""
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
         channel = self._channel
@@ -277,7 +277,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
 
     def _cut_off(self) -> list[int]:
         """Peers reached on no rail now (data or control links): the exchange's rows
-        say so, and every rank's rings avoid those pairs (resilient._reorder)."""
+        say so, and every rank's rings avoid those pairs (resilient.collectives.reorder)."""
         tables = [self.links]
         if self._channel is not None:
             tables.append(self._channel.engine.links)
@@ -293,7 +293,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
 
     def _proposed_rates(self) -> tuple[float, ...]:
         # A rail with its NIC down or a broken link here proposes DOWN: every rank
-        # then gives it no share at all until it is repaired (see resilient._weights).
+        # then gives it no share at all until it is repaired (see resilient.detect.rail_weights).
         engine = self.engine
         assert isinstance(engine, RingEngine)
         return tuple(
@@ -334,7 +334,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
 
     def attach_membership(self, membership: Any) -> None:
         """Hold ``membership`` (closed at shutdown) and watch the launcher's
-        announcements through it (resilient._announced)."""
+        announcements through it (resilient.detect.announcements)."""
         self.membership = membership
         watch_announcements(membership, self._probe_peer)
 
@@ -349,7 +349,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
             self.gpu.close()
         self.board.stop()
         # gloo's constructor has been seen to overrun its bound by ~26 s.
-        if (left := _repair.join_stranded(self.config.repair_timeout_s * 3 + 30.0)) > 0:
+        if (left := repair.join_stranded(self.config.repair_timeout_s * 3 + 30.0)) > 0:
             logger.warning(
                 "rank %d (epoch %d): %d link build(s) or repair(s) still running at shutdown",
                 self._pos, self._epoch, left,
@@ -358,7 +358,7 @@ class ResilientProcessGroup(GatherOps, ElidedCalls, dist.ProcessGroup, EpochCont
         self._thread.join(timeout=60)
         if not self._thread.is_alive():
             self._queue.close()
-            if self._channel is not None:  # before any link closes (resilient._lost)
+            if self._channel is not None:  # before any link closes (resilient.detect.lost_peer)
                 self.board.leave(self._channel.succeeded)
         if self._channel is not None:
             self._channel.close()

@@ -27,7 +27,7 @@ from resilient.config import RankEnv
 from resilient.errors import ConfigError, MembershipError
 
 if TYPE_CHECKING:
-    from membership._etcd import EtcdClient
+    from membership.etcd_client import EtcdClient
 
 __all__ = ["StepReporter", "progress_prefix"]
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 def progress_prefix(job: str) -> str:
     """The etcd prefix under which every rank of ``job`` publishes its progress."""
-    from membership._keys import JobKeys
+    from membership.keys import JobKeys
 
     return JobKeys(job).sub("progress")
 
@@ -80,7 +80,7 @@ class StepReporter:
         renv = RankEnv.from_env(env)
         if renv.etcd is None:  # pragma: no cover - guarded above
             raise ConfigError("RESILIENT_ETCD is empty")
-        from membership._etcd import EtcdClient
+        from membership.etcd_client import EtcdClient
 
         return cls(
             EtcdClient(renv.etcd), job=renv.job, rank=renv.rank, incarnation=renv.incarnation,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from resilient._proc import free_port
+from resilient.procs import free_port
 
 Target = Callable[..., Any]
 

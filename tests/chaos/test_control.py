@@ -12,8 +12,8 @@ import pytest
 from chaos.injectors import InjectionContext, make_injector
 from chaos.scenario import Fault
 from chaos.testbed import LoopbackTestbed
-from resilient._faults import LinkFault
 from resilient.errors import ChaosError
+from resilient.links.fault_hook import LinkFault
 
 
 def _ctx(log: list[tuple[str, dict[str, Any] | None]]) -> InjectionContext:

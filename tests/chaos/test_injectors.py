@@ -20,7 +20,7 @@ from chaos.scenario import Fault
 from chaos.testbed import LoopbackTestbed, NetnsTestbed
 from chaos.testbed import Testbed as AnyTestbed
 from membership import EtcdCluster
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from resilient.config import EtcdConfig
 from resilient.errors import ChaosError
 from tests.chaos import _net

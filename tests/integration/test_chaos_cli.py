@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from chaos.testbed import PREFIX, sweep_leftovers
-from recovery.events import read_events
+from resilient.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -681,7 +681,7 @@ params_close_fault_free = 1e-3
     pair = [e for e in events if e["kind"] in ("link.degraded", "link.down")
             and any(sorted(link[:2]) == [1, 2] for link in e["links"])]  # fmt: skip
     # The partition is always seen: by an end waiting on a link whose connection
-    # is dead, or (resilient._peerwatch) by the end whose lost bytes sit in a link
+    # is dead, or (resilient.detect.peer_watch) by the end whose lost bytes sit in a link
     # no op of it waits on (before that, 2 runs in 19 saw nothing on a rail).
     assert pair, "the partition was never detected"
     orders = [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient._proc import free_port, spawn, stop_process
+from resilient.procs import free_port, spawn, stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 

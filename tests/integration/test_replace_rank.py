@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from resilient._proc import free_port
+from resilient.procs import free_port
 
 WORLD = 3
 STEPS = 12

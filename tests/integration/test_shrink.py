@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from recovery.shards import Piece
-from resilient._proc import free_port
+from resilient.procs import free_port
 
 WORLD = 4
 STEPS = 10

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from membership import Membership
-from membership._etcd import EtcdClient
-from membership._keys import JobKeys
-from resilient._proc import wait_until
+from membership.etcd_client import EtcdClient
+from membership.keys import JobKeys
 from resilient.config import EtcdConfig, MembershipConfig
 from resilient.errors import (
     ConfigError,
@@ -24,6 +23,7 @@ from resilient.errors import (
     MembershipError,
     StaleEpoch,
 )
+from resilient.procs import wait_until
 
 TOKEN = "s3cret-token"
 
@@ -147,7 +147,7 @@ def test_concurrent_epoch_bumps_exactly_one_wins(etcd_config: EtcdConfig, job_na
 
 @pytest.mark.timeout(30)
 def test_join_unreachable_etcd_fails_within_bound(job_name: str) -> None:
-    from resilient._proc import free_port
+    from resilient.procs import free_port
 
     cfg = EtcdConfig(
         endpoints=(f"127.0.0.1:{free_port()}",), request_timeout_s=0.5, retry_budget_s=1.5

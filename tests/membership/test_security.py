@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from pyetcd import etcdrpc
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from membership.server import EmbeddedEtcd, ServerTLS
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, EtcdUnavailable, MembershipError

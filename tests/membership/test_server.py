@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from membership import EtcdCluster, find_etcd_binary
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
 

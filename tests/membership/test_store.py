@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from membership._etcd import EtcdClient
+from membership.etcd_client import EtcdClient
 from membership.server import EmbeddedEtcd
 from membership.store import EtcdStore, EtcdStoreTimeout
 from resilient.config import EtcdConfig

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from membership import EmbeddedEtcd, PrefixWatch, WatchEvent
-from membership._etcd import EtcdClient
-from resilient._proc import wait_until
+from membership.etcd_client import EtcdClient
 from resilient.config import EtcdConfig
+from resilient.procs import wait_until
 
 
 class Recorder:

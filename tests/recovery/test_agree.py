@@ -21,8 +21,8 @@ from recovery.agree import (
     make_plan,
     request_join,
 )
-from resilient._proc import free_port
 from resilient.errors import RecoveryError, StaleEpoch
+from resilient.procs import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -195,7 +195,7 @@ def test_with_one_rank_ahead_it_serves_every_rank_behind() -> None:
 def test_through_etcd_a_record_written_while_waiting_wakes_the_agreement(
     etcd_store: EtcdStore,
 ) -> None:
-    """The waiting loop sleeps on an etcd watch there (resilient._bell), not a poll."""
+    """The waiting loop sleeps on an etcd watch there (resilient.detect.doorbell), not a poll."""
     late = threading.Timer(0.3, etcd_store.set, ("recovery/e0/r1", _records()[1].to_json()))
     late.start()
     try:

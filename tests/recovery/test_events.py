@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import recovery.events as events_mod
+import resilient.events as events_mod
 from recovery.cli import filter_events, format_table
-from recovery.events import SCHEMA_VERSION, EventLog, read_events
 from resilient.cli import main
+from resilient.events import SCHEMA_VERSION, EventLog, read_events
 
 REQUIRED = {"schema_version", "ts", "job", "epoch", "rank", "incarnation", "kind", "links",
             "duration_ms", "reason", "action"}  # fmt: skip

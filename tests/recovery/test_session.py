@@ -98,8 +98,8 @@ class _Judging:
     ) -> None:
         from types import SimpleNamespace
 
-        from resilient._stragglers import Verdicts
         from resilient.config import RecoveryConfig
+        from resilient.detect.stragglers import Verdicts
 
         self.left: list[int] = []
         self.decisions: list[Any] = []

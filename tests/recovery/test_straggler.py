@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from recovery.straggler import StragglerConfig, StragglerDetector, Transition
+from resilient.detect.straggler_scores import StragglerConfig, StragglerDetector, Transition
 from resilient.errors import ConfigError
 
 RANKS = 4

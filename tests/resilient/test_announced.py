@@ -20,9 +20,9 @@ import torch
 
 from membership import Membership
 from membership.server import EmbeddedEtcd
-from resilient._announced import watch_announcements
-from resilient._leases import LeaseWatch
 from resilient.config import EtcdConfig, MembershipConfig
+from resilient.detect.announcements import watch_announcements
+from resilient.launch.leases import LeaseWatch
 from tests._dist import run_world
 
 TOKEN = "announce-token"

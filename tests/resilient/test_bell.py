@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from membership.store import EtcdStore
-from resilient._bell import PollBell, QueueBell, WatchBell, open_bell
-from resilient._health import HealthBoard
+from resilient.detect.doorbell import PollBell, QueueBell, WatchBell, open_bell
+from resilient.detect.health_board import HealthBoard
 
 pytestmark = pytest.mark.timeout(60)
 

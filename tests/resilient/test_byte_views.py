@@ -1,7 +1,7 @@
 """Byte views as messages: the mesh schedule posts slices of one byte view of its
-buffer on socket links (resilient._mesh), and a link that takes tensors only (the
+buffer on socket links (resilient.collectives.mesh), and a link that takes tensors only (the
 store's relay, gloo pairs) turns such a view back into the tensor over the same
-memory (resilient._link.as_tensor)."""
+memory (resilient.links.link.as_tensor)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient._link import as_tensor
-from resilient._relay import StoreLink
-from resilient._sockpair import bytes_of
+from resilient.collectives.relay import StoreLink
+from resilient.links.link import as_tensor
+from resilient.links.socket_pair import bytes_of
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from resilient.cli import main
-from resilient.launcher import RankVar
+from resilient.launch.launcher import RankVar
 
 REPO = Path(__file__).resolve().parents[2]
 

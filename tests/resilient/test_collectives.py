@@ -119,7 +119,7 @@ def test_every_collective_and_dtype_matches_reference_and_is_bitwise_equal_acros
 
 
 def _weights(pg: Any, rank: int, world: int) -> list[str]:
-    from resilient.collectives import Reduce
+    from resilient.collectives.engine import Reduce
 
     out = []
     for weights in ((1.0, 1.0), (3.0, 1.0), (1.0, 0.0), (0.2, 5.0)):
@@ -259,7 +259,7 @@ def test_a_departed_peer_gives_a_typed_error_not_a_hang(topology: str) -> None:
 def _straggler_aware(pg: Any, rank: int, world: int) -> dict[str, str]:
     """The straggler-aware schedule (each rank in turn left out of the reduction)
     gives the mesh's bits: same fold order, only who folds changes."""
-    from resilient.collectives import Reduce, fold_rows
+    from resilient.collectives.engine import Reduce, fold_rows
 
     out: dict[str, str] = {}
     for slow in (None, *range(world)):
@@ -293,7 +293,7 @@ def _reordered(pg: Any, rank: int, world: int, order: tuple[int, ...]) -> dict[s
 @pytest.mark.timeout(300)
 def test_a_reordered_ring_keeps_every_collective_right_and_avoids_the_skipped_pairs() -> None:
     # Ring 0-2-1-3: ranks 0 and 1 (and 2 and 3) are never neighbours, as when no
-    # rail connects them (resilient._reorder).
+    # rail connects them (resilient.collectives.reorder).
     order = (0, 2, 1, 3)
     results = run_world(
         _reordered,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from resilient._rails import resolve_rails
 from resilient.config import DataPlaneConfig, EtcdConfig, RankEnv, parse_endpoints
 from resilient.errors import ConfigError
+from resilient.links.rails import resolve_rails
 
 
 @pytest.mark.timeout(10)

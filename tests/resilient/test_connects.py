@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from membership.store import EtcdStore
-from resilient import _connects, _link
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
+from resilient.links import gloo_connects, link
 from tests._iptables import iptables
 
 pytestmark = pytest.mark.timeout(90)
@@ -45,19 +45,19 @@ def _record(ip: bytes, port: int, family: int = socket.AF_INET) -> bytes:
 def test_the_peers_listener_is_read_where_the_own_address_sits() -> None:
     mine = _record(socket.inet_aton("10.100.0.2"), 40000)
     theirs = _record(socket.inet_aton("10.100.0.3"), 41234)
-    assert _connects.listener_of(mine, "10.100.0.2", theirs) == ("10.100.0.3", 41234)
+    assert gloo_connects.listener_of(mine, "10.100.0.2", theirs) == ("10.100.0.3", 41234)
     six_mine = _record(socket.inet_pton(socket.AF_INET6, "fd00::2"), 1, socket.AF_INET6)
     six_theirs = _record(socket.inet_pton(socket.AF_INET6, "fd00::3"), 2, socket.AF_INET6)
-    assert _connects.listener_of(six_mine, "fd00::2", six_theirs) == ("fd00::3", 2)
+    assert gloo_connects.listener_of(six_mine, "fd00::2", six_theirs) == ("fd00::3", 2)
 
 
 def test_an_unrecognised_record_gives_no_listener() -> None:
     mine = _record(socket.inet_aton("10.100.0.2"), 40000)
     theirs = _record(socket.inet_aton("10.100.0.3"), 41234)
-    assert _connects.listener_of(mine, "10.100.0.9", theirs) is None  # not found
-    assert _connects.listener_of(mine + mine, "10.100.0.2", theirs + theirs) is None  # twice
-    assert _connects.listener_of(mine, "10.100.0.2", theirs[:-1]) is None  # other layout
-    assert _connects.listener_of(mine, "eth0", theirs) is None  # not an address
+    assert gloo_connects.listener_of(mine, "10.100.0.9", theirs) is None  # not found
+    assert gloo_connects.listener_of(mine + mine, "10.100.0.2", theirs + theirs) is None  # twice
+    assert gloo_connects.listener_of(mine, "10.100.0.2", theirs[:-1]) is None  # other layout
+    assert gloo_connects.listener_of(mine, "eth0", theirs) is None  # not an address
 
 
 def _syn_sent_to(ip: str) -> int:
@@ -73,7 +73,7 @@ def _active(store: EtcdStore, out: Any, healed: Any) -> None:
     lives on past the SYN retransmissions that land after the heal."""
     began = time.monotonic()
     try:
-        _link.Link(
+        link.Link(
             rank=1, peer=0, rail=0, address=ACTIVE, store=store, prefix=PREFIX,
             config=DataPlaneConfig(connect_timeout_s=BOUND_S),
         )  # fmt: skip
@@ -100,7 +100,7 @@ def test_an_unanswered_connection_attempt_is_aborted_before_its_pair_is_freed(
     try:
         active.start()
         with pytest.raises(LinkError):
-            _link.Link(
+            link.Link(
                 rank=0, peer=1, rail=0, address=PASSIVE, store=etcd_store, prefix=PREFIX,
                 config=DataPlaneConfig(connect_timeout_s=BOUND_S),
             )  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient._args import check_tensors
+from resilient.group.args import check_tensors
 from tests._dist import run_world
 
 needs_gpus = pytest.mark.skipif(

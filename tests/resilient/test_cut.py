@@ -1,6 +1,6 @@
 """Cutting a link: each link knows its own TCP connection, and cutting it ends a
 wait on a message that is already half-way across at once (real processes, real
-gloo links; gloo itself would wait for the op's deadline, see resilient._waiter)."""
+gloo links; gloo itself would wait for the op's deadline, see resilient.links.gloo_wait)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from resilient import _sockets
-from resilient._sockets import Progress
+from resilient.links import gloo_sockets
+from resilient.links.gloo_sockets import Progress
 from tests._iptables import iptables
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,15 +62,15 @@ def pair() -> Iterator[Pair]:
         b.close()
 
 
-def _conn(s: socket.socket) -> _sockets.Conn:
-    return _sockets.Conn(s.fileno(), s.getsockname()[:2], s.getpeername()[:2])
+def _conn(s: socket.socket) -> gloo_sockets.Conn:
+    return gloo_sockets.Conn(s.fileno(), s.getsockname()[:2], s.getpeername()[:2])
 
 
 def _verdicts(s: socket.socket, for_s: float) -> list[str | None]:
     out = []
     end = time.monotonic() + for_s
     while time.monotonic() < end:
-        p = _sockets.progress(_conn(s))
+        p = gloo_sockets.progress(_conn(s))
         assert p is not None
         out.append(p.dead(1000))
         time.sleep(0.1)
@@ -102,7 +102,7 @@ def test_a_peer_that_stopped_reading_is_not_dead(pair: Pair) -> None:
     with pytest.raises(BlockingIOError):  # the window shuts
         for _ in range(100_000):
             sent += a.send(b"z" * 65536)
-    p = _sockets.progress(_conn(a))
+    p = gloo_sockets.progress(_conn(a))
     assert p is not None and p.notsent > 0  # data waits, the peer reads nothing
     assert not any(_verdicts(a, WATCH_S))
     assert sent > 0

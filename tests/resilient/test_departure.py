@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._lost import closed_rails
+from resilient.detect.lost_peer import closed_rails
 from resilient.errors import PeerLost
 from tests._dist import run_world
 

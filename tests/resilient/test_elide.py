@@ -1,5 +1,5 @@
 """Calls checked by a digest in their data instead of an exchange of rows
-(resilient._elide), on real multi-process groups over socket links."""
+(resilient.collectives.digest_check), on real multi-process groups over socket links."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient._elide import call_key, digest_of, elided
-from resilient._signature import Signature
-from resilient.collectives import Reduce
+from resilient.collectives.digest_check import call_key, digest_of, elided
+from resilient.collectives.engine import Reduce
+from resilient.collectives.signature import Signature
 from resilient.errors import CollectiveMismatch
 from tests._dist import broadcast_opts, reduce_opts, run_world
 

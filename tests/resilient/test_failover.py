@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient import _channel
+from resilient.collectives import failover
 from tests._dist import run_world
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,16 +24,16 @@ def _kill_rail_after(pg: Any, rail: int, consumed: int) -> threading.Event:
     """Cut this rank's rail when one of its receive channels there has consumed
     ``consumed`` messages: a NIC dying mid-collective, at a reproducible point."""
     fired = threading.Event()
-    wait = _channel.Rx.wait
+    wait = failover.Rx.wait
 
-    def wrapped(self: _channel.Rx, idx: int, nbytes: int) -> None:
+    def wrapped(self: failover.Rx, idx: int, nbytes: int) -> None:
         wait(self, idx, nbytes)
         data = self.route.links.name == "link"  # not the signature exchange's links
         if data and self.rail == rail and self.consumed >= consumed and not fired.is_set():
             fired.set()
             pg.board.nic_changed(rail, False)
 
-    _channel.Rx.wait = wrapped  # type: ignore[method-assign]
+    failover.Rx.wait = wrapped  # type: ignore[method-assign]
     return fired
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from resilient._faults import FaultHook, LinkFault
+from resilient.links.fault_hook import FaultHook, LinkFault
 
 
 @pytest.mark.timeout(10)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from resilient._gpu import GpuHealth
+from resilient.detect.gpu import GpuHealth
 
 
 class _Nvml:
@@ -40,7 +40,7 @@ class _Nvml:
 @pytest.fixture
 def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
     seen: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr("recovery.events.emit", lambda kind, **f: seen.append((kind, f)))
+    monkeypatch.setattr("resilient.events.emit", lambda kind, **f: seen.append((kind, f)))
     return seen
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from resilient._health import HealthBoard
+from resilient.detect.health_board import HealthBoard
 from tests._held import HeldStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,11 +26,11 @@ import psutil
 import pytest
 
 from membership.server import EmbeddedEtcd
-from resilient import launcher as launcher_module
-from resilient._launch_io import describe_exit, shell_exit_code
 from resilient.config import RankEnv
 from resilient.errors import ConfigError, LauncherError
-from resilient.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, RankVar, loopback_rails
+from resilient.launch import launcher as launcher_module
+from resilient.launch.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, RankVar, loopback_rails
+from resilient.launch.rank_procs import describe_exit, shell_exit_code
 from tests._procs import gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -520,11 +520,11 @@ def test_a_warm_spare_takes_over_a_failed_rank(
     script, out = make_script(
         tmp_path,
         """
-from resilient import _standby
+from resilient.launch import standby
 
-if _standby.standing_by():
+if standby.standing_by():
     record("ready")
-    _standby.wait_for_go()
+    standby.wait_for_go()
     record("go", first_gone=(OUT / "failing-1-0.json").exists())
 if RANK == 1 and INC == 0:
     wait_for("ready-1-1.json")
@@ -552,12 +552,12 @@ def test_the_launcher_knows_when_a_spare_stands_ready(
     script, out = make_script(
         tmp_path,
         """
-from resilient import _standby
+from resilient.launch import standby
 
-if _standby.standing_by():
+if standby.standing_by():
     record("warming")
     wait_for("release.json")
-    _standby.wait_for_go()
+    standby.wait_for_go()
     record("go")
 if INC == 0:
     wait_for("fail.json")
@@ -601,9 +601,9 @@ def test_a_spare_that_exits_before_it_is_needed_is_reported_and_the_rank_starts_
     script, out = make_script(
         tmp_path,
         """
-from resilient import _standby
+from resilient.launch import standby
 
-record("ran", standby=_standby.standing_by())
+record("ran", standby=standby.standing_by())
 if RANK == 1 and INC == 0:
     wait_for("ran-1-1.json")
     spare = json.loads((OUT / "ran-1-1.json").read_text())["pid"]
@@ -637,11 +637,11 @@ def test_a_spare_killed_before_it_is_needed_is_started_again_and_takes_over(
     script, out = make_script(
         tmp_path,
         """
-from resilient import _standby
+from resilient.launch import standby
 
-if _standby.standing_by():
+if standby.standing_by():
     record("ready")
-    _standby.wait_for_go()
+    standby.wait_for_go()
     record("go")
 if RANK == 1 and INC == 0:
     wait_for("ready-1-1.json")
@@ -677,10 +677,10 @@ def test_the_restart_budget_is_published_for_the_ranks(tmp_path: Path, etcd_url:
         tmp_path,
         """
 from membership.members import Membership
-from resilient import _standby
+from resilient.launch import standby
 from resilient.config import RankEnv
 
-_standby.wait_for_go()  # a spare reads the budget once it takes the rank, as a session would
+standby.wait_for_go()  # a spare reads the budget once it takes the rank, as a session would
 env = RankEnv.from_env()
 members = Membership(env.etcd, env.membership())
 budget = members.supervisor()
@@ -741,7 +741,7 @@ record("done")
 def test_metrics_show_ranks_restarts_and_events_while_the_job_runs(
     tmp_path: Path, etcd_url: str
 ) -> None:
-    from resilient._proc import free_port
+    from resilient.procs import free_port
 
     script, out = make_script(
         tmp_path,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._ledger import SALT_SHIFT, SALTS, OpLedger, salt_of
 from resilient.errors import LinkError
+from resilient.links.ledger import SALT_SHIFT, SALTS, OpLedger, salt_of
 from tests._dist import run_world
 
 pytestmark = pytest.mark.timeout(120)

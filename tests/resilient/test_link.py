@@ -3,7 +3,7 @@
 gloo waits five times its timeout for a pair's connection; a peer that published
 its address and then never connected (its NIC went down, its build was given up)
 held the other end 5x the link's bound (measured in a chaos run: 26 s past 5 s).
-A build both ends agreed on (``met``, see resilient.links) now ends at its bound.
+A build both ends agreed on (``met``, see resilient.links.table) now ends at its bound.
 Real gloo, a real etcd store, a real peer process stopped mid-rendezvous.
 """
 
@@ -18,9 +18,9 @@ import pytest
 from torch._C._distributed_c10d import PrefixStore
 
 from membership.store import EtcdStore
-from resilient import _link
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
+from resilient.links import link
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ PREFIX = "pair/"
 def _peer(store: EtcdStore) -> None:
     """The other end (index 0, on 127.0.0.2): comes to the rendezvous and
     publishes its address; the test stops it before it connects."""
-    _link._gloo_pair(PrefixStore(PREFIX, store), 0, "127.0.0.2", 60.0)
+    link._gloo_pair(PrefixStore(PREFIX, store), 0, "127.0.0.2", 60.0)
 
 
 def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(
@@ -49,7 +49,7 @@ def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(
         began = time.monotonic()
         with pytest.raises(LinkError):
             # 127.0.0.1 < 127.0.0.2: this end listens, and waits for a connection.
-            _link.Link(
+            link.Link(
                 rank=1, peer=0, rail=0, address="127.0.0.1", store=etcd_store,
                 prefix=PREFIX, config=DataPlaneConfig(connect_timeout_s=bound), met=True,
             )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient._loss import HOLD_S, MIN_FACTOR, RailLoss
+from resilient.detect.retransmits import HOLD_S, MIN_FACTOR, RailLoss
 
 
 def test_loss_scales_the_rail_down_and_the_penalty_expires() -> None:

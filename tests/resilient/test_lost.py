@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from resilient._lost import dead_peer, left_in_order
+from resilient.detect.lost_peer import dead_peer, left_in_order
 
 
 @dataclass

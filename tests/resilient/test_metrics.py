@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient._metrics import EventTally, render
+from resilient.launch.metrics import EventTally, render
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,4 +1,4 @@
-"""Mesh steps moved in C (resilient._native): frames the Python socket pair reads and
+"""Mesh steps moved in C (resilient.links.native_steps): frames the Python socket pair reads and
 writes alike, and every way a step stops handed back so the pair finishes it. Real
 TCP connections on loopback; the far end is a Python SocketPair or a raw socket."""
 
@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from resilient import _native
-from resilient._ledger import OpLedger
-from resilient._sockconnect import PairError
-from resilient._sockpair import _HEADER, DigestMismatch, Engine, SocketPair, SocketWork
+from resilient.links import native_steps
+from resilient.links.ledger import OpLedger
+from resilient.links.socket_connect import PairError
+from resilient.links.socket_pair import _HEADER, DigestMismatch, Engine, SocketPair, SocketWork
 from tests._dist import run_world
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(not _native.available(), reason="resilient._meshio is not built"),
+    pytest.mark.skipif(not native_steps.available(), reason="resilient.links._stepio is not built"),
 ]
 
 BIG = 8 << 20  # more than loopback's socket buffers take at once
@@ -67,15 +67,15 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def _step(pair: SocketPair) -> _native.Step:
-    return _native.Step([pair], [OpLedger()])
+def _step(pair: SocketPair) -> native_steps.Step:
+    return native_steps.Step([pair], [OpLedger()])
 
 
-def _send(step: _native.Step, tag: int, digest: int, data: torch.Tensor) -> None:
+def _send(step: native_steps.Step, tag: int, digest: int, data: torch.Tensor) -> None:
     step.send(0, tag, digest, memoryview(data.numpy()), data.data_ptr(), 0, data.numel())
 
 
-def _recv(step: _native.Step, tag: int, digest: int, into: torch.Tensor) -> None:
+def _recv(step: native_steps.Step, tag: int, digest: int, into: torch.Tensor) -> None:
     step.recv(0, tag, digest, memoryview(into.numpy()), into.data_ptr(), 0, into.numel())
 
 
@@ -128,9 +128,9 @@ def test_a_send_the_peer_does_not_take_in_time_is_finished_by_the_pair(
     data = _bytes(BIG, 6)
     step = _step(pair)
     _send(step, 7, 0, data)
-    before = _native.STATS["stopped"]
+    before = native_steps.STATS["stopped"]
     stopped = step.run()  # nobody reads yet: the socket fills, the slice runs out
-    assert stopped is not None and _native.STATS["stopped"] == before + 1
+    assert stopped is not None and native_steps.STATS["stopped"] == before + 1
     (work,), () = stopped
     assert isinstance(work, SocketWork) and not work.is_completed()
     peer = python_end(far)
@@ -211,7 +211,7 @@ def test_a_closed_peer_stops_the_step_and_the_pair_fails(ends: Any) -> None:
     _recv(step, 1, 0, into)
     began = time.monotonic()
     stopped = step.run()
-    assert stopped is not None and time.monotonic() - began < _native.SLICE_S * 4
+    assert stopped is not None and time.monotonic() - began < native_steps.SLICE_S * 4
     with pytest.raises(PairError):
         pair.recv([into], 0, 1).wait(WAIT)
 
@@ -220,7 +220,7 @@ def test_a_given_up_epoch_keeps_the_step_out(ends: Any) -> None:
     pair, _far = ends
     ledger = OpLedger()
     ledger.freeze()  # the epoch was given up: no op of it is waited for
-    step = _native.Step([pair], [ledger])
+    step = native_steps.Step([pair], [ledger])
     _recv(step, 1, 0, torch.zeros(4, dtype=torch.uint8))
     assert step.run() == ([], [None])
     assert ledger.blocked() == 0
@@ -230,10 +230,10 @@ def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tu
     if slice_s >= 0:
         # 0 (even ranks): a step stops after one try at each socket; odd ranks wait a
         # little, so their first steps often finish and their second ones stop.
-        _native.SLICE_S = slice_s if rank % 2 else 0.0
-        _native.HEALTHY_BYTES_PER_S = float("inf")
+        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
+        native_steps.HEALTHY_BYTES_PER_S = float("inf")
     digest = hashlib.sha256()
-    before = dict(_native.STATS)
+    before = dict(native_steps.STATS)
     for i, numel in enumerate([1 << 20, 3 << 16, 12345, 1 << 20]):
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             t = (torch.arange(numel, dtype=torch.float64) * (rank + 1) + i).to(dtype)
@@ -244,8 +244,8 @@ def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tu
             digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return (
         digest.hexdigest(),
-        _native.STATS["steps"] - before["steps"],
-        _native.STATS["stopped"] - before["stopped"],
+        native_steps.STATS["steps"] - before["steps"],
+        native_steps.STATS["stopped"] - before["stopped"],
     )
 
 
@@ -271,7 +271,7 @@ def test_failing_a_pair_ends_a_step_that_holds_its_engine(
     ends: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair, _far = ends
-    monkeypatch.setattr(_native, "SLICE_S", 20.0)  # only the stop pipe can end it early
+    monkeypatch.setattr(native_steps, "SLICE_S", 20.0)  # only the stop pipe can end it early
     step = _step(pair)
     _recv(step, 1, 0, torch.zeros(16, dtype=torch.uint8))
     failer = threading.Timer(0.2, pair.fail, args=("the link above broke",))
@@ -285,7 +285,7 @@ def test_failing_a_pair_ends_a_step_that_holds_its_engine(
     assert pair.error == "the link above broke"
 
 
-@pytest.mark.parametrize("dtype", list(_native.FOLDS))
+@pytest.mark.parametrize("dtype", list(native_steps.FOLDS))
 def test_a_folded_receive_adds_into_its_target_as_torch_does(ends: Any, dtype: Any) -> None:
     pair, far = ends
     g = torch.Generator().manual_seed(9)
@@ -304,7 +304,15 @@ def test_a_folded_receive_adds_into_its_target_as_torch_does(ends: Any, dtype: A
     nbytes = scratch.numel() * scratch.element_size()
     raw = memoryview(scratch.numpy()).cast("B")
     step.recv(
-        0, 6, 0, raw, scratch.data_ptr(), 0, nbytes, fold=into.data_ptr(), kind=_native.FOLDS[dtype]
+        0,
+        6,
+        0,
+        raw,
+        scratch.data_ptr(),
+        0,
+        nbytes,
+        fold=into.data_ptr(),
+        kind=native_steps.FOLDS[dtype],
     )
     assert step.run() is None
     assert torch.equal(scratch, part) and torch.equal(into, expect)  # bit for bit
@@ -314,7 +322,7 @@ def test_a_send_waits_for_the_receive_it_follows(
     ends: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair, far = ends
-    monkeypatch.setattr(_native, "SLICE_S", 20.0)  # the step outlasts the wait below
+    monkeypatch.setattr(native_steps, "SLICE_S", 20.0)  # the step outlasts the wait below
     far.settimeout(0.2)
     got = torch.zeros(64, dtype=torch.uint8)
     out = _bytes(64, 11)

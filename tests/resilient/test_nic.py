@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient._nic import NicMonitor, interface_of
+from resilient.detect.nic import NicMonitor, interface_of
 
 
 def _wait_for(cond, timeout_s: float = 2.0) -> float:  # type: ignore[no-untyped-def]
@@ -54,7 +54,7 @@ def test_loopback_rails_are_not_watched() -> None:
 
 _CHILD = """
 import json, sys, time
-from resilient._nic import NicMonitor
+from resilient.detect.nic import NicMonitor
 mon = NicMonitor(0, sys.argv[1:])
 changes = []
 mon.on_change(lambda rail, up: changes.append((rail, up, time.time())))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._peerwatch import PeerWatch
+from resilient.detect.peer_watch import PeerWatch
 from resilient.errors import LinkError
 from tests._dist import run_world
 from tests._iptables import drop_rules, iptables

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _ahead(pg: Any, rank: int, world: int) -> dict[str, Any]:
-    from resilient import _repair
+    from resilient.links import repair
 
     thread = pg.prebuild_links()
-    registered = thread in _repair._STRANDED  # the group's shutdown waits for it
+    registered = thread in repair._STRANDED  # the group's shutdown waits for it
     thread.join(60)
     tables = {"data": pg.links, "ctl": pg._channel.engine.links}
     before = {name: {k: id(v) for k, v in t.links().items()} for name, t in tables.items()}

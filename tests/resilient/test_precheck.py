@@ -1,5 +1,5 @@
 """The signature exchange's rows: sent when a call is made, read when it runs
-(resilient._precheck), on real multi-process groups over socket control links."""
+(resilient.check.exchange), on real multi-process groups over socket control links."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _large_mismatches(pg: Any, rank: int, world: int) -> list[tuple[str, tuple[s
 )
 def test_large_calls_that_differ_raise_on_every_rank(rails: int, control: str, elide: int) -> None:
     # Over gloo control links every exchange runs whole when its call runs. With
-    # ``elide`` (resilient._elide) most of the odd calls are elided: calls 1, 4, 7,
+    # ``elide`` (collectives.digest_check) most of the odd calls are elided: calls 1, 4, 7,
     # 10, 13 here are the cases' (4 exchanges, 2-3 between each), so with K = 4 or
     # 5 some of them keep their exchange and the others fall back.
     config: dict[str, Any] = {"control_transport": control, "elide_every": elide}
@@ -101,7 +101,7 @@ def _rows_in_order(pg: Any, rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_a_row_goes_out_when_its_call_is_made_and_quiet_calls_keep_their_turn() -> None:
-    # Every call with its exchange: elided calls (resilient._elide) send no row.
+    # Every call with its exchange: elided calls (resilient.collectives.digest_check) send no row.
     results = run_world(_rows_in_order, 4, config={"elide_every": 0})
     for rank, seen in enumerate(results):
         # The previous exchange had settled: the row went out inside the call itself.

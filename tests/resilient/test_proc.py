@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from resilient._proc import free_ports
+from resilient.procs import free_ports
 
 
 @pytest.mark.timeout(30)

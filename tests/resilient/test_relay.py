@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._relay import RELAY_RAIL
+from resilient.collectives.relay import RELAY_RAIL
 from tests._dist import run_world
 from tests._iptables import drop_rules, iptables
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from resilient._reorder import cut_off_peers
+from resilient.collectives.reorder import cut_off_peers
 
 
 @dataclass

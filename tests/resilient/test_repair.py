@@ -90,7 +90,7 @@ def test_only_the_broken_links_are_rebuilt_and_the_rail_comes_back(topology: str
 
 
 def test_failed_repairs_back_off_exponentially_per_link() -> None:
-    from resilient._repair import LinkRepair
+    from resilient.links.repair import LinkRepair
 
     repair = LinkRepair(rank=0, board=None, backoff_s=0.1, max_backoff_s=1.0)
     delays = []
@@ -106,7 +106,7 @@ def test_failed_repairs_back_off_exponentially_per_link() -> None:
 
 
 def test_a_staged_link_goes_into_service_only_where_both_ends_list_it() -> None:
-    from resilient._repair import CTL_TABLE, DATA_TABLE, agreed_installs
+    from resilient.links.repair import CTL_TABLE, DATA_TABLE, agreed_installs
 
     rows = [
         [(DATA_TABLE, 1, 0, 2), (CTL_TABLE, 2, 1, 1)],  # rank 0
@@ -187,7 +187,7 @@ def test_a_link_whose_nic_is_down_is_left_unbuilt_at_both_ends_then_repaired() -
 def test_leaving_an_epoch_does_not_wait_for_a_repair_attempt_under_way() -> None:
     # Seen in a chaos run: a flapping NIC's repair toward the killed rank sat in a
     # rendezvous, and the epoch change waited for it (16 s, the old bound).
-    from resilient._repair import LinkRepair
+    from resilient.links.repair import LinkRepair
 
     repair = LinkRepair(rank=0, board=None, interval_s=0.01, timeout_s=5.0)
     busy = threading.Event()
@@ -207,8 +207,8 @@ def test_leaving_an_epoch_does_not_wait_for_a_repair_attempt_under_way() -> None
 def test_shutdown_waits_for_repairs_an_epoch_change_left_running() -> None:
     # Seen in a chaos run: such a repair came back from gloo's constructor after
     # the interpreter began finalising, and the finished job's rank aborted.
-    from resilient import _repair
-    from resilient._repair import LinkRepair, join_stranded
+    from resilient.links import repair as repair_module
+    from resilient.links.repair import LinkRepair, join_stranded
 
     repair = LinkRepair(rank=0, board=None, interval_s=0.01, timeout_s=5.0)
     busy, release = threading.Event(), threading.Event()
@@ -224,16 +224,16 @@ def test_shutdown_waits_for_repairs_an_epoch_change_left_running() -> None:
     thread = repair._thread
     assert thread is not None
     join_stranded(0.2)
-    assert thread.is_alive() and thread in _repair._STRANDED  # still in its rendezvous
+    assert thread.is_alive() and thread in repair_module._STRANDED  # still in its rendezvous
     threading.Timer(0.3, release.set).start()
     join_stranded(5.0)
-    assert not thread.is_alive() and thread not in _repair._STRANDED
+    assert not thread.is_alive() and thread not in repair_module._STRANDED
 
 
 @pytest.mark.timeout(30)
 def test_a_link_rebuilt_in_an_epoch_that_is_over_is_closed_not_staged() -> None:
     from resilient.config import DataPlaneConfig
-    from resilient.links import LinkTable
+    from resilient.links.table import LinkTable
 
     table = LinkTable(
         rank=0, rails=("127.0.0.1", "127.0.0.2"), store=None,  # type: ignore[arg-type]
@@ -267,7 +267,7 @@ def test_a_link_whose_rendezvous_failed_at_one_end_is_unbuilt_at_both() -> None:
 
     from resilient.config import DataPlaneConfig
     from resilient.errors import LinkError
-    from resilient.links import LinkTable
+    from resilient.links.table import LinkTable
     from tests._dist import free_port
 
     port = free_port()

@@ -4,7 +4,7 @@ Rank 2 of 3 sends its row of an inline all_reduce's exchange to rank 0 and
 receives every row, but its row never reaches rank 1 (its send to rank 1 is posted
 under a tag rank 1 does not wait for), and it is SIGKILLed 0.5 s later. Rank 0
 completes the call; rank 1's copy fails. With
-the rescue (resilient._rescue) rank 1 finishes the call from rank 0's table, with
+the rescue (resilient.group.rescue) rank 1 finishes the call from rank 0's table, with
 the same bits, and both fail the next call with PeerLost, in step again.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._rescue import decode, encode
+from resilient.group.rescue import decode, encode
 from tests._dist import run_world
 
 VICTIM = 2
@@ -27,10 +27,11 @@ VICTIM = 2
 def _die_without_reaching(peer: int) -> None:
     """The next control-link send to ``peer`` never arrives, and this process dies
     0.5 s after posting it (meanwhile the rest of the exchange goes through)."""
-    from resilient import _link, _socklink
+    # Control rows go out through isend_bytes on socket links, isend on gloo ones.
+    from resilient.links import link, socket_link
 
     # Control rows go out through isend_bytes on socket links, isend on gloo ones.
-    for cls, name in ((_link.Link, "isend"), (_socklink.SocketLink, "isend_bytes")):
+    for cls, name in ((link.Link, "isend"), (socket_link.SocketLink, "isend_bytes")):
         send = getattr(cls, name)
 
         def lost_send(self: Any, data: Any, tag: int, send: Any = send) -> Any:

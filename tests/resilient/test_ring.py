@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from resilient._ring import (
+from resilient.collectives.ring_plan import (
     Span,
     avoiding_ring,
     even_bounds,
@@ -80,7 +80,7 @@ def test_sub_spans_partition() -> None:
 
 
 def test_skip_bounds_leaves_one_part_empty_and_shares_the_rest() -> None:
-    from resilient._ring import skip_bounds
+    from resilient.collectives.ring_plan import skip_bounds
 
     for skip in range(4):
         spans = skip_bounds(10, 4, skip)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient._signature import Signature
-from resilient.collectives import Reduce
+from resilient.collectives.engine import Reduce
+from resilient.collectives.signature import Signature
 
 
 @pytest.mark.timeout(10)
@@ -33,7 +33,7 @@ def test_barrier_has_no_tensors() -> None:
 
 
 def test_exchange_names_the_pairs_any_row_reports_cut_off() -> None:
-    from resilient._signature import Exchange
+    from resilient.collectives.signature import Exchange
 
     ex = Exchange(seq=3, inline=torch.zeros(0), rates=[], cut=[[2], [], [0], [1, 0]])
     assert ex.cut_pairs() == frozenset({(0, 2), (1, 3), (0, 3)})

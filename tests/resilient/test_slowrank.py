@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from resilient._slowrank import (
+from resilient.detect.slow_rank import (
     COOLDOWN_CALLS,
     ENTER_VOTES,
     LEAVE_VOTES,
@@ -90,8 +90,8 @@ def test_the_vote_reports_a_link_straggler_and_its_clearing(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
     """What tells a link straggler from a compute one: ``cause: link``, from the
-    peers' send rates (resilient._stragglers judges the exchange clocks)."""
-    import recovery.events as ev_mod
+    peers' send rates (resilient.detect.stragglers judges the exchange clocks)."""
+    import resilient.events as ev_mod
 
     log = ev_mod.EventLog(tmp_path, job="j", rank=0)
     monkeypatch.setattr(ev_mod, "default_log", lambda: log)
@@ -116,7 +116,7 @@ def test_the_vote_reports_a_link_straggler_and_its_clearing(
 def test_a_rank_the_clocks_already_show_slow_is_not_also_a_link_straggler(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
-    import recovery.events as ev_mod
+    import resilient.events as ev_mod
 
     log = ev_mod.EventLog(tmp_path, job="j", rank=0)
     monkeypatch.setattr(ev_mod, "default_log", lambda: log)
@@ -156,7 +156,7 @@ class _Table:
 
 @pytest.mark.timeout(10)
 def test_a_rank_cut_off_from_a_peer_abstains_instead_of_naming_another() -> None:
-    from resilient._slowrank import SendRates
+    from resilient.detect.slow_rank import SendRates
 
     # Rank 1 of 4: rank 3 reads slow, but rank 2 is reachable on no rail (the pair
     # goes through the store), so the call's pace says nothing about rank 3.

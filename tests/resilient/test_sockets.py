@@ -1,4 +1,4 @@
-"""The gate link builds take turns through (resilient._sockets): one build at a
+"""The gate link builds take turns through (resilient.links.gloo_sockets): one build at a
 time, so each can tell its own connection, but a build stuck past its bound, or
 one whose epoch is over, holds up nobody (seen: a repair of an old epoch sat in
 gloo's constructor for 9+ s and the next epoch's signature exchange waited
@@ -13,13 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from resilient import _sockets
+from resilient.links import gloo_sockets
 from tests._dist import run_world
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _entered_after(gate: _sockets._Gate, bound_s: float) -> tuple[threading.Thread, list[float]]:
+def _entered_after(
+    gate: gloo_sockets._Gate, bound_s: float
+) -> tuple[threading.Thread, list[float]]:
     """A thread that enters ``gate`` and records when (then leaves)."""
     at: list[float] = []
 
@@ -34,7 +36,7 @@ def _entered_after(gate: _sockets._Gate, bound_s: float) -> tuple[threading.Thre
 
 
 def test_a_build_waits_for_the_one_in_the_gate_until_it_leaves() -> None:
-    gate = _sockets._Gate()
+    gate = gloo_sockets._Gate()
     first = gate.enter(30.0, lambda: False)
     thread, at = _entered_after(gate, 30.0)
     time.sleep(0.3)
@@ -46,7 +48,7 @@ def test_a_build_waits_for_the_one_in_the_gate_until_it_leaves() -> None:
 
 
 def test_a_build_whose_epoch_is_over_holds_up_nobody() -> None:
-    gate = _sockets._Gate()
+    gate = gloo_sockets._Gate()
     over = threading.Event()
     gate.enter(30.0, over.is_set)  # never leaves: stuck in gloo's constructor
     thread, at = _entered_after(gate, 30.0)
@@ -64,7 +66,7 @@ def test_a_repair_in_the_gate_holds_up_only_what_could_be_mistaken_for_it() -> N
     # peer on the same rail must wait: the peer's notes could not tell the two
     # connections apart (seen when nothing waited: a repaired link kept another
     # rail's connection too, cut it with its own, and the rings re-ordered).
-    gate = _sockets._Gate()
+    gate = gloo_sockets._Gate()
     repair = gate.enter(30.0, lambda: False, background=True, key=("10.0.0.1", 2))
     for key in (("10.0.0.1", 3), ("10.0.1.1", 2)):  # another peer; another rail
         began = time.monotonic()
@@ -91,8 +93,8 @@ def test_a_repair_in_the_gate_holds_up_only_what_could_be_mistaken_for_it() -> N
 
 
 def test_a_build_past_its_bound_holds_up_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_sockets, "_OVERRUN_S", 0.0)
-    gate = _sockets._Gate()
+    monkeypatch.setattr(gloo_sockets, "_OVERRUN_S", 0.0)
+    gate = gloo_sockets._Gate()
     start = time.monotonic()
     stuck = gate.enter(0.5, lambda: False)
     thread, at = _entered_after(gate, 30.0)
@@ -113,7 +115,7 @@ def _builds_behind_a_stuck_one(pg: Any, rank: int, world: int) -> dict[str, Any]
     """Hold the gate as a stuck build of an old epoch would, start a collective
     (its links are built inside it), then let that epoch end."""
     over = threading.Event()
-    _sockets._GATE.enter(60.0, over.is_set)
+    gloo_sockets._GATE.enter(60.0, over.is_set)
     t = torch.full((1024,), float(rank + 1))
     done = threading.Event()
     thread = threading.Thread(target=lambda: (pg.allreduce([t]).wait(), done.set()), daemon=True)
@@ -142,7 +144,7 @@ def test_the_accepting_end_keeps_only_a_connection_accepted_on_the_links_rail() 
     # A repair to a peer on rail 0 and a build to the same peer on rail 1 may run
     # at once: the peer's notes then name both connections (seen: the repaired
     # link kept rail 1's too and cut it with its own).
-    conn = _sockets.Conn(7, ("10.100.0.2", 40000), ("10.100.0.3", 51234))
-    assert _sockets._at(conn, "10.100.0.2")
-    assert not _sockets._at(conn, "10.101.0.2")
-    assert _sockets._at(conn, "node7-rail0")  # a host name is not compared
+    conn = gloo_sockets.Conn(7, ("10.100.0.2", 40000), ("10.100.0.3", 51234))
+    assert gloo_sockets._at(conn, "10.100.0.2")
+    assert not gloo_sockets._at(conn, "10.101.0.2")
+    assert gloo_sockets._at(conn, "node7-rail0")  # a host name is not compared

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient import _sockets
-from resilient._proc import free_port
-from resilient._socklink import PairError, SocketPair, connect_pair
+from resilient.links import gloo_sockets
+from resilient.links.socket_link import PairError, SocketPair, connect_pair
+from resilient.procs import free_port
 from tests._held import HeldStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,17 +88,17 @@ def test_a_pairs_send_counters_come_from_its_own_socket() -> None:
         work = b.recv([out], 0, 3)
         a.send([torch.ones(1 << 18)], 0, 3).wait(timedelta(seconds=10))
         work.wait(timedelta(seconds=10))
-        own = _sockets.sent_of(a.tcp_info(_sockets.SENT_INFO_BYTES))
+        own = gloo_sockets.sent_of(a.tcp_info(gloo_sockets.SENT_INFO_BYTES))
         sock = a._sock  # the descriptor the other reading goes through
-        conn = _sockets.Conn.of(sock)
-        via_fd = _sockets.sent(conn)
+        conn = gloo_sockets.Conn.of(sock)
+        via_fd = gloo_sockets.sent(conn)
         assert own is not None and via_fd is not None
         assert own[0] >= 4 << 18  # every byte of the message was acknowledged
         assert own[0] == via_fd[0] and own[3] <= via_fd[3]
     finally:
         a.shutdown()
         b.shutdown()
-    assert a.tcp_info(_sockets.SENT_INFO_BYTES) is None
+    assert a.tcp_info(gloo_sockets.SENT_INFO_BYTES) is None
 
 
 def test_a_pairs_state_and_progress_come_from_its_own_socket() -> None:
@@ -106,23 +106,25 @@ def test_a_pairs_state_and_progress_come_from_its_own_socket() -> None:
     a, b = _pair()
     try:
         sock = a._sock
-        conn = _sockets.Conn.of(sock)
-        assert _sockets.state_of(a.tcp_info(1)) == _sockets.tcp_state(conn) == 1  # ESTABLISHED
-        own = _sockets.progress_of(a.tcp_info(_sockets.PROGRESS_INFO_BYTES))
-        via_fd = _sockets.progress(conn)
+        conn = gloo_sockets.Conn.of(sock)
+        assert (
+            gloo_sockets.state_of(a.tcp_info(1)) == gloo_sockets.tcp_state(conn) == 1
+        )  # ESTABLISHED
+        own = gloo_sockets.progress_of(a.tcp_info(gloo_sockets.PROGRESS_INFO_BYTES))
+        via_fd = gloo_sockets.progress(conn)
         assert own is not None and via_fd is not None and own.mss == via_fd.mss
         assert own.dead(0) is None
         b.shutdown()
         deadline = time.monotonic() + 5.0
-        while _sockets.state_of(a.tcp_info(1)) not in _sockets.PEER_GONE_STATES:
+        while gloo_sockets.state_of(a.tcp_info(1)) not in gloo_sockets.PEER_GONE_STATES:
             assert time.monotonic() < deadline, "the peer's close never showed"
             time.sleep(0.01)
-        assert _sockets.tcp_state(conn) in _sockets.PEER_GONE_STATES
+        assert gloo_sockets.tcp_state(conn) in gloo_sockets.PEER_GONE_STATES
     finally:
         a.shutdown()
         b.shutdown()
-    assert _sockets.state_of(a.tcp_info(1)) is None
-    assert _sockets.progress_of(a.tcp_info(_sockets.PROGRESS_INFO_BYTES)) is None
+    assert gloo_sockets.state_of(a.tcp_info(1)) is None
+    assert gloo_sockets.progress_of(a.tcp_info(gloo_sockets.PROGRESS_INFO_BYTES)) is None
 
 
 def test_a_message_larger_than_its_receive_fails_the_receive_not_the_process() -> None:
@@ -164,9 +166,9 @@ def test_a_receive_past_its_deadline_fails() -> None:
 def test_cutting_the_connection_ends_a_blocked_wait_at_once() -> None:
     with _opened_pair() as (_a, b):
         sock = b._sock
-        conn = _sockets.Conn.of(sock)
+        conn = gloo_sockets.Conn.of(sock)
         work = b.recv([torch.zeros(1)], 0, 1)
-        threading.Timer(0.2, _sockets.cut, args=([conn],)).start()
+        threading.Timer(0.2, gloo_sockets.cut, args=([conn],)).start()
         start = time.monotonic()
         with pytest.raises(PairError):
             work.wait(timedelta(seconds=10))
@@ -199,7 +201,7 @@ def test_a_stray_connection_is_not_taken_for_the_peer() -> None:
 
 def test_socket_links_are_kept_out_of_gloo_connection_scans() -> None:
     with _opened_pair() as (a, b):
-        found, _ = _sockets._established()
+        found, _ = gloo_sockets._established()
         assert a._sock.fileno() not in found and b._sock.fileno() not in found
 
 
@@ -213,7 +215,7 @@ def test_a_rendezvous_nobody_answers_gives_up_in_time() -> None:
 
 def _tables(rails: int) -> list[Any]:
     from resilient.config import DataPlaneConfig
-    from resilient.links import LinkTable
+    from resilient.links.table import LinkTable
 
     s0, s1 = _store("mesh/")
     config = DataPlaneConfig(connect_timeout_s=10.0, op_timeout_floor_s=5.0)
@@ -231,7 +233,7 @@ def _tables(rails: int) -> list[Any]:
 
 
 def _exchange(meshes: list[Any], seq: int) -> list[torch.Tensor]:
-    from resilient._signature import WIDTH
+    from resilient.collectives.signature import WIDTH
 
     tables = [torch.zeros((2, WIDTH), dtype=torch.int64) for _ in meshes]
     for r, t in enumerate(tables):
@@ -241,8 +243,8 @@ def _exchange(meshes: list[Any], seq: int) -> list[torch.Tensor]:
 
 
 def test_a_control_row_whose_link_broke_comes_through_the_store() -> None:
-    from resilient._ctlmesh import ControlMesh
-    from resilient._relay import RELAY_RAIL
+    from resilient.check.control_mesh import ControlMesh
+    from resilient.collectives.relay import RELAY_RAIL
 
     tables = _tables(rails=2)
     meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
@@ -262,7 +264,7 @@ def test_a_control_row_whose_link_broke_comes_through_the_store() -> None:
 
 
 def test_rows_published_from_two_threads_at_once_keep_the_newest_row() -> None:
-    from resilient._ctlmesh import ControlMesh
+    from resilient.check.control_mesh import ControlMesh
 
     tables = _tables(rails=2)
     meshes = [ControlMesh(rank=r, world=2, links=t) for r, t in enumerate(tables)]
@@ -289,7 +291,7 @@ def test_rows_published_from_two_threads_at_once_keep_the_newest_row() -> None:
 
 
 def test_with_one_rail_a_broken_control_link_fails_the_exchange() -> None:
-    from resilient._ctlmesh import ControlMesh
+    from resilient.check.control_mesh import ControlMesh
     from resilient.errors import LinkError
 
     tables = _tables(rails=1)
@@ -305,7 +307,7 @@ def test_with_one_rail_a_broken_control_link_fails_the_exchange() -> None:
 
 
 def test_a_handoff_keeps_order_and_wakes_its_consumer() -> None:
-    from resilient._handoff import Handoff
+    from resilient.group.handoff import Handoff
 
     box: Handoff[int | None] = Handoff()
     got: list[int] = []
@@ -328,12 +330,12 @@ def test_a_handoff_keeps_order_and_wakes_its_consumer() -> None:
 
 
 def test_a_handoff_to_a_busy_consumer_rings_no_bell(monkeypatch: pytest.MonkeyPatch) -> None:
-    from resilient import _handoff
-    from resilient._handoff import Handoff
+    from resilient.group import handoff
+    from resilient.group.handoff import Handoff
 
     rings = []
-    ring = _handoff.Bell.ring
-    monkeypatch.setattr(_handoff.Bell, "ring", lambda self: (rings.append(1), ring(self)))
+    ring = handoff.Bell.ring
+    monkeypatch.setattr(handoff.Bell, "ring", lambda self: (rings.append(1), ring(self)))
     box: Handoff[int | None] = Handoff()
     busy, got = threading.Event(), []
 

@@ -1,4 +1,4 @@
-"""Socket pairs moved by whichever thread waits (resilient._sockpair): real TCP
+"""Socket pairs moved by whichever thread waits (resilient.links.socket_pair): real TCP
 sockets on loopback, rendezvoused through a real TCPStore. Each simulated rank has
 an Engine of its own, as a process would; its ranks' threads run in this process."""
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resilient import _sockets
-from resilient._proc import free_port
-from resilient._sockconnect import PairError, connect_pair
-from resilient._sockpair import _HEADER, CALL_SHIFT, DigestMismatch, Engine, SocketPair
+from resilient.links import gloo_sockets
+from resilient.links.socket_connect import PairError, connect_pair
+from resilient.links.socket_pair import _HEADER, CALL_SHIFT, DigestMismatch, Engine, SocketPair
+from resilient.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -231,7 +231,7 @@ def test_forgotten_receives_never_write_into_their_buffers(
     new_engine: Callable[[], Engine],
 ) -> None:
     # What a link kept into a new epoch does with a given-up call's receives
-    # (resilient._ledger): one half read into its buffer, one not started, one
+    # (resilient.links.ledger): one half read into its buffer, one not started, one
     # message stashed. Afterwards the buffers are the caller's again.
     with _pair(new_engine, "127.0.5.3", "127.0.5.4", "f/") as (a, b):
         half, unread = torch.zeros(4 * BIG // 4), torch.zeros(4)
@@ -262,15 +262,15 @@ def test_forgotten_receives_never_write_into_their_buffers(
 
 
 def test_cutting_a_pair_mid_message_ends_the_wait_at_once(new_engine: Callable[[], Engine]) -> None:
-    # The case gloo cannot interrupt (resilient._waiter): the receive's message has
+    # The case gloo cannot interrupt (resilient.links.gloo_wait): the receive's message has
     # begun to arrive when its connection is cut.
     raw, b_s = _sockets_between("127.0.6.1", "127.0.6.2", "c/")
     b = SocketPair(b_s, new_engine())
     try:
         work = b.recv([torch.zeros(1 << 20)], 0, 8)
         raw.sendall(_HEADER.pack(8, 4 << 20, 0) + bytes(1 << 16))  # a quarter of it
-        conn = _sockets.Conn.of(b_s)
-        threading.Timer(0.3, _sockets.cut, args=([conn],)).start()
+        conn = gloo_sockets.Conn.of(b_s)
+        threading.Timer(0.3, gloo_sockets.cut, args=([conn],)).start()
         start = time.monotonic()
         with pytest.raises(PairError):
             work.wait(timedelta(seconds=15))
@@ -398,8 +398,8 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
             time.sleep(0.01)
         assert x1.parked
         sock = x1._sock
-        conn = _sockets.Conn.of(sock)
-        _sockets.cut([conn])
+        conn = gloo_sockets.Conn.of(sock)
+        gloo_sockets.cut([conn])
         deadline = time.monotonic() + 5
         while x1.error is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -415,7 +415,7 @@ def test_cutting_a_parked_pair_fails_it_without_spinning(
 def test_a_receive_refuses_a_message_of_another_call_and_the_pair_carries_on(
     new_engine: Callable[[], Engine],
 ) -> None:
-    # Calls checked by digest (resilient._elide): a message whose digest is not the
+    # Calls checked by digest (collectives.digest_check): a message whose digest is not the
     # receive's fails that receive, whether it came through the shared buffer, as a
     # large body read straight in, or from the stash; nothing lands in its buffer
     # and the pair is not failed. Forgetting the call drops what is left of it.

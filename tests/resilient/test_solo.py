@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient._solo import FREE_CALLS, SoloEngine
-from resilient.collectives import Reduce
+from resilient.collectives.engine import Reduce
+from resilient.collectives.solo import FREE_CALLS, SoloEngine
 from resilient.errors import RecoveryError
 
 pytestmark = pytest.mark.timeout(10)

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._stall import STALL_S, StallWatch
+from resilient.links.stall import STALL_S, StallWatch
 from tests._dist import run_world
 
 
 @pytest.mark.timeout(10)
 def test_a_pending_op_is_reported_once_per_stall() -> None:
-    import recovery.events as ev
+    import resilient.events as ev
 
     seen: list[dict[str, Any]] = []
     real = ev.emit
@@ -46,7 +46,7 @@ class _Conn:
 
 @pytest.mark.timeout(10)
 def test_a_quiet_op_is_reported_only_when_the_kernel_sees_its_connection_failing() -> None:
-    import recovery.events as ev
+    import resilient.events as ev
 
     seen: list[dict[str, Any]] = []
     real = ev.emit
@@ -67,10 +67,10 @@ def test_a_quiet_op_is_reported_only_when_the_kernel_sees_its_connection_failing
 
 
 def _late_peer(pg: Any, rank: int, world: int) -> dict[str, Any]:
-    from resilient import _stall
+    from resilient.links import stall
 
     pg.allreduce([torch.zeros(1 << 16)]).wait()  # links up before timing
-    before = _stall.watch().reported
+    before = stall.watch().reported
     t = torch.full((1 << 16,), float(rank))
     if rank == 1:
         time.sleep(1.5)  # everyone else waits on this rank's share
@@ -78,7 +78,7 @@ def _late_peer(pg: Any, rank: int, world: int) -> dict[str, Any]:
     pg.allreduce([t]).wait()
     return {
         "elapsed": time.perf_counter() - start,
-        "reported": _stall.watch().reported - before,
+        "reported": stall.watch().reported - before,
         "ok": bool(torch.all(t == 1.0)),
     }
 

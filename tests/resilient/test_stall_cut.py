@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient import _stall
+from resilient.links import stall
 from tests._dist import run_world
 from tests._iptables import drop_rules, iptables
 
@@ -48,7 +48,7 @@ def _partitioned(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, 
         "took_s": took,
         # Either watch may see it first: a socket send is done once its bytes are in
         # the socket, so the rank whose bytes are lost may have no op waiting there.
-        "cut": _stall.watch().cut + pg._peer_watch.cut,
+        "cut": stall.watch().cut + pg._peer_watch.cut,
         "failovers": len(pg.engine.failovers) + len(pg._channel.failovers),
     }
 

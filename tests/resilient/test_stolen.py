@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from resilient._stolen import StolenTime
+from resilient.detect.stolen_time import StolenTime
 from tests._procs import gone, wait_until
 
 _CHILD = """
 import sys, time
-from resilient._stolen import StolenTime
+from resilient.detect.stolen_time import StolenTime
 meter = StolenTime("test-stolen")
 print(meter.pid, flush=True)
 time.sleep(float(sys.argv[1]))
@@ -93,7 +93,7 @@ def test_close_ends_the_meter_and_keeps_the_total() -> None:
 
 _FORKS = """
 import os, sys
-from resilient._stolen import StolenTime
+from resilient.detect.stolen_time import StolenTime
 meter = StolenTime("test-fork")
 mine = os.readlink(f"/proc/self/fd/{meter._pipe}")  # pipe:[inode]
 read, write = os.pipe()
@@ -131,11 +131,13 @@ def test_a_meter_that_cannot_start_reads_zero_and_says_so(
         raise OSError(11, "Resource temporarily unavailable")
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
-    with caplog.at_level("WARNING", logger="resilient._stolen"):
+    with caplog.at_level("WARNING", logger="resilient.detect.stolen_time"):
         meter = StolenTime("test-refused")
     assert meter.pid is None and meter.total_us == 0
     warned = [
-        r for r in caplog.records if r.name == "resilient._stolen" and r.levelname == "WARNING"
+        r
+        for r in caplog.records
+        if r.name == "resilient.detect.stolen_time" and r.levelname == "WARNING"
     ]
     assert len(warned) == 1, caplog.records
     meter.close()

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from resilient._signature import Exchange
-from resilient._stragglers import StragglerWatch
+from resilient.collectives.signature import Exchange
+from resilient.detect.stragglers import StragglerWatch
 
 RANKS = 4
 CALL_US = 25_000  # two calls per 50 ms step
@@ -106,7 +106,7 @@ def test_a_rank_its_peers_wait_for_is_a_compute_straggler() -> None:
 
 @pytest.mark.timeout(10)
 def test_verdicts_name_job_wide_ranks_and_stand_until_cleared() -> None:
-    from resilient._stragglers import Verdicts
+    from resilient.detect.stragglers import Verdicts
 
     verdicts = Verdicts()
     verdicts.add(2, "stalled", 0.7, 0.3)
@@ -127,7 +127,7 @@ def test_verdicts_name_job_wide_ranks_and_stand_until_cleared() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("seed", range(3))
 def test_the_time_lost_to_a_straggler_is_what_its_peers_waited(seed: int) -> None:
-    from resilient._stragglers import Verdicts
+    from resilient.detect.stragglers import Verdicts
 
     job, watch = _settled(seed)
     watch.sink = sink = Verdicts()

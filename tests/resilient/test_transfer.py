@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from resilient import _transfer
 from resilient.errors import RecoveryError
+from resilient.links import transfer
 from tests._dist import run_world
 
 pytestmark = pytest.mark.timeout(120)
 
-SIZES = (0, 1000, 3 * _transfer.CHUNK_BYTES + 12345)
+SIZES = (0, 1000, 3 * transfer.CHUNK_BYTES + 12345)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
 
 
@@ -42,7 +42,7 @@ def _move(pg: Any, rank: int, world: int) -> dict[str, Any]:
     link = pg.links.get(1 - rank, 0)
     header = b"shapes and dtypes of what follows"
     if rank == 0:
-        _transfer.send_state(link, memoryview(bytearray(header)), _tensors())
+        transfer.send_state(link, memoryview(bytearray(header)), _tensors())
         return {}
     seen: list[bytes] = []
     into: list[torch.Tensor] = []
@@ -52,7 +52,7 @@ def _move(pg: Any, rank: int, world: int) -> dict[str, Any]:
         into.extend(torch.empty_like(t) for t in _tensors())
         return into
 
-    nbytes = _transfer.recv_state(link, allocate)
+    nbytes = transfer.recv_state(link, allocate)
     return {"header": seen, "digest": _digest(into), "nbytes": nbytes}
 
 
@@ -75,21 +75,21 @@ def _corrupt(pg: Any, rank: int, world: int) -> str:
         bad = data.clone()
         bad[17] += 1
         works = [
-            link.isend(torch.tensor([1], dtype=torch.int64), _transfer._TAG),
+            link.isend(torch.tensor([1], dtype=torch.int64), transfer._TAG),
             link.isend(
-                torch.frombuffer(bytearray(header), dtype=torch.uint8), _transfer._HEADER_TAG
+                torch.frombuffer(bytearray(header), dtype=torch.uint8), transfer._HEADER_TAG
             ),
-            link.isend(bad.view(torch.uint8), _transfer._DATA_TAG),
+            link.isend(bad.view(torch.uint8), transfer._DATA_TAG),
             link.isend(
                 torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8),
-                _transfer._DIGEST_TAG,
+                transfer._DIGEST_TAG,
             ),
         ]
         for work in works:
             link.wait(work, 20000)
         return "sent"
     try:
-        _transfer.recv_state(link, lambda h: [torch.empty_like(data)])
+        transfer.recv_state(link, lambda h: [torch.empty_like(data)])
     except RecoveryError:
         return "refused"
     return "loaded"
@@ -102,4 +102,4 @@ def test_bytes_that_do_not_match_their_digest_are_refused() -> None:
 def test_only_contiguous_cpu_tensors_are_sent() -> None:
     # Checked before anything is posted: the link is not touched (None here).
     with pytest.raises(ValueError):
-        _transfer.send_state(None, b"h", [torch.zeros(4, 4).t()])  # type: ignore[arg-type]
+        transfer.send_state(None, b"h", [torch.zeros(4, 4).t()])  # type: ignore[arg-type]

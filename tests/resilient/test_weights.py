@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilient._weights import DOWN, PROBE_EVERY, QUANTUM, agreed_backups, agreed_weights
+from resilient.detect.rail_weights import DOWN, PROBE_EVERY, QUANTUM, agreed_backups, agreed_weights
 from tests._dist import run_world
 
 
@@ -38,12 +38,12 @@ def test_a_starved_rail_is_dropped_but_probed() -> None:
 def _throttled(pg: Any, rank: int, world: int) -> dict[str, Any]:
     import time
 
-    from resilient import _faults
+    from resilient.links import fault_hook
 
     # Rail 0 of rank 1 at 80 Mbit/s (the in-process fault hook, no root needed).
-    hook = _faults.FaultHook()
-    hook.faults = (_faults.LinkFault(kind="throttle", rank=1, rail=0, rate_bps=80e6),)
-    _faults._HOOK = hook
+    hook = fault_hook.FaultHook()
+    hook.faults = (fault_hook.LinkFault(kind="throttle", rank=1, rail=0, rate_bps=80e6),)
+    fault_hook._HOOK = hook
     times, digests = [], []
     for i in range(24):
         t = torch.arange(1 << 20, dtype=torch.float32) * (rank + 1) + i
@@ -79,9 +79,9 @@ def test_a_throttled_rail_loses_its_share_and_results_stay_identical() -> None:
 
 @pytest.mark.timeout(10)
 def test_degraded_and_repaired_events_need_a_streak(tmp_path: Any, monkeypatch: Any) -> None:
-    import recovery.events as ev_mod
-    from resilient._signature import Exchange
-    from resilient._weights import CONFIRM_CALLS, WeightLearner
+    import resilient.events as ev_mod
+    from resilient.collectives.signature import Exchange
+    from resilient.detect.rail_weights import CONFIRM_CALLS, WeightLearner
 
     log = ev_mod.EventLog(tmp_path, job="j", rank=0)
     monkeypatch.setattr(ev_mod, "default_log", lambda: log)

@@ -1,0 +1,134 @@
+"""Running an elided call and deciding when calls may elide (resilient.collectives.digest_check),
+for the process group: mixed into :class:`~resilient.process_group.
+ResilientProcessGroup`, kept apart from its plumbing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from resilient.collectives.digest_check import NotElided, call_key, forget_call, hello
+from resilient.collectives.engine import RingEngine
+from resilient.detect.rail_weights import DOWN
+from resilient.detect.slow_rank import ENTER_PERMILLE, named
+from resilient.links.socket_pair import DigestMismatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from resilient.check.exchange import Payload, SignatureChannel, Ticket
+    from resilient.collectives.signature import Exchange, Signature
+    from resilient.collectives.solo import SoloEngine
+    from resilient.detect.health_board import HealthBoard
+    from resilient.detect.stragglers import StragglerWatch
+    from resilient.links.table import LinkTable
+
+__all__ = ["CHECKED", "ElidedCalls"]
+
+logger = logging.getLogger(__name__)
+
+# What a call without payloads gets for its table once the signatures matched (its
+# function only asks whether they were checked: None means checks are off).
+CHECKED = torch.empty(0, dtype=torch.uint8)
+
+
+class ElidedCalls:
+    """Mixed into :class:`~resilient.process_group.ResilientProcessGroup`."""
+
+    if TYPE_CHECKING:  # the group's own attributes and methods
+        board: HealthBoard
+        links: LinkTable
+        engine: RingEngine | SoloEngine
+        _epoch: int
+        _stragglers: StragglerWatch
+        # The health board's changes when the group was last found quiet (_quiet).
+        _quiet_mark: int
+
+        def rank(self) -> int: ...
+
+    def _run_elided(
+        self,
+        channel: SignatureChannel,
+        ticket: Ticket,
+        fn: Callable[[torch.Tensor | None], Any],
+        payload: Payload | None,
+        digest: int,
+    ) -> Any:
+        """Run an elided call (collectives.digest_check): checked by its digest where it can
+        be, else by a hello and a full exchange, which every rank falls back to as
+        soon as one refuses the call.
+
+        Raises:
+            CollectiveMismatch: the ranks' calls differ.
+            CommunicationError: as any call.
+        """
+        channel.check_elided(ticket)
+        engine = self.engine
+        assert isinstance(engine, RingEngine)
+        key = call_key(self._epoch, ticket.seq)
+        calls = engine.calls
+        # A rank with news since the quiet verdict (a NIC, a link) still takes part
+        # (a failover needs every peer in the call) but flags its messages: every
+        # rank sees the flag at its gate, and the quiet ends for all alike, so the
+        # next call exchanges rows that show the news.
+        mark = self.board.changes
+        news = mark != self._quiet_mark
+        if digest:
+            engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
+            try:
+                out = fn(CHECKED)
+                if news or engine.gate_news:
+                    channel.quiet = False
+                return out
+            except DigestMismatch as exc:
+                logger.info(
+                    "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
+                    "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
+                )  # fmt: skip
+            except NotElided:
+                hello(self.links, key)
+            finally:
+                engine.elided = None
+                channel.add_waited(engine.gate_waited_s)
+        else:
+            hello(self.links, key)
+        forget_call(self.links, key)
+        # Some ranks routed the refused call and others did not: agree again.
+        engine.calls = calls
+        exchange = channel.fallback(ticket)
+        # Its clocks are news every rank reads alike; links are not put in service
+        # here (rows of later calls may have gone out on the old ones).
+        self._stragglers.observe(exchange)
+        quiet = self._quiet(exchange, engine, ticket.sig)
+        channel.quiet, self._quiet_mark = quiet, mark
+        return fn(exchange.payloads() if payload is not None else CHECKED)
+
+    def _quiet(self, exchange: Exchange, engine: RingEngine, sig: Signature) -> bool:
+        """Whether the next calls may elide (collectives.digest_check): this call (``sig``,
+        agreed) is an all_reduce the mesh takes on one rail, so the next ones
+        likely are too (a job of ring-sized tensors would only fall back), and nothing in this
+        verdict needs the news of every call (links to put in service, cut pairs,
+        a rail down, a slow rank named or agreed, a straggler confirmed). The same
+        on every rank: all of it follows from the exchange table."""
+        dtype = sig.dtype
+        if sig.op != "allreduce" or dtype is None or not engine.mesh:
+            return False
+        nbytes = sig.numel * dtype.itemsize
+        if nbytes >= engine.mesh_below_bytes or not engine.one_rail(nbytes):
+            return False
+        if engine.slow_rank is not None or engine.order is not None:
+            return False
+        if any(exchange.staged) or any(exchange.cut):
+            return False
+        if any(DOWN in rates for rates in exchange.rates):  # a NIC or link down somewhere
+            return False
+        if exchange.lagging and named(exchange.lagging, ENTER_PERMILLE) is not None:
+            return False
+        # A confirmed straggler, not a suspected one: suspicions come and go on a
+        # loaded host (a tight loop of calls kept one suspected in 805 of 807
+        # exchanges), and the clocks are still read at every full exchange.
+        state = self._stragglers.state
+        return all(state(r) != "confirmed" for r in range(len(exchange.clocks)))

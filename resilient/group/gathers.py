@@ -1,0 +1,182 @@
+"""The gather and scatter collectives of the process group (all_gather,
+all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor and their coalesced
+forms), kept apart from the group's plumbing. Mixed in *before*
+``torch.distributed.ProcessGroup``, so these methods override its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.collectives.engine import Reduce
+from resilient.collectives.signature import Signature
+from resilient.group.args import check_tensors, reduce_op
+from resilient.group.work import ResilientWork
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from resilient.check.exchange import Payload
+    from resilient.collectives.engine import RingEngine
+    from resilient.collectives.solo import SoloEngine
+
+__all__ = ["GatherOps"]
+
+
+class GatherOps:
+    """Mixed into :class:`~resilient.process_group.ResilientProcessGroup`."""
+
+    if TYPE_CHECKING:  # the group's own methods (never shadowed at run time)
+
+        def rank(self) -> int: ...
+        def size(self) -> int: ...
+        def _need_every_rank(self, op: str) -> None: ...
+        def _engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine: ...
+        def _submit(
+            self,
+            op: str,
+            sig: Signature,
+            fn: Callable[[torch.Tensor | None], Any],
+            *,
+            payload: Payload | None = None,
+            after_previous: bool = False,
+        ) -> ResilientWork: ...
+
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
+        outs, inp = output_tensors[0], input_tensors[0]
+        check_tensors("allgather", [inp, *outs])
+        self._need_every_rank("allgather")
+        if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
+            raise ValueError(
+                f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
+            )
+        sig = Signature.of("allgather", [inp])
+
+        def run(_: torch.Tensor | None) -> list[list[torch.Tensor]]:
+            buf = self._gather_buffer(inp)
+            for i, out in enumerate(outs):
+                out.copy_(buf[i].view_as(out))
+            return output_tensors
+
+        return self._submit("allgather", sig, run)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        check_tensors("all_gather_into_tensor", [output, input])
+        self._need_every_rank("all_gather_into_tensor")
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
+                f"need {input.numel() * self.size()}"
+            )
+        sig = Signature.of("all_gather_into_tensor", [input])
+
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
+            buf = self._gather_buffer(input)
+            output.copy_(buf.view_as(output))
+            return [output]
+
+        return self._submit("all_gather_into_tensor", sig, run)
+
+    def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
+        n = inp.numel()
+        buf = torch.empty((self.size(), n), dtype=inp.dtype, device=inp.device)
+        buf[self.rank()].copy_(inp.reshape(-1))
+        self._engine_for(buf).all_gather(buf.view(-1))
+        return buf
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> ResilientWork:
+        opts = opts or dist.ReduceScatterOptions()
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
+        out, ins = output_tensors[0], input_tensors[0]
+        check_tensors("reduce_scatter", [out, *ins])
+        self._need_every_rank("reduce_scatter")
+        if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
+            raise ValueError(
+                f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
+            )
+        red = reduce_op("reduce_scatter", opts)
+        sig = Signature.of("reduce_scatter", [out], reduce=red)
+
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
+            buf = torch.cat([i.reshape(-1) for i in ins])
+            self._scatter_into(buf, out, red)
+            return output_tensors
+
+        return self._submit("reduce_scatter", sig, run)
+
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        opts = opts or dist.ReduceScatterOptions()
+        check_tensors("reduce_scatter_tensor", [output, input])
+        self._need_every_rank("reduce_scatter_tensor")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
+                f"need {output.numel() * self.size()}"
+            )
+        red = reduce_op("reduce_scatter_tensor", opts)
+        sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
+
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
+            self._scatter_into(input.reshape(-1).clone(), output, red)
+            return [output]
+
+        return self._submit("reduce_scatter_tensor", sig, run)
+
+    def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
+        mine = self._engine_for(buf).reduce_scatter(buf, red)
+        out.copy_(buf[mine.start : mine.stop].view_as(out))
+
+    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor here.
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> ResilientWork:
+        return self._reduce_scatter_base(output, input, opts)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        return self._last(
+            [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        )
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> ResilientWork:
+        return self._last(
+            [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        )
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    @staticmethod
+    def _last(works: list[ResilientWork]) -> ResilientWork:
+        """Works run in order on one thread: the last one completes after the others."""
+        if not works:
+            raise ValueError("resilient: a coalesced call needs at least one tensor pair")
+        return works[-1]

@@ -1,0 +1,155 @@
+"""What the local launcher starts and how it supervises it: :class:`LaunchConfig`."""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Final
+
+from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
+from resilient.errors import ConfigError
+from resilient.launch.rank_env import _RANK_VAR_NAMES
+
+__all__ = ["MAX_LOCAL_RANKS", "MAX_RAILS", "LaunchConfig", "loopback_rails", "new_job_name"]
+
+# Rail addresses are 127.0.<rail+1>.<rank+1>: one octet each, and .255 is avoided.
+MAX_LOCAL_RANKS: Final = 254
+MAX_RAILS: Final = 254
+
+
+def loopback_rails(rank: int, rails: int) -> tuple[str, ...]:
+    """The loopback address of each rail of ``rank``: ``127.0.<rail+1>.<rank+1>``."""
+    return tuple(f"127.0.{rail + 1}.{rank + 1}" for rail in range(rails))
+
+
+def new_job_name() -> str:
+    """A fresh job name, ``job-<8 random hex digits>``."""
+    return f"job-{secrets.token_hex(4)}"
+
+
+def _new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def _check_int(name: str, value: int, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}={value!r}: must be an integer")
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}={value}: must be {bounds}")
+
+
+def _check_seconds(name: str, value: float, *, minimum: float, inclusive: bool) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value >= minimum if inclusive else value > minimum
+    if not ok:
+        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        raise ConfigError(f"{name}={value!r}: must be a finite number of seconds {bound}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchConfig:
+    """What the local launcher starts and how it supervises it.
+
+    ``etcd`` is a comma-separated list of client URLs, or None for an embedded etcd
+    that lives as long as the launch. ``max_restarts`` is one budget for the whole
+    job (rank restarts of all ranks together). ``log_dir`` adds a ``rank<N>.log``
+    copy of each rank's output; ``run_dir`` is handed to the ranks. Both are made
+    absolute here. ``grace_s`` is the SIGTERM-to-SIGKILL delay when stopping ranks.
+
+    Raises:
+        ConfigError: a value is out of range, the script is not a file, the job
+            name or an etcd URL is malformed, or a directory path is a file.
+    """
+
+    nproc: int
+    script: str
+    script_args: tuple[str, ...] = ()
+    rails: int = 1
+    etcd: str | None = None
+    job: str = field(default_factory=new_job_name)
+    max_restarts: int = 0
+    log_dir: str | None = None
+    run_dir: str | None = None
+    lease_ttl_s: float = 5.0
+    grace_s: float = 5.0
+    token: str = field(default_factory=_new_token, repr=False)
+    # Per-rank overrides used by the chaos testbed (ranks on hosts in network
+    # namespaces): rail addresses, an argv prefix, the MASTER_ADDR to hand out.
+    rank_rails: tuple[tuple[str, ...], ...] = ()
+    rank_wrap: tuple[tuple[str, ...], ...] = ()
+    master_addr: str = "127.0.0.1"
+    echo: bool = True
+    fault_control: bool = False
+    # One standby process per rank that already imported torch (resilient.launch.standby):
+    # a failed rank's standby takes over at once instead of a cold start.
+    warm_spares: bool = False
+    # Serve Prometheus metrics on this port (all interfaces; 0: any free port).
+    metrics_port: int | None = None
+    # Elastic shrink: once the restart budget is spent, a lost rank is left out and
+    # the job goes on while at least this many ranks run (None: the job stops).
+    min_ranks: int | None = None
+    # How long survivors wait for a replacement before shrinking (with min_ranks).
+    shrink_after_s: float = 10.0
+    # A confirmed straggler may leave the job, to be replaced (recovery.policy).
+    evict_stragglers: bool = False
+    # More RESILIENT_* variables for every rank, over the launcher's own
+    # environment (the chaos runner asks for frequent progress records).
+    rank_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
+        _check_int("rails", self.rails, 1, MAX_RAILS)
+        _check_int("max_restarts", self.max_restarts, 0, None)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, 0, 65535)
+        if self.min_ranks is not None:
+            _check_int("min_ranks", self.min_ranks, 1, self.nproc)
+        _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
+        for name, _ in self.rank_env:
+            if not name.startswith(ENV_PREFIX) or name in _RANK_VAR_NAMES:
+                raise ConfigError(
+                    f"rank_env: {name!r}: only {ENV_PREFIX}* variables the launcher does not set"
+                )
+        if self.evict_stragglers and self.max_restarts < 1 and self.min_ranks is None:
+            raise ConfigError(
+                "evict_stragglers: an evicted rank must be replaced or left out; "
+                "set max_restarts >= 1 or min_ranks"
+            )
+        # etcd leases are whole seconds and the keep-alive runs every ttl/3.
+        _check_seconds("lease_ttl_s", self.lease_ttl_s, minimum=2.0, inclusive=True)
+        _check_seconds("grace_s", self.grace_s, minimum=0.0, inclusive=False)
+        validate_job_name(self.job)
+        if not self.token or not self.token.isprintable() or any(c.isspace() for c in self.token):
+            raise ConfigError("token: must be a non-empty string without whitespace")
+        if self.etcd is not None:
+            object.__setattr__(self, "etcd", ",".join(parse_endpoints(self.etcd)))
+        if not self.script or not os.path.isfile(self.script):
+            raise ConfigError(f"script {self.script!r}: no such file")
+        object.__setattr__(self, "script_args", tuple(self.script_args))
+        self._check_per_rank()
+        for name in ("log_dir", "run_dir"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            path = os.path.abspath(os.fspath(value))
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ConfigError(f"{name}={value!r}: exists and is not a directory")
+            object.__setattr__(self, name, path)
+
+    def _check_per_rank(self) -> None:
+        for name in ("rank_rails", "rank_wrap"):
+            value = tuple(tuple(str(x) for x in item) for item in getattr(self, name))
+            if value and len(value) != self.nproc:
+                raise ConfigError(f"{name}: one entry per rank expected, got {len(value)}")
+            object.__setattr__(self, name, value)
+        for rank, addrs in enumerate(self.rank_rails):
+            if len(addrs) != self.rails:
+                raise ConfigError(f"rank_rails[{rank}]: {self.rails} address(es) expected")
+
+    def rails_of(self, rank: int) -> tuple[str, ...]:
+        """The rail addresses handed to ``rank``."""
+        return self.rank_rails[rank] if self.rank_rails else loopback_rails(rank, self.rails)

@@ -1,0 +1,142 @@
+"""The launcher's rank slots, and the warm spares it keeps for them.
+
+A :class:`Slot` is one rank id: the process that holds it now, its incarnation,
+and the standby (:class:`resilient.launch.spares.Spare`) that would take the next
+incarnation. :class:`SpareTending` is the part of the launcher's run that starts
+those standbys when due, reports one that died before it was needed, and hands a
+slot to its standby on a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from resilient.launch.rank_procs import RankOutput, describe_exit
+from resilient.launch.spares import Spare
+
+if TYPE_CHECKING:
+    from resilient.launch.launch_config import LaunchConfig
+
+__all__ = ["NEXT_SPARE_S", "Slot", "SpareTending"]
+
+logger = logging.getLogger(__name__)
+
+# After a spare took its rank, the next one starts this much later: it builds the
+# whole job (torch, the model, DDP) and would take CPU from the recovery under way.
+NEXT_SPARE_S: Final = 5.0
+# A spare killed by a signal (the OOM killer, an operator) is started again, this
+# many times per rank at most; one that exited by itself would only do so again.
+SPARE_RESTARTS: Final = 2
+
+
+@dataclass(slots=True)
+class Slot:
+    """One rank id: the process holding it now and how many held it before."""
+
+    rank: int
+    incarnation: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    done: bool = False
+    left: bool = False  # lost with no restart left; the job went on without it
+    hung: bool = False  # killed by us after its lease expired
+    spare: Spare | None = None  # warm standby for incarnation + 1
+    spare_at: float | None = None  # when to start the next standby (monotonic)
+    spares_killed: int = 0  # standbys that died by a signal before they were needed
+    died_after_leaving: int = 0  # exit code of a rank that died once it had left the job
+
+
+class SpareTending:
+    """Warm spares of the launcher's slots (mixed into the launcher's run)."""
+
+    _cfg: LaunchConfig
+    _restarts: int
+    _slots: Sequence[Slot]
+    _out: RankOutput
+
+    if TYPE_CHECKING:
+
+        def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]: ...
+        def _publish_budget(self) -> None: ...
+
+    def _spares_on(self) -> bool:
+        """Warm spares are wanted, and a restart is left for one to take."""
+        return self._cfg.warm_spares and self._restarts < self._cfg.max_restarts
+
+    def _spares_ready(self) -> list[int]:
+        """The ranks whose warm spare stands ready now."""
+        return [
+            s.rank for s in self._slots if s.spare is not None and s.spare.ready_after_s is not None
+        ]
+
+    def spare_warming(self, rank: int) -> bool:
+        """Whether ``rank`` has a warm spare started (or due to start) that does not
+        stand ready yet. Read from other threads: looks, never reaps."""
+        if not self._spares_on() or not 0 <= rank < len(self._slots) or self._slots[rank].done:
+            return False
+        slot = self._slots[rank]
+        spare = slot.spare
+        return spare.ready_after_s is None if spare is not None else slot.spare_at is not None
+
+    def _start_spare(self, slot: Slot) -> None:
+        """Start a standby for ``slot``'s next incarnation, if spares are on and the
+        restart budget could still use one."""
+        cfg = self._cfg
+        if not self._spares_on() or slot.spare is not None:
+            return
+        wrap = cfg.rank_wrap[slot.rank] if cfg.rank_wrap else ()
+        env = self._env(slot, incarnation=slot.incarnation + 1)
+        try:
+            slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
+        except OSError as exc:
+            logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
+
+    def _tend_spare(self, slot: Slot) -> None:
+        """Start ``slot``'s next standby when due; report one that exited before it
+        was needed (its output goes to the rank's log). One killed by a signal is
+        started again later (up to SPARE_RESTARTS times); else a loss starts cold."""
+        spare = slot.spare
+        if spare is not None and spare.ready_after_s is None and spare.poll_ready():
+            self._out.notice(
+                f"rank {slot.rank}'s warm spare stands ready "
+                f"({spare.ready_after_s:.1f} s after it started)"
+            )
+            # The ranks price an eviction by whether the spare stands ready.
+            self._publish_budget()
+        if spare is not None and (code := spare.exit_code()) is not None:
+            spare.close()
+            was_ready = spare.ready_after_s is not None
+            again = code < 0 and slot.spares_killed < SPARE_RESTARTS and not slot.done
+            if again:
+                slot.spares_killed += 1
+                slot.spare_at = time.monotonic() + NEXT_SPARE_S
+            slot.spare = None  # after spare_at: see _restart
+            if was_ready:
+                self._publish_budget()
+            then = (
+                f"another starts in {NEXT_SPARE_S:.0f} s"
+                if again
+                else "a loss of the rank starts cold"
+            )
+            self._out.notice(
+                f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
+                f"needed; its output follows in the rank's log; {then}"
+            )
+            self._out.attach(slot.rank, slot.incarnation + 1, spare.proc)
+        elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
+            if not slot.done:
+                self._start_spare(slot)
+            slot.spare_at = None  # only now: see _restart
+
+    def _promote_spare(self, slot: Slot) -> bool:
+        """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""
+        spare, slot.spare = slot.spare, None
+        if spare is None or not spare.hand_over():
+            return False
+        slot.proc = spare.proc
+        self._out.attach(slot.rank, slot.incarnation, spare.proc)
+        return True

@@ -1,0 +1,99 @@
+"""One warm spare as the launcher sees it: the process, and whether it stands ready.
+
+The spare (:mod:`resilient.launch.standby`) writes one byte on a pipe when it reaches
+``wait_for_go``: it has imported torch, built the model and DDP and run the
+warm-up passes. Until then a loss of its rank would wait for all of that, which
+is why the chaos runner holds a kill of a rank whose spare is still warming up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from resilient.launch.rank_procs import reap
+from resilient.procs import spawn
+
+__all__ = ["Spare"]
+
+
+class Spare:
+    """A standby process started with a ready pipe; see the module docstring."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], ready_fd: int) -> None:
+        self.proc = proc
+        self.started_at = time.monotonic()
+        self.ready_after_s: float | None = None  # seconds from start to ready
+        self._ready_fd: int | None = ready_fd
+
+    @classmethod
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], wrap: Sequence[str]) -> Spare:
+        """Start ``python -m resilient.launch.standby`` for ``argv`` (script and its
+        arguments), inside ``wrap`` (a namespace's command prefix, may be empty).
+
+        Raises:
+            OSError: the process could not be started.
+        """
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        cmd = [*wrap, sys.executable, "-u", "-m", "resilient.launch.standby"]
+        cmd += ["--ready-fd", str(write_fd), *argv]
+        try:
+            proc = spawn(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=(write_fd,),
+            )  # fmt: skip
+        except OSError:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return cls(proc, read_fd)
+
+    def poll_ready(self) -> bool:
+        """Whether the spare said it stands ready (read without blocking); True once
+        it did, until it is handed over or closed."""
+        fd = self._ready_fd
+        if self.ready_after_s is not None or fd is None:
+            return self.ready_after_s is not None
+        try:
+            said = os.read(fd, 1)
+        except BlockingIOError:
+            return False
+        except OSError:
+            said = b""
+        if said:
+            self.ready_after_s = time.monotonic() - self.started_at
+        self._close_pipe()  # said it, or exited without saying it
+        return bool(said)
+
+    def exit_code(self) -> int | None:
+        """The spare's exit code, None while it runs (reaps it once it ended)."""
+        return reap(self.proc)
+
+    def hand_over(self) -> bool:
+        """Write ``go``: the spare takes its rank. False if it is gone."""
+        self._close_pipe()
+        stdin = self.proc.stdin
+        if self.exit_code() is not None or stdin is None:
+            return False
+        try:
+            stdin.write(b"go\n")
+            stdin.close()
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Forget the ready pipe (the process itself is the caller's to stop)."""
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        fd, self._ready_fd = self._ready_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
