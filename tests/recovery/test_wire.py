@@ -1,5 +1,5 @@
 """A state split into a header and its tensors, and put back together (pure logic:
-the link in between is tested in tests/resilient/test_transfer.py)."""
+the link in between is tested in tests/resilient/links/test_transfer.py)."""
 
 from __future__ import annotations
 

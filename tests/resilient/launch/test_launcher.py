@@ -33,7 +33,7 @@ from resilient.launch.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, Ran
 from resilient.launch.rank_procs import describe_exit, shell_exit_code
 from tests._procs import gone, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Shared head of every rank script: argv[1] is the directory the records go to.
 PRELUDE = """\
