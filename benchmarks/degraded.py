@@ -196,7 +196,8 @@ def exchange(
 
 def measure(plan: Plan, testbed: Any, rates: list[float]) -> dict[str, Any]:
     """Median (slowest rank per iteration) of each configuration, host r at rates[r]."""
-    from chaos.injectors import InjectionContext, make_injector
+    from chaos.injector_kinds import make_injector
+    from chaos.injectors import InjectionContext
     from chaos.scenario import Fault
 
     ctx = InjectionContext(testbed=testbed, pid_of=lambda r: 0)

@@ -148,7 +148,8 @@ def rank_main(
 
 def inject(testbed: Any, plan: Plan, started: Any, median_ms: Any, down_s: float) -> dict:
     """In a thread of the parent: NIC down half a median op into the fault op, later up."""
-    from chaos.injectors import InjectionContext, make_injector
+    from chaos.injector_kinds import make_injector
+    from chaos.injectors import InjectionContext
     from chaos.scenario import Fault
 
     ctx = InjectionContext(testbed=testbed, pid_of=lambda r: 0)

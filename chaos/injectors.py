@@ -21,7 +21,8 @@ partition   iptables DROP between the rank and ``peer`` on rail J only
 etcd-kill   SIGKILL one etcd member (``member``, default 0); restarted on stop
 =========== ===================================================================
 
-:func:`make_injector` builds the injector of a :class:`~chaos.scenario.Fault`.
+:func:`chaos.injector_kinds.make_injector` builds the injector of a
+:class:`~chaos.scenario.Fault`, from these or the loopback testbed's records.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from resilient.errors import ChaosError
 if TYPE_CHECKING:
     from membership.server import EtcdCluster
 
-__all__ = ["InjectionContext", "Injector", "make_injector"]
+__all__ = ["NETNS_KINDS", "Flap", "InjectionContext", "Injector", "needs_netns"]
 
 logger = logging.getLogger(__name__)
 
@@ -381,7 +382,9 @@ class _EtcdKill(Injector):
             raise ChaosError(f"etcd-kill: member {member} did not come back: {exc}") from exc
 
 
-_KINDS: Final[dict[str, type[Injector]]] = {
+# The real injector of each fault kind (chaos.injector_kinds picks between these and
+# the loopback testbed's records).
+NETNS_KINDS: Final[dict[str, type[Injector]]] = {
     "kill": _Kill,
     "hang": _Hang,
     "slow": _Slow,
@@ -393,24 +396,6 @@ _KINDS: Final[dict[str, type[Injector]]] = {
     "partition": _Partition,
     "etcd-kill": _EtcdKill,
 }
-
-
-def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
-    """The injector for ``fault``: a real one on the netns testbed, an in-process one
-    (through ``ctx.control``) for network faults on the loopback testbed.
-
-    Raises:
-        ChaosError: an unknown kind.
-    """
-    if needs_netns(fault) and ctx.testbed.kind == "loopback" and ctx.control is not None:
-        from chaos._control import LOOPBACK_KINDS
-
-        return LOOPBACK_KINDS[fault.kind](fault, ctx)
-    try:
-        cls = _KINDS[fault.kind]
-    except KeyError as exc:
-        raise ChaosError(f"no injector for fault kind {fault.kind!r}") from exc
-    return cls(fault, ctx)
 
 
 def needs_netns(fault: Fault) -> bool:

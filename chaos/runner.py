@@ -26,7 +26,8 @@ from typing import Any, Final
 
 from chaos._display import Display
 from chaos._progress import ProgressWatch
-from chaos.injectors import InjectionContext, Injector, make_injector, needs_netns
+from chaos.injector_kinds import make_injector
+from chaos.injectors import InjectionContext, Injector, needs_netns
 from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
 from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers

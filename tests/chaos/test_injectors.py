@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from chaos import _sh
-from chaos.injectors import Flap, InjectionContext, Injector, make_injector
+from chaos.injector_kinds import make_injector
+from chaos.injectors import Flap, InjectionContext, Injector
 from chaos.scenario import Fault
 from chaos.testbed import LoopbackTestbed, NetnsTestbed
 from chaos.testbed import Testbed as AnyTestbed

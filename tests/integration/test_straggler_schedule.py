@@ -55,7 +55,8 @@ def _rank(rank: int, netns: str, rails: list[str], mgmt: str, port: int, out: An
 @pytest.mark.skipif(os.geteuid() != 0, reason="the netns testbed needs root")
 @pytest.mark.timeout(180)
 def test_a_throttled_rank_is_left_out_of_the_reduction_by_agreement() -> None:
-    from chaos.injectors import InjectionContext, make_injector
+    from chaos.injector_kinds import make_injector
+    from chaos.injectors import InjectionContext
     from chaos.scenario import Fault
     from chaos.testbed import NetnsTestbed
 

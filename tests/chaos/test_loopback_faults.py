@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from chaos.injectors import InjectionContext, make_injector
+from chaos.injector_kinds import make_injector
+from chaos.injectors import InjectionContext
 from chaos.scenario import Fault
 from chaos.testbed import LoopbackTestbed
 from resilient.errors import ChaosError

@@ -1,0 +1,31 @@
+"""Which injector a fault gets: a real one, or a record for the loopback testbed.
+
+On the netns testbed every fault kind has a real injector (:mod:`chaos.injectors`).
+On the loopback testbed there is no NIC to take down, so network faults become
+records that the ranks' in-process fault hook applies (:mod:`chaos.loopback_faults`).
+"""
+
+from __future__ import annotations
+
+from chaos.injectors import NETNS_KINDS, InjectionContext, Injector, needs_netns
+from chaos.loopback_faults import LOOPBACK_KINDS
+from chaos.scenario import Fault
+from resilient.errors import ChaosError
+
+__all__ = ["make_injector"]
+
+
+def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
+    """The injector for ``fault``: a real one on the netns testbed, an in-process one
+    (through ``ctx.control``) for network faults on the loopback testbed.
+
+    Raises:
+        ChaosError: an unknown kind.
+    """
+    if needs_netns(fault) and ctx.testbed.kind == "loopback" and ctx.control is not None:
+        return LOOPBACK_KINDS[fault.kind](fault, ctx)
+    try:
+        cls = NETNS_KINDS[fault.kind]
+    except KeyError as exc:
+        raise ChaosError(f"no injector for fault kind {fault.kind!r}") from exc
+    return cls(fault, ctx)
