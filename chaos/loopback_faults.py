@@ -50,7 +50,7 @@ def _base(fault: Fault, kind: str) -> dict[str, Any]:
     return {"kind": kind, "rank": int(fault.param("rank")), "rail": int(fault.param("rail"))}
 
 
-class _NicDown(_Record):
+class _NicDownRecord(_Record):
     def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
         super().__init__(fault, ctx)
         # The id nic-up deletes: the two are one NIC.
@@ -60,13 +60,13 @@ class _NicDown(_Record):
         return _base(self.fault, "fail")
 
 
-class _NicUp(_NicDown):
+class _NicUpRecord(_NicDownRecord):
     def _start(self) -> None:
         self._write(None)
         self.active = False
 
 
-class _Throttle(_Record):
+class _ThrottleRecord(_Record):
     def record(self) -> dict[str, Any]:
         rate = float(self.fault.param("rate_mbit"))
         if rate <= 0:
@@ -74,12 +74,12 @@ class _Throttle(_Record):
         return {**_base(self.fault, "throttle"), "rate_mbit": rate}
 
 
-class _Drop(_Record):
+class _DropRecord(_Record):
     def record(self) -> dict[str, Any]:
         return {**_base(self.fault, "drop"), "percent": float(self.fault.param("percent"))}
 
 
-class _Partition(_Record):
+class _PartitionRecord(_Record):
     def _check(self) -> None:
         super()._check()
         self._index("peer", len(self.ctx.testbed.hosts), "host(s) up")
@@ -90,12 +90,12 @@ class _Partition(_Record):
         return {**_base(self.fault, "fail"), "peer": int(self.fault.param("peer"))}
 
 
-class _Flap(Flap):
+class _FlapRecord(Flap):
     """Puts and deletes a link-fail record instead of taking a NIC down."""
 
     def __init__(self, fault: Fault, ctx: InjectionContext) -> None:
         super().__init__(fault, ctx)
-        self._rec = _NicDown(fault, ctx)
+        self._rec = _NicDownRecord(fault, ctx)
 
     def _check(self) -> None:
         self._rec._check()
@@ -107,10 +107,10 @@ class _Flap(Flap):
 
 
 LOOPBACK_KINDS: Final[dict[str, type[Injector]]] = {
-    "nic-down": _NicDown,
-    "nic-up": _NicUp,
-    "flap": _Flap,
-    "throttle": _Throttle,
-    "drop": _Drop,
-    "partition": _Partition,
+    "nic-down": _NicDownRecord,
+    "nic-up": _NicUpRecord,
+    "flap": _FlapRecord,
+    "throttle": _ThrottleRecord,
+    "drop": _DropRecord,
+    "partition": _PartitionRecord,
 }

@@ -1,4 +1,4 @@
-"""Private helpers of the local launcher: output relaying, signals, exits and reaping.
+"""The rank processes of the local launcher: output relaying, signals, exits and reaping.
 
 Kept apart from :mod:`resilient.launch.launcher` so that the supervisor reads as policy
 (when to restart, when to stop) while this module holds the process mechanics.
