@@ -14,7 +14,7 @@ from resilient.collectives.digest_check import NotElided, call_key, forget_call,
 from resilient.collectives.engine import RingEngine
 from resilient.detect.rail_weights import DOWN
 from resilient.detect.slow_rank import ENTER_PERMILLE, named
-from resilient.links.socket_pair import DigestMismatch
+from resilient.links.socket_frames import DigestMismatch
 
 if TYPE_CHECKING:
     from collections.abc import Callable

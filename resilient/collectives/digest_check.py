@@ -13,7 +13,7 @@ every rank agrees without a word. In an elided call:
   peer, one rail, every chunk non-empty, no slow rank), sends each peer its
   contribution first, so every rank hears from every peer before it folds
   anything (the *gate*). A receive that meets another digest fails with
-  :class:`~resilient.links.socket_pair.DigestMismatch`;
+  :class:`~resilient.links.socket_frames.DigestMismatch`;
 * any other call (another op, a payload, a barrier, a tensor too large for the
   mesh) sends every peer on every rail a header-only **hello** under the same tag
   with the digest ``FALLBACK`` instead, which no receive accepts.
@@ -49,8 +49,8 @@ import torch
 from resilient.collectives.signature import Signature
 from resilient.errors import LinkError
 from resilient.links.ledger import salt_of
+from resilient.links.socket_frames import CALL_SHIFT
 from resilient.links.socket_link import SocketLink
-from resilient.links.socket_pair import CALL_SHIFT
 from resilient.links.table import LinkTable
 
 __all__ = ["FALLBACK", "NotElided", "call_key", "digest_of", "elided", "forget_call", "hello"]

@@ -39,7 +39,7 @@ from resilient.collectives.ring_plan import (
 )
 from resilient.detect.slow_rank import SendRates
 from resilient.errors import ConfigError
-from resilient.links.socket_pair import CALL_SHIFT, NEWS, DigestMismatch
+from resilient.links.socket_frames import CALL_SHIFT, NEWS, DigestMismatch
 from resilient.links.table import LinkTable
 
 __all__ = ["Reduce", "RingEngine", "fold_rows"]

@@ -30,7 +30,8 @@ from resilient.collectives.ring_plan import (
     sub_count,
     sub_spans,
 )
-from resilient.links.socket_pair import DigestMismatch, bytes_of
+from resilient.links.byte_views import bytes_of
+from resilient.links.socket_frames import DigestMismatch
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from resilient.links import native_steps
-from resilient.links.socket_pair import bytes_of
+from resilient.links.byte_views import bytes_of
 
 if TYPE_CHECKING:
     from resilient.collectives.mesh import MeshRail, Reducer

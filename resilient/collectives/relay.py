@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from resilient.errors import LinkError
-from resilient.links.link import as_tensor
+from resilient.links.byte_views import as_tensor
 
 if TYPE_CHECKING:
     from resilient.collectives.failover import Route

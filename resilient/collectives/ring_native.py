@@ -22,7 +22,7 @@ import torch
 from resilient.collectives.reduce_ops import REDUCERS, Reduce
 from resilient.collectives.ring_plan import Span, recv_chunk, send_chunk, sub_spans
 from resilient.links import native_steps
-from resilient.links.socket_pair import bytes_of
+from resilient.links.byte_views import bytes_of
 
 if TYPE_CHECKING:
     from resilient.collectives.engine import RingEngine, _RingPlan

@@ -1,7 +1,7 @@
 """Byte views as messages: the mesh schedule posts slices of one byte view of its
 buffer on socket links (resilient.collectives.mesh), and a link that takes tensors only (the
 store's relay, gloo pairs) turns such a view back into the tensor over the same
-memory (resilient.links.link.as_tensor)."""
+memory (resilient.links.byte_views.as_tensor)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.collectives.relay import StoreLink
-from resilient.links.link import as_tensor
-from resilient.links.socket_pair import bytes_of
+from resilient.links.byte_views import as_tensor, bytes_of
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,7 +20,7 @@ from torch._C._distributed_c10d import PrefixStore
 from membership.store import EtcdStore
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
-from resilient.links import link
+from resilient.links import link, pair_groups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ PREFIX = "pair/"
 def _peer(store: EtcdStore) -> None:
     """The other end (index 0, on 127.0.0.2): comes to the rendezvous and
     publishes its address; the test stops it before it connects."""
-    link._gloo_pair(PrefixStore(PREFIX, store), 0, "127.0.0.2", 60.0)
+    pair_groups.gloo_pair(PrefixStore(PREFIX, store), 0, "127.0.0.2", 60.0)
 
 
 def test_a_rendezvous_whose_peer_stopped_half_way_fails_within_its_bound(

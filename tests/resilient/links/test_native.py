@@ -18,7 +18,10 @@ import torch
 from resilient.links import native_steps
 from resilient.links.ledger import OpLedger
 from resilient.links.socket_connect import PairError
-from resilient.links.socket_pair import _HEADER, DigestMismatch, Engine, SocketPair, SocketWork
+from resilient.links.socket_engine import Engine, SocketWork
+from resilient.links.socket_frames import HEADER as _HEADER
+from resilient.links.socket_frames import DigestMismatch
+from resilient.links.socket_pair import SocketPair
 from tests._dist import run_world
 
 pytestmark = [

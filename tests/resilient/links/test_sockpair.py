@@ -19,7 +19,10 @@ import torch.distributed as dist
 
 from resilient.links import gloo_sockets
 from resilient.links.socket_connect import PairError, connect_pair
-from resilient.links.socket_pair import _HEADER, CALL_SHIFT, DigestMismatch, Engine, SocketPair
+from resilient.links.socket_engine import Engine
+from resilient.links.socket_frames import CALL_SHIFT, DigestMismatch
+from resilient.links.socket_frames import HEADER as _HEADER
+from resilient.links.socket_pair import SocketPair
 from resilient.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
