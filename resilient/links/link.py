@@ -1,11 +1,18 @@
-"""One link: a two-rank gloo group between this rank and a peer on one rail.
+"""One link: the connection between this rank and a peer on one rail, the unit that
+fails and is repaired.
 
-:class:`Link` binds its gloo device to this rank's address on the rail and
-rendezvouses through a store prefix (epoch and generation, from
-:class:`~resilient.links.table.LinkTable`). Every operation has a deadline derived from
-its size and the link's expected bandwidth, with a floor; a missed deadline or a
-gloo error becomes :class:`~resilient.errors.LinkError`. Dead groups are destroyed
-in a background thread, because dropping a gloo group can block for seconds.
+:class:`Link` moves its ops over a two-rank group bound to this rank's address on
+the rail (:mod:`resilient.links.pair_groups`: a gloo pair for CPU tensors, an NCCL
+communicator for CUDA ones). CPU links are plain TCP sockets by default
+(``data_transport`` and ``control_transport`` "socket"):
+:class:`~resilient.links.socket_link.SocketLink` is a Link whose group is a socket
+pair, under the same rules. A link rendezvouses through a store prefix (epoch and
+generation, from :class:`~resilient.links.table.LinkTable`). Every operation has a
+deadline derived from its size and the link's expected bandwidth, with a floor; a
+missed deadline or an error of the group becomes
+:class:`~resilient.errors.LinkError` and breaks the link (its receivers fail over,
+its senders are told). Broken groups are dropped in a background thread, because
+dropping a gloo group can block for seconds.
 """
 
 from __future__ import annotations
@@ -20,15 +27,16 @@ from typing import Any, ClassVar, Final
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
+from torch._C._distributed_c10d import PrefixStore, Store
 
 from resilient import events
 from resilient.config import DataPlaneConfig
 from resilient.errors import ConfigError, LinkError
-from resilient.links import fault_hook, gloo_connects, gloo_sockets, gloo_wait, stall
+from resilient.links import fault_hook, gloo_sockets, gloo_wait, pair_groups, stall
+from resilient.links.byte_views import as_tensor
 from resilient.links.ledger import OpLedger, salt_of
 
-__all__ = ["STALL_CUT_MS", "Link", "as_tensor"]
+__all__ = ["STALL_CUT_MS", "Link"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,69 +44,8 @@ logger = logging.getLogger(__name__)
 # A connection with unacknowledged data and no ACK for this long is cut (see
 # Link.network_stall and resilient.links.stall): well past a few retransmission timeouts.
 STALL_CUT_MS: Final = 1000
-# gloo waits five times its timeout for a pair's connection (tcp Pair::
-# waitUntilConnected), so a rendezvous whose peer gave up lasted 5x its bound
-# (measured: 26 s past a 5 s bound, on a flapping NIC). Where both ends are known
-# to be at the rendezvous already (first builds of several rails, repairs), gloo
-# gets a fifth of the bound. A pair that gives up while its SYN is still pending
-# would leave gloo's connect callback bound to freed memory (SIGSEGV once a
-# partition healed): resilient.links.gloo_connects ends such an attempt first.
-_GLOO_CONNECT_FACTOR: Final = 5
-_MIN_GLOO_TIMEOUT_S: Final = 0.5
 # What gloo says when the process at the other end closed its socket or is gone.
 _PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
-
-_DEVICES: dict[str, Any] = {}
-_DEVICES_LOCK = threading.Lock()
-
-
-def as_tensor(buf: torch.Tensor | memoryview) -> torch.Tensor:
-    """``buf`` as a tensor: a byte view (what the mesh schedule posts on socket
-    links, resilient.collectives.mesh) becomes a uint8 tensor over the same memory, for a
-    link whose group takes tensors only (gloo pairs, the store's relay)."""
-    if type(buf) is not memoryview:
-        return buf
-    if not buf.nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(buf, dtype=torch.uint8)
-
-
-def _rail_device(address: str) -> Any:
-    """One gloo device per rail address, shared by every link on that rail.
-
-    Each gloo device runs its own event-loop thread; one per link would mean a
-    thread per peer and rail, and on a busy CPU their wake-ups cost more than the
-    transfers. Links stay separate groups (separate pairs and failure domains); a
-    rail's links share its NIC anyway.
-    """
-    with _DEVICES_LOCK:
-        device = _DEVICES.get(address)
-        if device is None:
-            device = _DEVICES[address] = ProcessGroupGloo.create_device(hostname=address)
-        return device
-
-
-def _gloo_pair(store: Store, index: int, address: str, timeout_s: float) -> Any:
-    """A two-rank gloo group; gloo's timeout ``timeout_s`` bounds its store waits,
-    five times it the wait for the connection."""
-    opts: Any = getattr(ProcessGroupGloo, "_Options")()  # noqa: B009 - private, untyped
-    opts._timeout = timedelta(seconds=timeout_s)
-    opts._devices = [_rail_device(address)]
-    return ProcessGroupGloo(store, index, 2, opts)
-
-
-def _nccl_pair(store: Store, index: int, config: DataPlaneConfig) -> Any:
-    """A two-rank NCCL communicator for CUDA tensors (ranks on distinct GPUs).
-
-    NCCL picks its own NIC (NCCL_SOCKET_IFNAME / NCCL_IB_HCA), so a CUDA link is not
-    bound to one rail's address the way a gloo link is; the rail split still gives
-    each rail its own communicator and its own share of the bytes.
-    """
-    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds
-
-    opts: Any = ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=config.connect_timeout_s)
-    return ProcessGroupNCCL(store, index, 2, opts)
 
 
 class Link:
@@ -183,22 +130,13 @@ class Link:
         try:
             own = PrefixStore(self.prefix, store)
             if self.device_type == "cuda":
-                self.pg = _nccl_pair(own, index, config)
+                self.pg = pair_groups.nccl_pair(own, index, config)
             else:
-                bound = timeout = config.connect_timeout_s
-                if met:
-                    timeout = max(bound / _GLOO_CONNECT_FACTOR, _MIN_GLOO_TIMEOUT_S)
                 label = f"rank {rank}: {self!r} at {self.prefix}"
-                with (
-                    gloo_sockets.capture(
-                        bound, over, address=address, peer=peer, background=background
-                    ) as got,
-                    gloo_connects.unanswered_aborted(own, index, address, timeout, label),
-                ):
-                    self.pg = _gloo_pair(own, index, address, timeout)
-                self._conns = gloo_sockets.pair_up(
-                    own, index, got, config.connect_timeout_s, address
-                )
+                self.pg, self._conns = pair_groups.build_gloo(
+                    own, index, address, config, over,
+                    peer=peer, label=label, met=met, background=background,
+                )  # fmt: skip
         except (RuntimeError, dist.DistError) as exc:
             raise LinkError(
                 f"link {rank}<->{peer} rail {rail} ({address}): rendezvous failed: {exc}"

@@ -1,6 +1,6 @@
 """Mesh and ring steps' socket traffic moved in C, without the GIL, when the links are quiet.
 
-The Python socket engine (:mod:`resilient.links.socket_pair`) pays the interpreter for every
+The Python socket engine (:mod:`resilient.links.socket_engine`) pays the interpreter for every
 poll, read and write, on a thread that shares the GIL and two cores with the
 training thread. A mesh step knows in advance every frame each of its sockets will
 carry, in order: the contributions it sends and receives, or the results (and a
@@ -30,7 +30,9 @@ import torch
 
 from resilient.links import fault_hook
 from resilient.links.ledger import OpLedger
-from resilient.links.socket_pair import _HEADER, NEWS, SocketPair, SocketWork
+from resilient.links.socket_engine import SocketWork
+from resilient.links.socket_frames import HEADER, NEWS
+from resilient.links.socket_pair import SocketPair
 
 if TYPE_CHECKING:
     from resilient.links.table import Link, LinkTable
@@ -60,7 +62,7 @@ SLICE_S: Final = 0.05
 HEALTHY_BYTES_PER_S: Final = 1e9
 # A message moved whole by the C step (where a work would stand otherwise).
 DONE: Final = "done"
-_HDR: Final = _HEADER.size
+_HDR: Final = HEADER.size
 
 
 # The sums a receive may be folded with in C (Step.recv), bit for bit torch's add_.
@@ -271,7 +273,7 @@ def _half_sent(pair: SocketPair, step: Step, i: int, off: int) -> SocketWork:
     _, tag, digest, _, n = step.sends[i][:5]
     view, at = step.send_at[i]
     payload = view[at : at + n]
-    header = memoryview(_HEADER.pack(tag, n, digest))
+    header = memoryview(HEADER.pack(tag, n, digest))
     bufs = [header[off:], payload] if off < _HDR else [payload[off - _HDR :]]
     work = SocketWork(pair, payload, sending=True)
     pair._outq.append((bufs, work))
@@ -282,7 +284,7 @@ def _half_read(pair: SocketPair, step: Step, i: int, off: int, head: bytes) -> S
     _, tag, expected, _, n = step.recvs[i][:5]
     view, at = step.recv_at[i]
     into = view[at : at + n]
-    digest = _HEADER.unpack(head)[2]
+    digest = HEADER.unpack(head)[2]
     work = SocketWork(pair, into, sending=False, digest=expected)
     work.news = digest & NEWS != 0
     pair._body = (tag, into, off - _HDR, work, digest)

@@ -7,7 +7,8 @@ probe, ``shutdown``), so every failover, cut, stall and repair rule of links
 applies unchanged; the connection is the link's own and bound to the rail's
 address, so cutting it, reading its ``TCP_INFO`` and telling a peer's close all
 work as for gloo's, and a cut ends a wait at once (no helper threads, see
-:mod:`resilient.links.gloo_wait`). How the bytes move: :mod:`resilient.links.socket_pair`.
+:mod:`resilient.links.gloo_wait`). How the bytes move: :mod:`resilient.links.socket_pair`
+and :mod:`resilient.links.socket_engine`.
 
 Control links (the signature exchange, ``control_transport``): over two-rank gloo
 groups each 2.4 KB row costs gloo's rendezvous for unbound buffers (the sender
@@ -36,7 +37,8 @@ from resilient.links import gloo_sockets
 from resilient.links.ledger import tag_salt
 from resilient.links.link import Link
 from resilient.links.socket_connect import PairError, connect_pair
-from resilient.links.socket_pair import SocketPair, SocketWork, engine
+from resilient.links.socket_engine import SocketWork, engine
+from resilient.links.socket_pair import SocketPair
 
 __all__ = ["PairError", "SocketLink", "SocketPair", "SocketWork", "connect_pair"]
 

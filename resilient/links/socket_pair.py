@@ -1,33 +1,25 @@
-"""Framed, tag-matched messages over plain TCP sockets, moved by whichever thread waits.
+"""Framed, tag-matched messages over one plain TCP socket between two ranks.
 
 A :class:`SocketPair` is one connected socket between two ranks; it speaks the part
 of ``ProcessGroupGloo`` a :class:`~resilient.links.link.Link` uses (``send``, ``recv``,
-``allreduce`` for the repair probe, ``shutdown``). Messages are framed (tag,
-length) and meet their receives by tag in arrival order, as gloo matches slots; a
-message that comes before its receive waits in a stash (a large one is read into
-a buffer of its own, so a peer is never blocked by a receive posted late). A
-large message that comes while no receive at all is posted on the pair is left in
-the socket until one is (parked), so the usual early arrival, a peer's next call,
-costs no extra copy.
+``allreduce`` for the repair probe, ``shutdown``). Messages are framed
+(:mod:`resilient.links.socket_frames`: tag, length, digest) and meet their receives
+by tag in arrival order, as gloo matches slots; a message that comes before its
+receive waits in a stash (a large one is read into a buffer of its own, so a peer is
+never blocked by a receive posted late). A large message that comes while no
+receive at all is posted on the pair is left in the socket until one is (parked),
+so the usual early arrival, a peer's next call, costs no extra copy.
 
-Nothing runs in the background. Every pair belongs to an :class:`Engine`, and the
-thread that waits for an op moves the bytes of *every* pair of its engine: it polls
-all of their sockets, writes what each can take and reads what each holds, until
-its op is done; other threads that wait meanwhile sleep until the driver hands
-their op over, or until it leaves and one of them drives. One pair at a time would
-deadlock as soon as messages outgrow the socket buffers: in a ring every rank waits
-for its left neighbour while its own send to the right is still queued. A message
-of at least ``_DIRECT_BYTES`` whose receive is posted is read straight into the
-receive's tensor; smaller ones come through one shared buffer, several per system
-call.
-
-Why not a progress thread as gloo's: that hop (post, wake the loop, wake the waiter
-again) is most of what a medium-sized collective costs on a loaded host.
+Its bytes move when a thread waits: the pair's :class:`~resilient.links.socket_engine.Engine`
+drives every pair of its engine (see there). A message of at least ``_DIRECT_BYTES``
+whose receive is posted is read straight into the receive's tensor; smaller ones
+come through one shared buffer, several per system call.
 
 A pair fails as a whole, as gloo's does: a closed or reset connection, a message
 larger than its receive (gloo aborts the process there), or an op past its deadline
-fails every op still pending on it, with a :class:`PairError` from ``wait``.
-Cutting a pair (``shutdown``, or ``shutdown(2)`` on its descriptor from
+fails every op still pending on it, with a
+:class:`~resilient.links.socket_connect.PairError` from ``wait``. Cutting a pair
+(``shutdown``, or ``shutdown(2)`` on its descriptor from
 :mod:`resilient.links.gloo_sockets`) wakes a thread that waits on it at once.
 """
 
@@ -35,106 +27,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import select
 import socket
-import struct
-import threading
-import time
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Final
+from typing import Final
 
 import torch
 
 from resilient.links import gloo_sockets
-from resilient.links.socket_connect import PairError, remaining
+from resilient.links.byte_views import bytes_of
+from resilient.links.socket_engine import Engine, SocketWork, engine
+from resilient.links.socket_frames import CALL_SHIFT, HEADER, NEWS
 
-__all__ = [
-    "CALL_SHIFT",
-    "NEWS",
-    "DigestMismatch",
-    "Engine",
-    "SocketPair",
-    "SocketWork",
-    "bytes_of",
-    "engine",
-]
+__all__ = ["SocketPair"]
 
-# tag, payload bytes, digest of the call the message belongs to (0: not checked)
-_HEADER: Final = struct.Struct("<qQq")
-# Tags of calls checked by digest carry the call's number from this bit on: what
-# SocketPair.forget_call drops (resilient.collectives.digest_check).
-CALL_SHIFT: Final = 32
-# A digest's flag, not part of it: the sender has news (resilient.collectives.digest_check).
-NEWS: Final = 1 << 62
 _FORGOTTEN_KEPT: Final = 256
 _BUF_BYTES: Final = 64 << 10
 _DIRECT_BYTES: Final = 16 << 10  # bodies at least this large skip the shared buffer
 _STASH_MAX: Final = 1024  # unmatched messages kept per pair (stale ones of given-up calls)
 _PROBE_TAG: Final = -1
-_FOREVER_S: Final = 3600.0
-_IN: Final = select.POLLIN | select.POLLPRI
-_GONE: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
-
-
-def bytes_of(tensor: torch.Tensor | memoryview) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (a byte view as it is:
-    the mesh schedule posts slices of one view of its buffer, resilient.collectives.mesh)."""
-    if type(tensor) is memoryview:
-        return tensor
-    try:  # dtypes numpy knows (all but bfloat16), no grad: the cheaper way
-        array: Any = tensor.numpy()
-    except (TypeError, RuntimeError):
-        array = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
-
-
-class DigestMismatch(Exception):
-    """A receive met a message of its tag sent for another call (its digest differs):
-    the ranks' calls differ. The pair is not failed (it is not broken); the message
-    was read aside. Not a RuntimeError, so a link does not take it for a broken
-    connection and fail over (resilient.links.link translates those)."""
-
-
-class SocketWork:
-    """One send or receive on a :class:`SocketPair` (the subset of gloo's Work used).
-
-    ``digest``: a receive's expected call digest (0: any); a message with another
-    nonzero digest fails it with :class:`DigestMismatch`. ``news``: the message
-    that filled it carried the NEWS flag."""
-
-    __slots__ = ("digest", "done", "error", "mismatch", "news", "pair", "sending", "view")
-
-    def __init__(
-        self, pair: SocketPair, view: memoryview, *, sending: bool, digest: int = 0
-    ) -> None:
-        self.pair, self.view, self.sending = pair, view, sending
-        self.digest = digest
-        self.done = self.mismatch = self.news = False
-        self.error: str | None = None
-
-    def is_completed(self) -> bool:
-        return self.done or self.error is not None
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the op completed, at most ``timeout`` (moving every pair's bytes
-        of this engine meanwhile, or letting the thread that does hand it over).
-
-        Raises:
-            PairError: the pair failed, or the op did not complete in time (the pair
-                is then failed).
-            DigestMismatch: the message was of another call (the pair stays).
-        """
-        if not self.done:
-            secs = timeout.total_seconds() if timeout is not None else _FOREVER_S
-            self.pair.engine.wait(self, time.monotonic() + (secs if secs > 0 else _FOREVER_S))
-        if self.error is not None:
-            if self.mismatch:
-                raise DigestMismatch(self.error)
-            raise PairError(self.error)
-        return True
 
 
 class _ProbeWork:
@@ -151,167 +62,6 @@ class _ProbeWork:
         self.got.wait(timeout)
         self.tensor.add_(self.other)
         return True
-
-
-class Engine:
-    """The pairs whose bytes one driving thread moves together (see the module doc).
-
-    Every socket operation runs under ``lock``; only the driver's ``poll`` runs
-    without it. A thread that queues output while another drives rings the wake-up
-    pipe, so the driver adds that socket to its poll.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self._cond = threading.Condition(self.lock)
-        self._pairs: dict[int, SocketPair] = {}
-        self._driving = False
-        self._sleepers = 0
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._rung = False
-        # A C step (resilient.links.native_steps) holds the lock for its whole step; a thread that
-        # needs it to fail a pair writes here first, which ends the step at once.
-        self.stop_r, self._stop_w = os.pipe()
-        os.set_blocking(self.stop_r, False)
-        os.set_blocking(self._stop_w, False)
-        # The process's engines live as long as it does; a test's die with it.
-        self._closer = weakref.finalize(
-            self, _close_fds, self._wake_r, self._wake_w, self.stop_r, self._stop_w
-        )
-
-    def close(self) -> None:
-        """Close the wake-up pipe; the engine's pairs must be shut down first."""
-        self._closer()
-
-    @property
-    def driving(self) -> bool:
-        return self._driving
-
-    def add(self, pair: SocketPair) -> None:
-        with self.lock:
-            self._pairs[pair.fileno] = pair
-
-    def discard(self, pair: SocketPair) -> None:
-        """Forget ``pair`` (holds the lock)."""
-        if self._pairs.get(pair.fileno) is pair:
-            del self._pairs[pair.fileno]
-
-    def ring(self) -> None:
-        """Wake the driver out of its poll (holds the lock)."""
-        if self._driving and not self._rung:
-            self._rung = True
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"x")
-
-    def stop_c_step(self) -> None:
-        """End a C step that holds the lock (a byte left over ends the next one early,
-        which only hands its bytes to the Python path)."""
-        with contextlib.suppress(OSError):  # full (steps are being stopped) or closed
-            os.write(self._stop_w, b"x")
-
-    def handed_over(self) -> None:
-        """Ops of sleeping threads may have completed (holds the lock)."""
-        if self._sleepers:
-            self._cond.notify_all()
-
-    def wait(self, work: SocketWork, deadline: float) -> None:
-        """Until ``work`` completed or failed; fails its pair at ``deadline``."""
-        with self.lock:
-            while not work.is_completed():
-                if not self._driving:
-                    self._driving = True
-                    break
-                self._sleepers += 1
-                try:
-                    woke = self._cond.wait(max(0.0, remaining(deadline)))
-                finally:
-                    self._sleepers -= 1
-                if not woke and not work.is_completed():
-                    work.pair.fail_locked(_late(work))
-            else:
-                return
-        try:
-            self._drive(work, deadline)
-        finally:
-            with self.lock:
-                self._driving = False
-                if self._sleepers:
-                    self._cond.notify_all()
-
-    def _drive(self, work: SocketWork, deadline: float) -> None:
-        poller = select.poll()
-        while True:
-            with self.lock:
-                if work.is_completed():
-                    return
-                left = remaining(deadline)
-                if left <= 0:
-                    work.pair.fail_locked(_late(work))
-                    return
-                watched = self._watch(poller)
-            ready = poller.poll(max(1, int(left * 1000)))
-            with self.lock:
-                for fd, _ in watched:
-                    poller.unregister(fd)
-                self._serve(ready)
-
-    def _watch(self, poller: select.poll) -> list[tuple[int, int]]:
-        """Register every live pair's socket (and the wake-up pipe). Holds the lock."""
-        watched = [(self._wake_r, select.POLLIN)]
-        for fd, pair in self._pairs.items():
-            if pair.error is None:
-                # A parked pair's socket stays readable: polled for input it would
-                # wake the driver at once, again and again. Hang-ups still show.
-                events = 0 if pair.parked else _IN
-                watched.append((fd, events | (select.POLLOUT if pair.has_output else 0)))
-        for fd, events in watched:
-            poller.register(fd, events)
-        return watched
-
-    def _serve(self, ready: list[tuple[int, int]]) -> None:
-        """Read and write what the ready sockets allow. Holds the lock."""
-        for fd, events in ready:
-            if fd == self._wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 64)
-                self._rung = False
-                continue
-            pair = self._pairs.get(fd)
-            if pair is None or pair.error is not None:
-                continue
-            if events & select.POLLOUT:
-                pair.write_some()
-            if events & _GONE:
-                pair.unpark()  # the failure behind the parked message must be seen
-            if events & (_IN | _GONE):
-                pair.read_some()
-        self.handed_over()
-
-
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _late(work: SocketWork) -> str:
-    what = "send" if work.sending else "receive"
-    return f"a {what} of {work.view.nbytes} B did not complete within its deadline"
-
-
-_ENGINES: dict[str, Engine] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def engine(name: str) -> Engine:
-    """The process's engine called ``name`` (one per kind of link: data, control)."""
-    with _ENGINES_LOCK:
-        found = _ENGINES.get(name)
-        if found is None:
-            found = _ENGINES[name] = Engine()
-        return found
 
 
 class SocketPair:
@@ -362,7 +112,7 @@ class SocketPair:
     def send_bytes(self, payload: memoryview, tag: int, digest: int = 0) -> SocketWork:
         """:meth:`send` of a byte view (one view of a control row serves every peer)."""
         work = SocketWork(self, payload, sending=True)
-        bufs = [memoryview(_HEADER.pack(tag, len(payload), digest)), payload]
+        bufs = [memoryview(HEADER.pack(tag, len(payload), digest)), payload]
         with self.engine.lock:
             if self.error is not None:
                 work.error = self.error
@@ -602,9 +352,9 @@ class SocketPair:
         pair never waits behind it; the socket's buffers hold what the peer sends
         meanwhile, and a peer whose send does not fit waits as on a slow link.
         """
-        head = _HEADER.size
+        head = HEADER.size
         while self._end - self._start >= head:
-            tag, nbytes, digest = _HEADER.unpack_from(self._buf, self._start)
+            tag, nbytes, digest = HEADER.unpack_from(self._buf, self._start)
             begin = self._start + head
             have = min(self._end - begin, nbytes)
             if have < nbytes and nbytes >= _DIRECT_BYTES:

@@ -1,10 +1,13 @@
-"""Links: one two-rank gloo group per (rank pair, rail), the unit that fails and is repaired.
+"""Links: one per (rank pair, rail), the unit that fails and is repaired.
 
-A :class:`Link` (:mod:`resilient.links.link`) binds its gloo device to this rank's
-address on one rail and rendezvouses through a store prefix that holds the epoch
-and a link generation, so a rebuilt link never meets stale keys. Every operation
-has a deadline derived from its size and the link's expected bandwidth, with a
-floor; a missed deadline or a gloo error becomes
+A link (:mod:`resilient.links.link`) is a two-rank connection bound to this rank's
+address on one rail: a plain TCP socket pair by default for CPU links
+(:mod:`resilient.links.socket_link`; ``data_transport`` and ``control_transport``
+"socket"), a two-rank gloo group when those say "gloo", an NCCL pair for CUDA
+tensors. It rendezvouses through a store prefix that holds the epoch and a link
+generation, so a rebuilt link never meets stale keys. Every operation has a
+deadline derived from its size and the link's expected bandwidth, with a floor; a
+missed deadline or an error of the connection becomes
 :class:`~resilient.errors.LinkError`. :class:`LinkTable` holds a rank's links,
 builds them on first use and moves them from epoch to epoch.
 """
