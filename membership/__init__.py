@@ -1,4 +1,5 @@
-"""Control plane: job membership, epochs, watches and health records in etcd v3.
+"""Control plane: job membership, watches and health records in etcd v3, and the
+job's epoch (:mod:`membership.epoch`: one counter in the job's store).
 
 Also an embedded etcd for local runs and tests, and an etcd-backed
 ``torch.distributed.Store`` for rendezvous without a TCPStore on rank 0.

@@ -23,18 +23,6 @@ class JobKeys:
         return self.prefix + "token"
 
     @property
-    def epoch(self) -> str:
-        return self.prefix + "epoch"
-
-    @property
-    def epoch_log(self) -> str:
-        return self.prefix + "epochs/"
-
-    def epoch_record(self, epoch: int) -> str:
-        # Zero-padded so the records list in epoch order.
-        return f"{self.epoch_log}{epoch:012d}"
-
-    @property
     def members(self) -> str:
         return self.prefix + "members/"
 
@@ -80,6 +68,8 @@ class JobKeys:
 
     @property
     def store(self) -> str:
+        """Where the job's etcd-backed stores live; the links' store of one run (and
+        in it the job's epoch, :mod:`membership.epoch`) is ``store/links-<nonce>/``."""
         return self.prefix + "store/"
 
     def sub(self, name: str) -> str:

@@ -1,10 +1,10 @@
-"""Job membership in etcd: leases, the epoch counter, watches and health records.
+"""Job membership in etcd: leases, watches and health records.
 
 One :class:`Membership` per rank process. ``join`` checks the job token, registers
 the rank under a lease and keeps the lease alive from a background thread; a rank
 whose process dies (or hangs past the TTL) disappears from the member list and
-every watcher sees the delete. The epoch only moves by compare-and-swap, so when
-several survivors react to the same event exactly one bump wins.
+every watcher sees the delete. The job's epoch is not kept here: it is the one
+counter recovery moves in the job's store (:mod:`membership.epoch`).
 
 Every call is bounded in time (see :class:`membership.etcd_client.EtcdClient`).
 """
@@ -32,7 +32,6 @@ from resilient.errors import (
     JobTokenMismatch,
     LeaseLost,
     MembershipError,
-    StaleEpoch,
 )
 
 __all__ = ["MemberInfo", "Membership"]
@@ -155,22 +154,15 @@ class Membership:
         )
         lease = self.client.grant_lease(math.ceil(self.config.lease_ttl_s))
         self._guarded("join", [lambda t: t.put(self.keys.member(rank), info.to_json(), lease)])
-        self._guarded(
-            "init epoch",
-            [lambda t: t.put(self.keys.epoch, "0")],
-            extra=[lambda t: t.version(self.keys.epoch) == 0],
-            allow_fail=True,
-        )
         self._lease, self._info = lease, info
         self._start_keepalive()
         logger.info(
-            "job %s: rank %d incarnation %d joined (lease %x, ttl %.0f s, epoch %d)",
+            "job %s: rank %d incarnation %d joined (lease %x, ttl %.0f s)",
             self.job,
             rank,
             incarnation,
             lease,
             self.config.lease_ttl_s,
-            self.epoch(),
         )
         return info
 
@@ -364,70 +356,7 @@ class Membership:
         self._watches.append(w)
         return w
 
-    # -- epoch ----------------------------------------------------------------------------
-    def epoch(self) -> int:
-        """The job's current epoch (0 before any bump)."""
-        self._require_joined()
-        kv = self.client.get(self.keys.epoch)
-        return int(kv.value) if kv is not None else 0
-
-    def bump_epoch(
-        self, expected: int, reason: str, *, view: Mapping[str, Any] | None = None
-    ) -> int:
-        """Advance the epoch from ``expected`` to ``expected + 1`` by compare-and-swap.
-
-        Also records ``reason`` (and ``view``, e.g. the member set the new epoch stands
-        for) under ``epochs/<n>`` in the same transaction; see :meth:`epoch_record`.
-
-        Raises:
-            StaleEpoch: the epoch is no longer ``expected`` (another member won).
-        """
-        info = self._require_joined()
-        new = expected + 1
-        record = json.dumps(
-            {
-                "epoch": new,
-                "reason": reason,
-                "view": dict(view) if view is not None else None,
-                "rank": info.rank,
-                "incarnation": info.incarnation,
-                "ts": time.time(),
-            },
-            sort_keys=True,
-        )
-        won = self._guarded(
-            f"bump epoch {expected}->{new}",
-            [
-                lambda t: t.put(self.keys.epoch, str(new)),
-                lambda t: t.put(self.keys.epoch_record(new), record),
-            ],
-            extra=[lambda t: t.value(self.keys.epoch) == str(expected)],
-            allow_fail=True,
-        )
-        if not won:
-            raise StaleEpoch(self.job, expected, self.epoch())
-        logger.info(
-            "job %s: rank %d epoch %d -> %d (%s)", self.job, info.rank, expected, new, reason
-        )
-        return new
-
-    def epoch_record(self, epoch: int) -> dict[str, Any] | None:
-        """What was recorded when ``epoch`` began (reason, view, who, when), if anything."""
-        self._require_joined()
-        kv = self.client.get(self.keys.epoch_record(epoch))
-        return json.loads(kv.value) if kv is not None else None
-
-    def watch_epoch(self, callback: Callable[[int], None]) -> PrefixWatch:
-        """Call ``callback(epoch)`` whenever the epoch changes."""
-        self._require_joined()
-        key = self.keys.epoch
-
-        def on_event(ev: WatchEvent) -> None:
-            if ev.key == key and ev.value is not None:
-                callback(int(ev.value))
-
-        return self._add_watch(key, on_event, initial=False, name="epoch")
-
+    # -- launcher records ------------------------------------------------------------------
     def replacement(self, rank: int) -> dict[str, Any] | None:
         """What the supervisor announced for lost ``rank`` (``how``: warm, cold or
         none; ``incarnation``; ``eta_s``), or None before it said anything."""

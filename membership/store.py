@@ -35,7 +35,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -305,21 +305,35 @@ class EtcdStore(Store):
         extra = _to_bytes(value)
         self._cas_loop("append", key, lambda cur: (cur or b"") + extra)
 
-    def compare_set(self, key: str, expected_value: Value, desired_value: Value) -> bytes:
+    def compare_set(
+        self,
+        key: str,
+        expected_value: Value,
+        desired_value: Value,
+        *,
+        also: Mapping[str, Value] | None = None,
+    ) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected``; returns the value after the call.
 
         torch's semantics: a missing key is set when ``expected`` is empty and left
         missing otherwise (``expected`` is returned then); an existing key holding
-        something else is left alone and its value returned.
+        something else is left alone and its value returned. ``also`` (key -> value)
+        is written in the same etcd transaction as the swap, only when the swap
+        happens (:mod:`membership.epoch`: the epoch and its history record).
         """
         full = self._key(key)
         expected, desired = _to_bytes(expected_value), _to_bytes(desired_value)
+        extra = [(self._key(k), _to_bytes(v)) for k, v in (also or {}).items()]
+
+        def puts(t: Any) -> list[Any]:
+            return [t.put(full, desired), *(t.put(k, v) for k, v in extra)]
+
         while True:
             if expected == b"":
                 ok, responses = self._txn(
                     f"compare_set {full}",
                     lambda t: [t.version(full) == 0],
-                    lambda t: [t.put(full, desired)],
+                    puts,
                     lambda t: [t.get(full)],
                 )
                 if ok:
@@ -332,7 +346,7 @@ class EtcdStore(Store):
             ok, responses = self._txn(
                 f"compare_set {full}",
                 lambda t: [t.value(full) == expected],
-                lambda t: [t.put(full, desired)],
+                puts,
                 lambda t: [t.get(full)],
             )
             if ok:

@@ -6,9 +6,11 @@ committed (-1 before the first: the state every rank started training from, whic
 DDP made the same everywhere; :data:`NO_STATE` for a replacement), and the op
 counters of its links still standing.
 Once the records of all ``world`` ranks are there, every rank computes the same
-:class:`Plan` from the same records, then moves the epoch counter with a
-compare-and-swap (``recovery/epoch``: ``epoch`` -> ``epoch + 1``). Nothing else is
-exchanged: the plan is a pure function of the records.
+:class:`Plan` from the same records, then moves the job's one epoch counter with a
+compare-and-swap (:func:`membership.epoch.advance_epoch`: key ``epoch`` of the
+store, ``epoch`` -> ``epoch + 1``, with the history record ``epochs/<epoch + 1>``:
+members, joined ranks, step, donors). Nothing else is exchanged: the plan is a pure
+function of the records.
 
 **Shrink.** With ``shrink_after_s``, ranks stop waiting for missing records (no
 replacement came) once that long has passed and at least ``min_ranks`` records are
@@ -49,6 +51,7 @@ from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
+from membership.epoch import EPOCH_KEY, advance_epoch, current_epoch
 from resilient.detect.doorbell import watch_or_poll
 from resilient.errors import RecoveryError, StaleEpoch
 from resilient.links.ledger import salt_of
@@ -66,7 +69,6 @@ __all__ = [
     "request_join",
 ]
 
-EPOCH_KEY: Final = "recovery/epoch"
 # A record's step when the rank holds no state at all (a replacement). Step -1 is
 # a state: the one training started from, before the first commit.
 NO_STATE: Final = -2
@@ -196,13 +198,6 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     )
 
 
-def current_epoch(store: Store) -> int:
-    """The job's epoch as the store holds it (0 before the first recovery)."""
-    if not store.check([EPOCH_KEY]):
-        return 0
-    return int(bytes(store.get(EPOCH_KEY)).decode())
-
-
 def request_join(store: Store, epoch: int, rank: int) -> None:
     """Ask the members of ``epoch`` to take ``rank`` in (its record is written)."""
     store.set(f"recovery/e{epoch}/join", str(rank))
@@ -228,8 +223,9 @@ def agree(
 ) -> Plan:
     """Publish ``record`` for leaving ``epoch``, wait for the records of the ranks in
     ``expect`` (default: all ``world``; after ``shrink_after_s``, of those that
-    reported: see the module docstring), and return the plan after moving the epoch
-    counter to ``epoch + 1``. Records present beyond ``expect`` are taken in too.
+    reported: see the module docstring), and return the plan after moving the job's
+    epoch to ``epoch + 1`` (with its history record, :mod:`membership.epoch`).
+    Records present beyond ``expect`` are taken in too.
     With ``decide`` False (a replacement) this rank only waits for the decision.
     ``give_up`` (polled while waiting) names ranks not to wait for any longer (the
     policy found no replacement coming for them, or shrinking cheaper): once every
@@ -254,10 +250,15 @@ def agree(
         )
     records = {r: Record.from_json(bytes(store.get(f"{prefix}{r}"))) for r in members}
     plan = make_plan(epoch, records)
-    expected = "" if epoch == 0 else str(epoch)
-    now = bytes(store.compare_set(EPOCH_KEY, expected, str(epoch + 1))).decode()
-    if now != str(epoch + 1):
-        raise StaleEpoch(EPOCH_KEY, expected=epoch, current=int(now or 0))
+    history = {
+        "from": epoch, "world": world, "members": list(plan.members),
+        "joined": list(plan.joined), "step": plan.step,
+        "donors": {str(r): d for r, d in sorted(plan.donors.items())},
+        "rank": record.rank, "incarnation": record.incarnation,
+    }  # fmt: skip
+    now = advance_epoch(store, epoch, history)
+    if now != epoch + 1:
+        raise StaleEpoch(EPOCH_KEY, expected=epoch, current=now)
     return plan
 
 

@@ -1,4 +1,4 @@
-"""Membership against a real etcd: leases, epochs, tokens, isolation, health."""
+"""Membership against a real etcd: leases, tokens, isolation, health."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from resilient.errors import (
     JobTokenMismatch,
     LeaseLost,
     MembershipError,
-    StaleEpoch,
 )
 from resilient.procs import wait_until
 
@@ -53,6 +52,9 @@ def test_join_list_leave(etcd_config: EtcdConfig, job_name: str) -> None:
         b.leave()
         assert sorted(a.members()) == [0]
         assert not b.joined
+        # Membership keeps no epoch of its own: the job's one epoch is the counter
+        # recovery moves in the job's store (membership.epoch).
+        assert not [k for k in _snapshot(etcd_config, job_name) if "epoch" in k]
 
 
 @pytest.mark.timeout(30)
@@ -104,47 +106,6 @@ def test_killed_member_expires_within_ttl_plus_one(
             child.wait(10)
 
 
-def _race_bump(
-    m: Membership, expected: int, barrier: threading.Barrier, outcome: list[object], i: int
-) -> None:
-    barrier.wait(5)
-    try:
-        outcome[i] = m.bump_epoch(expected, f"round {expected}")
-    except StaleEpoch as exc:
-        outcome[i] = exc
-
-
-@pytest.mark.timeout(60)
-def test_concurrent_epoch_bumps_exactly_one_wins(etcd_config: EtcdConfig, job_name: str) -> None:
-    rounds = 15
-    members = [_member(etcd_config, job_name) for _ in range(2)]
-    try:
-        for rank, m in enumerate(members):
-            m.join(rank, 0, [], TOKEN)
-        for r in range(rounds):
-            barrier = threading.Barrier(2)
-            outcome: list[object] = [None, None]
-            threads = [
-                threading.Thread(target=_race_bump, args=(members[i], r, barrier, outcome, i))
-                for i in range(2)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(10)
-            wins = [o for o in outcome if o == r + 1]
-            losses = [o for o in outcome if isinstance(o, StaleEpoch)]
-            assert len(wins) == 1 and len(losses) == 1, outcome
-            assert losses[0].current == r + 1  # type: ignore[attr-defined]
-        assert members[0].epoch() == rounds
-        records = _snapshot(etcd_config, job_name)
-        epoch_log = [k for k in records if k.startswith(JobKeys(job_name).epoch_log)]
-        assert len(epoch_log) == rounds
-    finally:
-        for m in members:
-            m.close()
-
-
 @pytest.mark.timeout(30)
 def test_join_unreachable_etcd_fails_within_bound(job_name: str) -> None:
     from resilient.procs import free_port
@@ -167,7 +128,6 @@ def test_wrong_token_rejected_and_nothing_read_or_changed(
 ) -> None:
     with _member(etcd_config, job_name) as owner:
         owner.join(0, 0, ["127.0.1.1"], TOKEN)
-        owner.bump_epoch(0, "setup")
         before = _snapshot(etcd_config, job_name)
         assert TOKEN.encode() not in b"".join(before.values())  # only a hash is stored
         intruder = _member(etcd_config, job_name)
@@ -177,8 +137,7 @@ def test_wrong_token_rejected_and_nothing_read_or_changed(
         assert job_name in str(info.value)
         for call in (
             intruder.members,
-            intruder.epoch,
-            lambda: intruder.bump_epoch(1, "evil"),
+            intruder.rank_health,
             lambda: intruder.publish_rank_health({"x": 1}),
             lambda: intruder.watch_members(lambda *a: None),
         ):
@@ -200,11 +159,9 @@ def test_two_jobs_on_one_etcd_are_isolated(etcd_config: EtcdConfig, job_name: st
         b.watch_members(lambda kind, rank, info: seen_by_b.append((kind, rank)), initial=False)
         with _member(etcd_config, job_name) as a1:
             a1.join(1, 0, [], TOKEN)
-            a.bump_epoch(0, "only job a")
         time.sleep(0.3)
         assert sorted(a.members()) == [0]
         assert sorted(b.members()) == [0]
-        assert a.epoch() == 1 and b.epoch() == 0
         assert seen_by_b == []
         other_keys = _snapshot(etcd_config, other_job)
         assert all(k.startswith(f"/resilient/{other_job}/") for k in other_keys)

@@ -10,17 +10,18 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from membership.epoch import EPOCH_KEY, current_epoch, epoch_history, epoch_record
+from membership.etcd_client import EtcdClient
 from membership.store import EtcdStore
 from recovery.agree import (
-    EPOCH_KEY,
     NO_STATE,
     Record,
     agree,
-    current_epoch,
     join_requested,
     make_plan,
     request_join,
 )
+from resilient.config import EtcdConfig
 from resilient.errors import RecoveryError, StaleEpoch
 from resilient.procs import free_port
 
@@ -107,6 +108,7 @@ def test_agree_moves_the_epoch_once_all_records_are_in() -> None:
     assert plan.epoch == 1 and current_epoch(store) == 1
     # A second rank agreeing on the same records finds the counter moved already.
     assert agree(store, epoch=0, world=2, record=_records()[0], timeout_s=5) == plan
+    assert [(r["epoch"], r["from"], r["members"]) for r in epoch_history(store)] == [(1, 0, [0, 1])]
 
 
 def test_agree_names_the_ranks_that_never_reported() -> None:
@@ -204,6 +206,38 @@ def test_through_etcd_a_record_written_while_waiting_wakes_the_agreement(
         late.cancel()
     assert plan.epoch == 1 and plan.members == (0, 1)
     assert current_epoch(etcd_store) == 1
+
+
+def test_through_etcd_agreement_moves_the_jobs_one_epoch_with_its_history(
+    etcd_store: EtcdStore, etcd_config: EtcdConfig
+) -> None:
+    """A replacement (rank 2) admitted, then the group shrinking without rank 1: each
+    agreement moves the epoch key in etcd once and leaves the record of who went on."""
+    recs = _records()
+    for r in (1, 2):
+        etcd_store.set(f"recovery/e0/r{r}", recs[r].to_json())
+    plan = agree(etcd_store, epoch=0, world=3, record=recs[0], timeout_s=10)
+    assert (plan.epoch, plan.members, plan.joined) == (1, (0, 1, 2), (2,))
+    etcd_store.set("recovery/e1/r2", Record(rank=2, incarnation=1, step=9).to_json())
+    plan = agree(etcd_store, epoch=1, world=3, record=Record(rank=0, incarnation=0, step=9),
+                 timeout_s=10, give_up=lambda: {1})  # fmt: skip
+    assert (plan.epoch, plan.members) == (2, (0, 2))
+    client = EtcdClient(etcd_config)
+    try:
+        kv = client.get(etcd_store.prefix + EPOCH_KEY)
+    finally:
+        client.close()
+    assert kv is not None and kv.value == b"2"  # the key under /resilient/<job>/store/
+    first, second = epoch_history(etcd_store)
+    assert (first["epoch"], first["members"], first["joined"], first["step"]) == (
+        1,
+        [0, 1, 2],
+        [2],
+        9,
+    )
+    assert first["donors"] == {"1": 0, "2": 0} and first["rank"] == 0
+    assert (second["epoch"], second["from"], second["members"]) == (2, 1, [0, 2])
+    assert epoch_record(etcd_store, 3) is None
 
 
 def test_through_etcd_the_shrink_timer_still_runs(etcd_store: EtcdStore) -> None:
