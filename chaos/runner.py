@@ -38,7 +38,6 @@ from resilient.config import EtcdConfig
 from resilient.errors import ChaosError, MembershipError, ResilientError
 from resilient.events import EventLog, read_events
 from resilient.launch.launcher import LaunchConfig, Launcher, new_job_name
-from resilient.links.fault_hook import CONTROL_SUBPREFIX
 
 __all__ = ["make_testbed", "run_scenario"]
 
@@ -64,7 +63,7 @@ def make_testbed(scenario: Scenario) -> Testbed:
 
 def _control(client: EtcdClient, job: str) -> Callable[[str, Mapping[str, Any] | None], None]:
     """Writes (or, with None, deletes) one in-process fault record of ``job``."""
-    prefix = JobKeys(job).sub(CONTROL_SUBPREFIX)
+    prefix = JobKeys(job).chaos_faults
 
     def write(fault_id: str, record: Mapping[str, Any] | None) -> None:
         try:

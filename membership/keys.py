@@ -72,6 +72,12 @@ class JobKeys:
         in it the job's epoch, :mod:`membership.epoch`) is ``store/links-<nonce>/``."""
         return self.prefix + "store/"
 
+    @property
+    def chaos_faults(self) -> str:
+        """In-process link faults of a chaos run without root: the chaos runner
+        writes them, every rank's fault hook applies its own."""
+        return self.prefix + "chaos-faults/"
+
     def sub(self, name: str) -> str:
         """A free-form sub-prefix for later subsystems (progress, control, events)."""
         return f"{self.prefix}{name.strip('/')}/"

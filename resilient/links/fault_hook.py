@@ -32,11 +32,10 @@ from resilient.errors import MembershipError
 if TYPE_CHECKING:
     from resilient.config import EtcdConfig
 
-__all__ = ["CONTROL_SUBPREFIX", "FaultHook", "LinkFault", "hook", "install"]
+__all__ = ["FaultHook", "LinkFault", "hook", "install"]
 
 logger = logging.getLogger(__name__)
 
-CONTROL_SUBPREFIX: Final = "chaos-faults"
 _POLL_S: Final = 0.02
 _RTO_S: Final = 0.2
 _KINDS: Final = frozenset({"fail", "throttle", "drop"})
@@ -105,7 +104,7 @@ class FaultHook:
         from membership.keys import JobKeys
 
         client = EtcdClient(etcd)
-        prefix = JobKeys(job).sub(CONTROL_SUBPREFIX)
+        prefix = JobKeys(job).chaos_faults
         self._thread = threading.Thread(
             target=self._poll, args=(client, prefix), name="fault-hook", daemon=True
         )
