@@ -1,6 +1,9 @@
-"""Running an elided call and deciding when calls may elide (resilient.collectives.digest_check),
-for the process group: mixed into :class:`~resilient.process_group.
-ResilientProcessGroup`, kept apart from its plumbing.
+"""Running an elided call and deciding when calls may elide (resilient.collectives.digest_check).
+
+:class:`ElidedCalls` lives for one epoch beside that epoch's :class:`~resilient.check.
+exchange.CallChecks`: the process group hands it the calls the checks let skip their
+exchange, and the verdict of every full exchange, which decides whether the next
+calls may.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from resilient.collectives.digest_check import NotElided, call_key, forget_call, hello
-from resilient.collectives.engine import RingEngine
 from resilient.detect.rail_weights import DOWN
 from resilient.detect.slow_rank import ENTER_PERMILLE, named
 from resilient.links.socket_frames import DigestMismatch
@@ -19,9 +21,9 @@ from resilient.links.socket_frames import DigestMismatch
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from resilient.check.exchange import Payload, SignatureChannel, Ticket
+    from resilient.check.exchange import CallChecks, Payload, Ticket
+    from resilient.collectives.engine import RingEngine
     from resilient.collectives.signature import Exchange, Signature
-    from resilient.collectives.solo import SoloEngine
     from resilient.detect.health_board import HealthBoard
     from resilient.detect.stragglers import StragglerWatch
     from resilient.links.table import LinkTable
@@ -36,22 +38,33 @@ CHECKED = torch.empty(0, dtype=torch.uint8)
 
 
 class ElidedCalls:
-    """Mixed into :class:`~resilient.process_group.ResilientProcessGroup`."""
+    """Runs one epoch's elided calls over ``engine`` (the CPU ring engine) and
+    ``links`` (its data links), and keeps ``checks.quiet`` from each verdict."""
 
-    if TYPE_CHECKING:  # the group's own attributes and methods
-        board: HealthBoard
-        links: LinkTable
-        engine: RingEngine | SoloEngine
-        _epoch: int
-        _stragglers: StragglerWatch
-        # The health board's changes when the group was last found quiet (_quiet).
-        _quiet_mark: int
-
-        def rank(self) -> int: ...
-
-    def _run_elided(
+    def __init__(
         self,
-        channel: SignatureChannel,
+        checks: CallChecks,
+        *,
+        engine: RingEngine,
+        links: LinkTable,
+        board: HealthBoard,
+        stragglers: StragglerWatch,
+        rank: int,
+        epoch: int,
+    ) -> None:
+        self.checks, self.engine, self.links = checks, engine, links
+        self.board, self.stragglers = board, stragglers
+        self.rank, self.epoch = rank, epoch
+        # The health board's changes when the group was last found quiet (settle).
+        self.quiet_mark = 0
+
+    def settle(self, exchange: Exchange, sig: Signature, mark: int) -> None:
+        """After a full exchange: whether the next calls may elide, and the board's
+        changes (``mark``, read before the call's row was built) at that verdict."""
+        self.checks.quiet, self.quiet_mark = self._quiet(exchange, sig), mark
+
+    def run(
+        self,
         ticket: Ticket,
         fn: Callable[[torch.Tensor | None], Any],
         payload: Payload | None,
@@ -65,17 +78,17 @@ class ElidedCalls:
             CollectiveMismatch: the ranks' calls differ.
             CommunicationError: as any call.
         """
+        channel = self.checks
         channel.check_elided(ticket)
         engine = self.engine
-        assert isinstance(engine, RingEngine)
-        key = call_key(self._epoch, ticket.seq)
+        key = call_key(self.epoch, ticket.seq)
         calls = engine.calls
         # A rank with news since the quiet verdict (a NIC, a link) still takes part
         # (a failover needs every peer in the call) but flags its messages: every
         # rank sees the flag at its gate, and the quiet ends for all alike, so the
         # next call exchanges rows that show the news.
         mark = self.board.changes
-        news = mark != self._quiet_mark
+        news = mark != self.quiet_mark
         if digest:
             engine.elided, engine.gate_waited_s, engine.gate_news = (key, digest, news), 0.0, False
             try:
@@ -86,7 +99,7 @@ class ElidedCalls:
             except DigestMismatch as exc:
                 logger.info(
                     "rank %d (epoch %d, call %d): a peer's call differs (%s); falling back "
-                    "to a full exchange", self.rank(), self._epoch, ticket.seq, exc,
+                    "to a full exchange", self.rank, self.epoch, ticket.seq, exc,
                 )  # fmt: skip
             except NotElided:
                 hello(self.links, key)
@@ -101,19 +114,18 @@ class ElidedCalls:
         exchange = channel.fallback(ticket)
         # Its clocks are news every rank reads alike; links are not put in service
         # here (rows of later calls may have gone out on the old ones).
-        self._stragglers.observe(exchange)
-        quiet = self._quiet(exchange, engine, ticket.sig)
-        channel.quiet, self._quiet_mark = quiet, mark
+        self.stragglers.observe(exchange)
+        self.settle(exchange, ticket.sig, mark)
         return fn(exchange.payloads() if payload is not None else CHECKED)
 
-    def _quiet(self, exchange: Exchange, engine: RingEngine, sig: Signature) -> bool:
+    def _quiet(self, exchange: Exchange, sig: Signature) -> bool:
         """Whether the next calls may elide (collectives.digest_check): this call (``sig``,
         agreed) is an all_reduce the mesh takes on one rail, so the next ones
         likely are too (a job of ring-sized tensors would only fall back), and nothing in this
         verdict needs the news of every call (links to put in service, cut pairs,
         a rail down, a slow rank named or agreed, a straggler confirmed). The same
         on every rank: all of it follows from the exchange table."""
-        dtype = sig.dtype
+        engine, dtype = self.engine, sig.dtype
         if sig.op != "allreduce" or dtype is None or not engine.mesh:
             return False
         nbytes = sig.numel * dtype.itemsize
@@ -130,5 +142,5 @@ class ElidedCalls:
         # A confirmed straggler, not a suspected one: suspicions come and go on a
         # loaded host (a tight loop of calls kept one suspected in 805 of 807
         # exchanges), and the clocks are still read at every full exchange.
-        state = self._stragglers.state
+        state = self.stragglers.state
         return all(state(r) != "confirmed" for r in range(len(exchange.clocks)))

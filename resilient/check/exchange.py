@@ -57,7 +57,7 @@ from resilient.errors import CollectiveMismatch, CommunicationError
 from resilient.links.repair import CTL_TABLE, install_agreed
 from resilient.links.table import LinkTable
 
-__all__ = ["SignatureChannel"]
+__all__ = ["CallChecks"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Ticket:
         self.error: BaseException | None = None
 
 
-class SignatureChannel:
+class CallChecks:
     """Agrees on each call's signature (and small payload) for one process group."""
 
     def __init__(
@@ -319,14 +319,14 @@ class SignatureChannel:
         self._failed_with = exc
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop the channel's meter, keeping the links (exchanges run on the
+        """Stop the checks' meter, keeping the links (exchanges run on the
         communication thread, which the caller has seen idle); True."""
         self._stolen.close()
         self.engine.close()
         return True
 
     def abandon(self) -> None:
-        """Close this channel and its links in the background (closing a link can
+        """Close these checks and their links in the background (closing a link can
         block)."""
         threading.Thread(target=self.close, name=f"ctl-close-{self.rank}", daemon=True).start()
 

@@ -8,10 +8,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resilient.collectives.digest_check import digest_of
 from resilient.collectives.engine import Reduce
-from resilient.collectives.signature import SUPPORTED_DTYPES
+from resilient.collectives.signature import SUPPORTED_DTYPES, Signature
 
-__all__ = ["check_tensors", "reduce_op"]
+__all__ = ["AllreduceCalls", "check_tensors", "reduce_op"]
+
+# Distinct allreduce calls kept checked (DDP makes a few buckets; anything more is
+# a program whose shapes vary, which gains nothing from the cache).
+_KNOWN_CALLS = 64
 
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: Reduce.SUM,
@@ -50,3 +55,45 @@ def reduce_op(op: str, opts: Any) -> Reduce:
     if red is None:
         raise NotImplementedError(f"resilient {op}: reduce op {opts.reduceOp} is not supported")
     return red
+
+
+class AllreduceCalls:
+    """The checked reduce op, signature and digest of allreduce calls, kept for the
+    calls seen before. ``elide``: calls may run elided (the config's elide_every)."""
+
+    def __init__(self, *, elide: bool) -> None:
+        self._elide = elide
+        # Checked calls by (dtype, shape, device, reduce op).
+        self._known: dict[tuple[Any, ...], tuple[Reduce, Signature, int]] = {}
+
+    def of(self, tensors: list[torch.Tensor], opts: Any) -> tuple[Reduce, Signature, int]:
+        """The checked reduce op, signature and digest of an allreduce call (the
+        digest 0 unless the call may run elided: CPU tensors, calls elided here).
+
+        One tensor is the usual call (a DDP bucket, the same few every step): its
+        checks and signature are kept by dtype, shape, device and reduce op. They
+        take ~6 us warm, but on a host where the training thread shares its cores
+        with the other ranks every microsecond of Python costs several: keeping
+        them took ~20 us of its CPU off each DDP bucket (docs/BENCHMARKS.md).
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: see check_tensors, reduce_op.
+        """
+        key = None
+        if len(tensors) == 1 and opts is not None:
+            t = tensors[0]
+            key = (t.dtype, t.shape, t.device, getattr(opts.reduceOp, "op", opts.reduceOp))
+            known = self._known.get(key)
+            if known is not None:
+                return known
+        opts = opts or dist.AllreduceOptions()
+        check_tensors("allreduce", tensors)
+        red = reduce_op("allreduce", opts)
+        sig = Signature.of("allreduce", tensors, reduce=red)
+        elide = self._elide and all(t.device.type == "cpu" for t in tensors)
+        known = (red, sig, digest_of(sig) if elide else 0)
+        if key is not None:
+            if len(self._known) >= _KNOWN_CALLS:
+                self._known.clear()
+            self._known[key] = known
+        return known

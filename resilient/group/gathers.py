@@ -1,51 +1,52 @@
 """The gather and scatter collectives of the process group (all_gather,
 all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor and their coalesced
-forms), kept apart from the group's plumbing. Mixed in *before*
-``torch.distributed.ProcessGroup``, so these methods override its own.
+forms): :class:`GatherCalls` checks a call's tensors and builds what runs it; the
+group's own methods, which torch calls, hand their calls here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from resilient.collectives.engine import Reduce
+from resilient.collectives.engine import Reduce, RingEngine
 from resilient.collectives.signature import Signature
+from resilient.collectives.solo import SoloEngine
 from resilient.group.args import check_tensors, reduce_op
 from resilient.group.work import ResilientWork
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+__all__ = ["GatherCalls", "Submit"]
 
-    from resilient.check.exchange import Payload
-    from resilient.collectives.engine import RingEngine
-    from resilient.collectives.solo import SoloEngine
-
-__all__ = ["GatherOps"]
+# Queues a call on the group's communication thread: (op, signature, what runs it).
+Submit = Callable[[str, Signature, Callable[[torch.Tensor | None], Any]], ResilientWork]
 
 
-class GatherOps:
-    """Mixed into :class:`~resilient.process_group.ResilientProcessGroup`."""
+class GatherCalls:
+    """Gather and scatter calls over ``size`` ranks, this one ``rank``.
 
-    if TYPE_CHECKING:  # the group's own methods (never shadowed at run time)
+    ``need_every_rank(op)`` raises for an op the current members cannot run (after
+    a shrink), ``engine_for(tensor)`` gives the engine for a tensor's device, and
+    ``submit`` queues the call (see :data:`Submit`).
+    """
 
-        def rank(self) -> int: ...
-        def size(self) -> int: ...
-        def _need_every_rank(self, op: str) -> None: ...
-        def _engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine: ...
-        def _submit(
-            self,
-            op: str,
-            sig: Signature,
-            fn: Callable[[torch.Tensor | None], Any],
-            *,
-            payload: Payload | None = None,
-            after_previous: bool = False,
-        ) -> ResilientWork: ...
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        need_every_rank: Callable[[str], None],
+        engine_for: Callable[[torch.Tensor], RingEngine | SoloEngine],
+        submit: Submit,
+    ) -> None:
+        self._rank, self._size = rank, size
+        self._need_every_rank, self._engine_for, self._submit = (
+            need_every_rank, engine_for, submit,
+        )  # fmt: skip
 
-    def allgather(  # type: ignore[override]
+    def allgather(
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
@@ -56,9 +57,9 @@ class GatherOps:
         outs, inp = output_tensors[0], input_tensors[0]
         check_tensors("allgather", [inp, *outs])
         self._need_every_rank("allgather")
-        if len(outs) != self.size() or any(o.shape != inp.shape for o in outs):
+        if len(outs) != self._size or any(o.shape != inp.shape for o in outs):
             raise ValueError(
-                f"resilient allgather: need {self.size()} outputs shaped {tuple(inp.shape)}"
+                f"resilient allgather: need {self._size} outputs shaped {tuple(inp.shape)}"
             )
         sig = Signature.of("allgather", [inp])
 
@@ -70,15 +71,15 @@ class GatherOps:
 
         return self._submit("allgather", sig, run)
 
-    def _allgather_base(
+    def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
         check_tensors("all_gather_into_tensor", [output, input])
         self._need_every_rank("all_gather_into_tensor")
-        if output.numel() != input.numel() * self.size():
+        if output.numel() != input.numel() * self._size:
             raise ValueError(
                 f"resilient all_gather_into_tensor: output has {output.numel()} elements, "
-                f"need {input.numel() * self.size()}"
+                f"need {input.numel() * self._size}"
             )
         sig = Signature.of("all_gather_into_tensor", [input])
 
@@ -91,12 +92,12 @@ class GatherOps:
 
     def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
         n = inp.numel()
-        buf = torch.empty((self.size(), n), dtype=inp.dtype, device=inp.device)
-        buf[self.rank()].copy_(inp.reshape(-1))
+        buf = torch.empty((self._size, n), dtype=inp.dtype, device=inp.device)
+        buf[self._rank].copy_(inp.reshape(-1))
         self._engine_for(buf).all_gather(buf.view(-1))
         return buf
 
-    def reduce_scatter(  # type: ignore[override]
+    def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
@@ -108,9 +109,9 @@ class GatherOps:
         out, ins = output_tensors[0], input_tensors[0]
         check_tensors("reduce_scatter", [out, *ins])
         self._need_every_rank("reduce_scatter")
-        if len(ins) != self.size() or any(i.shape != out.shape for i in ins):
+        if len(ins) != self._size or any(i.shape != out.shape for i in ins):
             raise ValueError(
-                f"resilient reduce_scatter: need {self.size()} inputs shaped {tuple(out.shape)}"
+                f"resilient reduce_scatter: need {self._size} inputs shaped {tuple(out.shape)}"
             )
         red = reduce_op("reduce_scatter", opts)
         sig = Signature.of("reduce_scatter", [out], reduce=red)
@@ -122,16 +123,16 @@ class GatherOps:
 
         return self._submit("reduce_scatter", sig, run)
 
-    def _reduce_scatter_base(
+    def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
         opts = opts or dist.ReduceScatterOptions()
         check_tensors("reduce_scatter_tensor", [output, input])
         self._need_every_rank("reduce_scatter_tensor")
-        if input.numel() != output.numel() * self.size():
+        if input.numel() != output.numel() * self._size:
             raise ValueError(
                 f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
-                f"need {output.numel() * self.size()}"
+                f"need {output.numel() * self._size}"
             )
         red = reduce_op("reduce_scatter_tensor", opts)
         sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
@@ -146,33 +147,19 @@ class GatherOps:
         mine = self._engine_for(buf).reduce_scatter(buf, red)
         out.copy_(buf[mine.start : mine.stop].view_as(out))
 
-    # torch >= 2.10 routes all_gather_into_tensor / reduce_scatter_tensor here.
-    def all_gather_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        return self._allgather_base(output, input, opts)
-
-    def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
-    ) -> ResilientWork:
-        return self._reduce_scatter_base(output, input, opts)
-
-    def all_gather_single_coalesced(
+    def all_gather_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
         return self._last(
-            [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            [self.all_gather_into_tensor(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         )
 
-    def reduce_scatter_single_coalesced(
+    def reduce_scatter_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
         return self._last(
-            [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            [self.reduce_scatter_tensor(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         )
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     @staticmethod
     def _last(works: list[ResilientWork]) -> ResilientWork:

@@ -25,14 +25,14 @@ import threading
 import time
 from typing import Generic, TypeVar
 
-__all__ = ["Bell", "Handoff"]
+__all__ = ["Handoff", "WakePipe"]
 
 T = TypeVar("T")
 
 _CLOSED_NAP_S = 0.05
 
 
-class Bell:
+class WakePipe:
     """A wake-up over a pipe: :meth:`ring` from any thread, :meth:`wait` in one."""
 
     def __init__(self) -> None:
@@ -67,11 +67,11 @@ class Bell:
 
 
 class Handoff(Generic[T]):
-    """A FIFO with one consumer; ``put`` wakes it through a :class:`Bell`."""
+    """A FIFO with one consumer; ``put`` wakes it through a :class:`WakePipe`."""
 
     def __init__(self) -> None:
         self._items: collections.deque[T] = collections.deque()
-        self._bell = Bell()
+        self._wake = WakePipe()
         # Set by the consumer before it looks at an empty queue a last time and
         # sleeps: a producer rings only then. A busy consumer (DDP's second bucket
         # comes while the first one's data moves) takes the item without a system
@@ -83,7 +83,7 @@ class Handoff(Generic[T]):
         # Read after the append: a consumer that set the flag after this read
         # looks at the queue after setting it, so it finds the item.
         if self._sleeping:
-            self._bell.ring()
+            self._wake.ring()
 
     def get(self) -> T:
         """The oldest item, waiting for one (the only consumer calls this)."""
@@ -95,10 +95,10 @@ class Handoff(Generic[T]):
             self._sleeping = True
             try:
                 if not self._items:
-                    self._bell.wait()
+                    self._wake.wait()
             finally:
                 self._sleeping = False
 
     def close(self) -> None:
         """Release the pipe (after the consumer is gone)."""
-        self._bell.close()
+        self._wake.close()

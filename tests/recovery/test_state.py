@@ -39,14 +39,14 @@ def _train(pg: Any, rank: int, world: int, abort_at: int | None) -> dict[str, An
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
         opt.zero_grad(set_to_none=True)
         if step == abort_at and "aborted" not in seen:
-            pg._lost = PeerLost("rank 1 is gone (the test says so)", peer=1)
+            pg.epochs.peer_loss.lost = PeerLost("rank 1 is gone (the test says so)", peer=1)
             try:
                 ddp(x).square().mean().backward()
             except PeerLost:
                 seen["aborted"] = True
             # The first layer's gradient comes last in backward: never computed.
             seen["first_layer_grad"] = model[0].weight.grad is not None
-            pg._lost = None
+            pg.epochs.peer_loss.lost = None
             try:
                 ddp(x).square().mean()
             except RuntimeError:

@@ -74,7 +74,7 @@ def test_large_calls_that_differ_raise_on_every_rank(rails: int, control: str, e
 
 
 def _rows_in_order(pg: Any, rank: int, world: int) -> dict[str, Any]:
-    channel = pg._channel
+    channel = pg.epochs.checks
     pg.allreduce([torch.ones(LARGE)]).wait()
     seen: dict[str, Any] = {}
     if rank == 1:

@@ -82,7 +82,7 @@ def _many_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int, int]:
             work.wait()
             assert torch.equal(t, ref)
             calls += 1
-    ch = pg._channel
+    ch = pg.epochs.checks
     return calls, ch.exchanges, ch.elided, ch.fallbacks
 
 
@@ -119,7 +119,7 @@ def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
             pg.broadcast([t], broadcast_opts(0)) if rank == 2 else pg.allreduce([t])
         ),
     }
-    ch = pg._channel
+    ch = pg.epochs.checks
     refusals = []  # per odd call: (ran elided, fell back)
     for name, call in cases.items():
         t = torch.full((LARGE,), float(rank + 1))
@@ -187,7 +187,7 @@ def _unelidable(pg: Any, rank: int, world: int) -> tuple[int, list[tuple[int, in
         assert torch.equal(out, torch.full((LARGE,), float(rank * world)))
 
     fell = []
-    ch = pg._channel
+    ch = pg.epochs.checks
     # A tensor the mesh does not take (config: mesh only below 64 KiB), one small
     # enough to travel in the rows, and the other ops: each falls back, completes.
     for call in (

@@ -97,8 +97,8 @@ def test_a_rail_cut_mid_allreduce_fails_over_without_loss(
 def _no_share_for_rail_1(pg: Any, rank: int, world: int, n: int) -> dict[str, Any]:
     # As if rail 1 had measured too slow for a share: every rank gives it none, so
     # the whole tensor goes over rail 0 when rail 0 dies.
-    assert pg._learner is not None
-    pg._learner.weights_for = lambda exchange: (1.0, 0.0)
+    assert pg.epochs.learner is not None
+    pg.epochs.learner.weights_for = lambda exchange: (1.0, 0.0)
     return _faulty_allreduce(pg, rank, world, n, 1, 3)
 
 

@@ -52,7 +52,7 @@ def _cut_off(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, Any]
             break
         time.sleep(0.2)
     pg.allreduce([after]).wait()
-    relayed = [f for f in pg.engine.failovers + pg._channel.failovers
+    relayed = [f for f in pg.engine.failovers + pg.epochs.checks.failovers
                if f[2] == RELAY_RAIL]  # fmt: skip
     return {
         "equal": [torch.equal(t, want) for t in got] + [torch.equal(after, want)],

@@ -61,9 +61,9 @@ def _probe(pg: Any, rank: int, world: int) -> dict[str, Any]:
             time.sleep(0.01)
         return {"lost": (type(pg.lost).__name__, getattr(pg.lost, "peer", None))}
     before = pg.lost
-    pg._probe_peer(1)  # alive
+    pg.epochs.peer_loss.probe(1)  # alive
     alive = pg.lost
-    pg._probe_peer(world - 1)
+    pg.epochs.peer_loss.probe(world - 1)
     lost = pg.lost
     return {
         "before": before is None,

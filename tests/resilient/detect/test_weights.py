@@ -56,7 +56,7 @@ def _throttled(pg: Any, rank: int, world: int) -> dict[str, Any]:
         "first_s": times[0],
         "last_s": sorted(times[-6:])[3],
         "weights": pg.engine.weights,
-        "control_weights": pg._channel.engine.weights,
+        "control_weights": pg.epochs.checks.engine.weights,
         "digests": digests,
         "exact": bool(torch.equal(t, expect)),
     }

@@ -34,7 +34,7 @@ def _last_out_of_the_final_barrier(pg: Any, rank: int, world: int) -> dict[str, 
     # Rank 0 stays inside its barrier, after the exchange every rank needed, until
     # both peers finished it and closed their links: a host short of CPU does that.
     held: list[bool] = []
-    observe = pg._stragglers.observe
+    observe = pg.epochs.stragglers.observe
 
     def late(exchange: Any) -> None:
         held.append(True)
@@ -42,10 +42,10 @@ def _last_out_of_the_final_barrier(pg: Any, rank: int, world: int) -> dict[str, 
         time.sleep(0.5)  # the peer watch scans every 50 ms
         observe(exchange)
 
-    pg._stragglers.observe = late
+    pg.epochs.stragglers.observe = late
     pg.barrier().wait()
-    pg._stragglers.observe = observe
-    closed = {peer: sorted(rails) for peer, rails in closed_rails(pg._tables()).items()}
+    pg.epochs.stragglers.observe = observe
+    closed = {peer: sorted(rails) for peer, rails in closed_rails(pg.epochs.tables()).items()}
     return {"held": held, "closed": closed, "lost": pg.lost}
 
 

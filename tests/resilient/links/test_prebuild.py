@@ -20,7 +20,7 @@ def _ahead(pg: Any, rank: int, world: int) -> dict[str, Any]:
     thread = pg.prebuild_links()
     registered = thread in repair._STRANDED  # the group's shutdown waits for it
     thread.join(60)
-    tables = {"data": pg.links, "ctl": pg._channel.engine.links}
+    tables = {"data": pg.links, "ctl": pg.epochs.checks.engine.links}
     before = {name: {k: id(v) for k, v in t.links().items()} for name, t in tables.items()}
     x = torch.full((1000,), float(rank + 1))
     pg.allreduce([x]).wait()

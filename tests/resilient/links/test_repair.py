@@ -20,7 +20,7 @@ VICTIM = 1
 
 
 def _tables(pg: Any) -> list[Any]:
-    return [pg.links] + ([pg._channel.engine.links] if pg._channel is not None else [])
+    return [pg.links] + ([pg.epochs.checks.engine.links] if pg.epochs.checks is not None else [])
 
 
 def _snapshot(pg: Any) -> dict[tuple[str, int, int], Any]:

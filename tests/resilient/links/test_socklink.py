@@ -334,8 +334,8 @@ def test_a_handoff_to_a_busy_consumer_rings_no_bell(monkeypatch: pytest.MonkeyPa
     from resilient.group.handoff import Handoff
 
     rings = []
-    ring = handoff.Bell.ring
-    monkeypatch.setattr(handoff.Bell, "ring", lambda self: (rings.append(1), ring(self)))
+    ring = handoff.WakePipe.ring
+    monkeypatch.setattr(handoff.WakePipe, "ring", lambda self: (rings.append(1), ring(self)))
     box: Handoff[int | None] = Handoff()
     busy, got = threading.Event(), []
 

@@ -49,7 +49,7 @@ def _partitioned(pg: Any, rank: int, world: int, n: int, tag: str) -> dict[str, 
         # Either watch may see it first: a socket send is done once its bytes are in
         # the socket, so the rank whose bytes are lost may have no op waiting there.
         "cut": stall.watch().cut + pg._peer_watch.cut,
-        "failovers": len(pg.engine.failovers) + len(pg._channel.failovers),
+        "failovers": len(pg.engine.failovers) + len(pg.epochs.checks.failovers),
     }
 
 
