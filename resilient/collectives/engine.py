@@ -6,10 +6,10 @@ and every element belongs to a global chunk fixed by ``numel`` and the world siz
 (see :mod:`resilient.collectives.ring_plan`), so results are bitwise identical on every rank and
 independent of the rail weights.
 
-Pipelining: each piece is cut into sub-chunks. The sub-chunk received (and reduced)
-at ring step t is exactly what is sent at step t+1, so its send is posted the moment
-it is ready, while later sub-chunks are still in flight: sending, receiving and
-reducing overlap.
+Each rail's share runs in a thread of its own: a ring pass or a chain
+(:mod:`resilient.collectives.ring_rail`), or a mesh rail
+(:mod:`resilient.collectives.mesh`), pipelined in sub-chunks so that sending,
+receiving and reducing overlap.
 """
 
 from __future__ import annotations
@@ -18,38 +18,31 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from resilient.collectives.digest_check import NotElided, forget_call
-from resilient.collectives.failover import Route, Rx, Tx
 from resilient.collectives.mesh import MeshPlan, MeshRail, mesh_plan
+from resilient.collectives.rail_rates import RailRates
 from resilient.collectives.reduce_ops import REDUCERS, Reduce, finish_avg, fold_rows
-from resilient.collectives.ring_native import ring_in_c
 from resilient.collectives.ring_plan import (
+    RingPass,
     Span,
     even_bounds,
     rail_pieces,
-    recv_chunk,
-    send_chunk,
     sub_count,
     sub_spans,
 )
-from resilient.detect.slow_rank import SendRates
+from resilient.collectives.ring_rail import chain, ring_pass
+from resilient.collectives.route import Route
 from resilient.errors import ConfigError
 from resilient.links.socket_frames import CALL_SHIFT, NEWS, DigestMismatch
 from resilient.links.table import LinkTable
 
-__all__ = ["Reduce", "RingEngine", "fold_rows"]
+__all__ = ["LagMeter", "Reduce", "RingEngine", "fold_rows"]
 
 logger = logging.getLogger(__name__)
-
-# A rail's share of a collective must be at least this big to say how fast it is.
-_MIN_MEASURED_BYTES = 48 << 10
-_RATE_ALPHA = 0.25
-_WARMUP_CALLS = 3
 
 
 def _rail_bytes(pieces: Sequence[Sequence[Span]], elem: int) -> list[int]:
@@ -72,16 +65,11 @@ LAG_MIN_BYTES = 256 << 10
 LAG_EVERY_S = 0.05
 
 
-@dataclass(slots=True)
-class _RingPlan:
-    """What one rail does in one ring pass."""
+class LagMeter(Protocol):
+    """Reads the links' send rates after a mesh reduction: the slow-rank vote's
+    evidence (resilient.detect.slow_rank's SendRates is one)."""
 
-    rail: int
-    pieces: list[Span]  # per global chunk, this rail's part
-    steps: int  # total ring steps
-    reduce_steps: int  # the first steps receive into scratch and reduce
-    shift: int
-    subs: int  # sub-chunks per piece
+    def measure(self, links: LinkTable, peers: Sequence[int]) -> None: ...
 
 
 class RingEngine:
@@ -113,10 +101,7 @@ class RingEngine:
         self._scratch: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
         self._plans: dict[tuple[int, int, tuple[float, ...], int | None], MeshPlan] = {}
         self._pool = ThreadPoolExecutor(max(1, self.num_rails - 1), thread_name_prefix="rail")
-        # Measured speed of each rail (bytes/s, smoothed; 0 = not measured yet): what
-        # this rank proposes for the learned rail weights (see resilient.detect.rail_weights).
-        self.rail_rates: tuple[float, ...] = (0.0,) * self.num_rails
-        self._measured = [0] * self.num_rails
+        self._rates = RailRates(self.num_rails)
         # Failover: the health board (which rails are dead where) and the number of
         # the call, the same on every rank, which names the failover records.
         self.board: Any = None
@@ -132,7 +117,7 @@ class RingEngine:
         self.slow_rank: int | None = None
         # Measures the links' send rates after mesh reductions (set by whoever
         # reads it: resilient.detect.slow_rank).
-        self.lag_meter: SendRates | None = None
+        self.lag_meter: LagMeter | None = None
         self._lag_at = 0.0
         # The ring order while some pair has no rail left (agreed by every rank, see
         # resilient.collectives.ring_plan.avoiding_ring); None: 0, 1, ..., world-1. With an order
@@ -181,6 +166,12 @@ class RingEngine:
         return self.num_rails > 1 and nbytes >= self.single_rail_below_bytes
 
     @property
+    def rail_rates(self) -> tuple[float, ...]:
+        """Each rail's measured speed (bytes/s, smoothed; 0 = not measured yet): what
+        this rank proposes for the learned rail weights (resilient.detect.rail_weights)."""
+        return self._rates.rates
+
+    @property
     def calls(self) -> int:
         """Calls routed in this epoch (they number failover records and acknowledgement
         tags alike on every rank)."""
@@ -196,18 +187,18 @@ class RingEngine:
         """This rank's position in the ring order."""
         return self._pos_of(self.rank)
 
-    def _at(self, pos: int) -> int:
+    def rank_at(self, pos: int) -> int:
         """The rank at ring position ``pos`` (also the chunk that position owns)."""
         pos %= self.world
         return pos if self.order is None else self.order[pos]
 
     @property
     def left(self) -> int:
-        return self._at(self.pos - 1)
+        return self.rank_at(self.pos - 1)
 
     @property
     def right(self) -> int:
-        return self._at(self.pos + 1)
+        return self.rank_at(self.pos + 1)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the rail threads; ``wait=False`` leaves one still blocked in an op of
@@ -284,8 +275,10 @@ class RingEngine:
         route = self._route()
 
         def run(rail: int) -> None:
-            if pieces[rail][0].size:
-                self._chain(flat, pieces[rail][0], rail, root, route)
+            piece = pieces[rail][0]
+            if piece.size:
+                subs = sub_spans(piece, self._subs_for([piece], flat.element_size()))
+                chain(self, flat, subs, rail, self._pos_of(root), route)
 
         self._run_rails(run, _rail_bytes(pieces, flat.element_size()))
 
@@ -453,7 +446,7 @@ class RingEngine:
         )
         elem = flat.element_size()
         plans = [
-            _RingPlan(
+            RingPass(
                 rail, pieces[rail], steps, reduce_steps, shift, self._subs_for(pieces[rail], elem)
             )
             for rail in range(self.num_rails)
@@ -462,7 +455,7 @@ class RingEngine:
 
         def run(rail: int) -> None:
             if rail in used:
-                self._ring_rail(flat, plans[rail], op, route)
+                ring_pass(self, flat, plans[rail], op, route, self.scratch)
 
         self._run_rails(run, _rail_bytes(pieces, elem))
 
@@ -489,120 +482,4 @@ class RingEngine:
         if error is not None:
             raise error
         if nbytes and self.num_rails > 1:
-            self._learn(nbytes, times)
-
-    def _learn(self, nbytes: Sequence[int], times: Sequence[float]) -> None:
-        rates = list(self.rail_rates)
-        for rail, (size, secs) in enumerate(zip(nbytes, times, strict=True)):
-            # Tiny shares measure latency, not bandwidth; they keep the old estimate.
-            if size < _MIN_MEASURED_BYTES or secs <= 0:
-                continue
-            self._measured[rail] += 1
-            if self._measured[rail] <= _WARMUP_CALLS:
-                continue  # first calls pay for page faults and thread start-up
-            # Smoothed in time per byte, not in bytes per second: a call that stalled
-            # (a TCP retransmission on a lossy rail) weighs as much as the time it
-            # cost, where an average of rates would barely notice it.
-            cost = secs / size
-            old = rates[rail]
-            if old > 0:
-                cost = (1 - _RATE_ALPHA) / old + _RATE_ALPHA * cost
-            rates[rail] = 1.0 / cost
-        self.rail_rates = tuple(rates)
-
-    def _ring_rail(
-        self,
-        flat: torch.Tensor,
-        plan: _RingPlan,
-        op: Reduce,
-        route: Route,
-        ahead: tuple[list[object], list[object]] | None = None,
-        folded: frozenset[tuple[int, int]] = frozenset(),
-    ) -> None:
-        """One rail's ring pass; in C while its links are quiet (resilient.collectives.ring_native).
-        ``ahead``: what stopped C steps moved (see Rx.ahead); ``folded``: the (step,
-        sub-chunk) receives they folded already."""
-        if ahead is None and ring_in_c(self, flat, plan, op, route):
-            return
-        tx, rx = Tx(route, self.right, plan.rail), Rx(route, self.left, plan.rail)
-        if ahead is not None:
-            tx.ahead.extend(ahead[0])
-            rx.ahead.extend(ahead[1])
-        reduce = REDUCERS[op]
-        k, elem = plan.subs, flat.element_size()
-        subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
-        largest = max((sp.size for chunk in subs for sp in chunk), default=0)
-        pool = self.scratch(plan.rail, flat, largest * k)
-        scratch = [pool[j * largest : (j + 1) * largest] for j in range(k)]
-        sends: list[list[tuple[int, int]]] = [[] for _ in range(plan.steps)]
-        recvs: list[list[tuple[int | None, Span]]] = [[] for _ in range(plan.steps)]
-
-        pos = self.pos
-
-        def post(step: int, j: int) -> None:
-            # Positions, not ranks: in a re-ordered ring the chunk a position owns is
-            # its rank's, so reduce_scatter and all_gather keep their meaning.
-            r = subs[self._at(recv_chunk(pos, step, self.world, plan.shift))][j]
-            s = subs[self._at(send_chunk(pos, step, self.world, plan.shift))][j]
-            tag = step * k + j
-            idx = None
-            if r.size:
-                into = scratch[j][: r.size] if step < plan.reduce_steps else flat[r.start : r.stop]
-                idx = rx.post(into, tag)
-            recvs[step].append((idx, r))
-            if s.size:
-                sends[step].append((tx.post(flat[s.start : s.stop], tag), s.size * elem))
-
-        for j in range(k):
-            post(0, j)
-        for step in range(plan.steps):
-            for j, (idx, r) in enumerate(recvs[step]):
-                if idx is not None:
-                    rx.wait(idx, r.size * elem)
-                    if step < plan.reduce_steps and (step, j) not in folded:
-                        reduce(flat[r.start : r.stop], scratch[j][: r.size])
-                if step + 1 < plan.steps:
-                    post(step + 1, j)  # what just arrived is what goes out next
-            if step >= 1:
-                # Step-1 sends read regions that later steps overwrite: finish them now.
-                for idx, nbytes in sends[step - 1]:
-                    tx.wait(idx, nbytes)
-        for idx, nbytes in sends[plan.steps - 1]:
-            tx.wait(idx, nbytes)
-        _close(tx, rx)
-
-    def _chain(self, flat: torch.Tensor, piece: Span, rail: int, root: int, route: Route) -> None:
-        pos = (self.pos - self._pos_of(root)) % self.world
-        elem = flat.element_size()
-        subs = sub_spans(piece, self._subs_for([piece], elem))
-        tx = Tx(route, self.right, rail) if pos < self.world - 1 else None
-        rx = Rx(route, self.left, rail) if pos > 0 else None
-        sends: list[tuple[int, int]] = []
-        recvs = [
-            (rx.post(flat[s.start : s.stop], j) if rx else None, j, s)
-            for j, s in enumerate(subs)
-            if s.size
-        ]
-        for idx, j, s in recvs:
-            if rx is not None and idx is not None:
-                rx.wait(idx, s.size * elem)
-            if tx is not None:
-                sends.append((tx.post(flat[s.start : s.stop], j), s.size * elem))
-        for idx, nbytes in sends:
-            assert tx is not None
-            tx.wait(idx, nbytes)
-        _close(tx, rx)
-
-
-def _close(tx: Tx | None, rx: Rx | None) -> None:
-    """Acknowledge what was received, wait for what was sent to be acknowledged.
-
-    Acknowledgements are posted before anyone waits for one, so no rank waits on a
-    neighbour that waits on it.
-    """
-    if rx is not None:
-        rx.ack()
-    if tx is not None:
-        tx.finish()
-    if rx is not None:
-        rx.finish()
+            self._rates.learn(nbytes, times)

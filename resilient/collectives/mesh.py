@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from resilient.collectives.failover import Route, Rx, Tx
-from resilient.collectives.mesh_native import in_c
+from resilient.collectives.failover import Rx, Tx
+from resilient.collectives.mesh_native import MeshSteps
+from resilient.collectives.reduce_ops import Reducer
 from resilient.collectives.ring_plan import (
     Span,
     even_bounds,
@@ -30,12 +31,12 @@ from resilient.collectives.ring_plan import (
     sub_count,
     sub_spans,
 )
+from resilient.collectives.route import Route
+from resilient.links import native_steps
 from resilient.links.byte_views import bytes_of
 from resilient.links.socket_frames import DigestMismatch
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
-
-Reducer = Callable[[torch.Tensor, torch.Tensor], None]
 
 # The straggler-aware schedule's owners fold sub-chunk j - PACE_LAG right after
 # sending sub-chunk j. Sending them all first held back the slow rank's first
@@ -201,9 +202,45 @@ class MeshRail:
         # on 4 ranks sharing 2 cores (and posting a receive reads its socket, which
         # may already hold a peer's result).
         pool = self._scratch(own_n)
-        if not in_c(self, reduce, pool, then_gather=then_gather):
+        if not self._in_c(reduce, pool, then_gather=then_gather):
             self._channels()
             self._python(reduce, pool, then_gather=then_gather, folded=False)
+
+    def _in_c(self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool) -> bool:
+        """The call's two steps in C (resilient.collectives.mesh_native): the
+        contributions, then the results. False: the pairs are not quiet, nothing was
+        moved. A step that stops hands its streams back, and the channels finish the
+        call from there."""
+        if self._bytes is None or self.skip is not None:  # CUDA or gloo links; a slow rank
+            return False
+        links = native_steps.quiet_links(self.route.links, self.peers, self.rail)
+        if links is None:
+            return False
+        c = MeshSteps(
+            links, self.route, self.rank, self.peers, self.subs, self.flat, self._bytes, pool
+        )
+        one = c.contributions()
+        began = time.monotonic()
+        stopped = one.run()
+        if self.gated:  # waiting for the peers' contributions, as at the Python gate
+            self.gate_waited_s += time.monotonic() - began
+        if stopped is not None:
+            self._channels(*c.ahead(one, stopped, None))
+            self._python(reduce, pool, then_gather=then_gather, folded=False)
+            return True
+        self.gate_news = one.news
+        for j in range(self.k):
+            if c.own[j].size:
+                self._fold(j, reduce, c.scratch, {}, waited=True)
+        if not then_gather:
+            return True
+        two = c.results()
+        stopped = two.run()
+        self.gate_news = self.gate_news or two.news
+        if stopped is not None:
+            self._channels(*c.ahead(two, stopped, one))
+            self._python(reduce, pool, then_gather=True, folded=True)
+        return True
 
     def _python(
         self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool, folded: bool

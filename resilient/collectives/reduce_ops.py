@@ -7,7 +7,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["REDUCERS", "Reduce", "finish_avg", "fold_rows"]
+__all__ = ["REDUCERS", "Reduce", "Reducer", "finish_avg", "fold_rows"]
+
+# Folds its second operand into its first, in place.
+Reducer = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 class Reduce(enum.Enum):
@@ -34,7 +37,7 @@ def _max(dst: torch.Tensor, src: torch.Tensor) -> None:
     torch.maximum(dst, src, out=dst)
 
 
-REDUCERS: dict[Reduce, Callable[[torch.Tensor, torch.Tensor], None]] = {
+REDUCERS: dict[Reduce, Reducer] = {
     Reduce.SUM: _sum,
     Reduce.AVG: _sum,
     Reduce.PRODUCT: _prod,

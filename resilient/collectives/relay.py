@@ -20,17 +20,16 @@ It needs the channels' acknowledgements, i.e. two rails or more.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import torch
+from torch._C._distributed_c10d import Store
 
 from resilient.errors import LinkError
 from resilient.links.byte_views import as_tensor
+from resilient.links.table import LinkTable
 
-if TYPE_CHECKING:
-    from resilient.collectives.failover import Route
-
-__all__ = ["PART_BYTES", "READY_S", "RELAY_RAIL", "StoreLink"]
+__all__ = ["PART_BYTES", "READY_S", "RELAY_RAIL", "CallRoute", "StoreLink"]
 
 RELAY_RAIL: Final = -1
 PART_BYTES: Final = 512 << 10  # well under etcd's default 1.5 MiB per request
@@ -40,12 +39,30 @@ _POLL_S: Final = 0.002
 _SENT: Final = object()
 
 
+class CallRoute(Protocol):
+    """What a relay needs of its call (:class:`resilient.collectives.route.Route` is one)."""
+
+    @property
+    def links(self) -> LinkTable: ...
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+
 class StoreLink:
     """A pair's link through the store, for one channel generation (see above)."""
 
     rail = RELAY_RAIL
 
-    def __init__(self, route: Route, peer: int, orig_rail: int, gen: int, *, sender: bool) -> None:
+    def __init__(
+        self, route: CallRoute, peer: int, orig_rail: int, gen: int, *, sender: bool
+    ) -> None:
         t = route.links
         self.rank, self.peer = t.rank, peer
         lo, hi = sorted((t.rank, peer))

@@ -4,8 +4,9 @@ Every ring step sends this rank's sub-chunks of one chunk to the right neighbour
 receives the left's of another: one C step moves them all, then the step's folds
 run (in torch, in the Python path's order, so the bits are the same). The next
 step's sends are what the folds just made. A step that stops hands its streams
-back, and :meth:`~resilient.collectives.engine.RingEngine._ring_rail` finishes the pass
-on channels, told what every message's C step did and how many steps were folded.
+back in a :class:`Handback`, and :func:`resilient.collectives.ring_rail.ring_pass`
+finishes the pass on channels, told what every message's C step did and which
+sub-chunks were folded.
 
 No fold overlaps a transfer here, where the Python path folds sub-chunk j while
 j + 1 arrives: on a host whose ranks share its cores the CPU, not the overlap,
@@ -15,38 +16,61 @@ interpreter where the Python path's 2 x 8 messages per step cost milliseconds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from resilient.collectives.reduce_ops import REDUCERS, Reduce
-from resilient.collectives.ring_plan import Span, recv_chunk, send_chunk, sub_spans
+from resilient.collectives.ring_plan import (
+    RingPass,
+    RingSeat,
+    Span,
+    recv_chunk,
+    send_chunk,
+    sub_spans,
+)
 from resilient.links import native_steps
 from resilient.links.byte_views import bytes_of
 
 if TYPE_CHECKING:
-    from resilient.collectives.engine import RingEngine, _RingPlan
-    from resilient.collectives.failover import Route
+    from resilient.collectives.route import Route
     from resilient.links.table import Link
 
-__all__ = ["ring_in_c"]
+__all__ = ["Handback", "Scratch", "ring_in_c"]
+
+# The engine's receive buffers: scratch(rail, like, numel) (RingEngine.scratch).
+Scratch = Callable[[int, torch.Tensor, int], torch.Tensor]
+
+
+class Handback(NamedTuple):
+    """What a pass whose C steps stopped leaves the channels to finish."""
+
+    ahead: tuple[list[object], list[object]]  # every message's C step (see Rx.ahead)
+    folded: frozenset[tuple[int, int]]  # the (step, sub-chunk) receives folded already
 
 
 def ring_in_c(
-    eng: RingEngine, flat: torch.Tensor, plan: _RingPlan, op: Reduce, route: Route
-) -> bool:
-    """Run the pass in C steps; False: the links are not quiet, nothing was moved."""
+    ring: RingSeat,
+    flat: torch.Tensor,
+    plan: RingPass,
+    op: Reduce,
+    route: Route,
+    scratch: Scratch,
+) -> bool | Handback:
+    """Run the pass in C steps. True: it ran whole; False: the links are not quiet,
+    nothing was moved; a :class:`Handback`: a C step stopped, the channels finish."""
     if flat.device.type != "cpu":
         return False
-    links = native_steps.quiet_links(route.links, [eng.right, eng.left], plan.rail)
+    links = native_steps.quiet_links(route.links, [ring.right, ring.left], plan.rail)
     if links is None:
         return False
     # A sum of a dtype C adds bit for bit like torch folds in C, as each sub-chunk
     # lands: then the whole pass is one C step. Other ops fold in torch between steps.
     kind = native_steps.FOLDS.get(flat.dtype, 0) if REDUCERS[op] is REDUCERS[Reduce.SUM] else 0
     whole = kind != 0 or plan.reduce_steps == 0
-    Pass(eng, flat, plan, route, links, kind).run(op, whole=whole)
-    return True
+    stopped = Pass(ring, flat, plan, route, links, kind, scratch).run(op, whole=whole)
+    return True if stopped is None else stopped
 
 
 class Pass:
@@ -54,14 +78,15 @@ class Pass:
 
     def __init__(
         self,
-        eng: RingEngine,
+        ring: RingSeat,
         flat: torch.Tensor,
-        plan: _RingPlan,
+        plan: RingPass,
         route: Route,
         links: list[Link],
         kind: int,
+        scratch: Scratch,
     ) -> None:
-        self.eng, self.flat, self.plan, self.route, self.kind = eng, flat, plan, route, kind
+        self.ring, self.flat, self.plan, self.route, self.kind = ring, flat, plan, route, kind
         self.right, self.left = links
         two = self.right is not self.left  # with two ranks both neighbours are one pair
         self.pairs = [self.right.pg, self.left.pg] if two else [self.right.pg]
@@ -70,14 +95,14 @@ class Pass:
         k = plan.subs
         self.subs = [sub_spans(piece, k) for piece in plan.pieces]  # subs[chunk][j]
         self.largest = max((sp.size for chunk in self.subs for sp in chunk), default=0)
-        self.pool = eng.scratch(plan.rail, flat, self.largest * k)
+        self.pool = scratch(plan.rail, flat, self.largest * k)
         self.buf, self.base = bytes_of(flat.reshape(-1)), flat.data_ptr()
         self.raw, self.pbase = bytes_of(self.pool), self.pool.data_ptr()
 
     def spans(self, step: int, send: bool) -> list[Span]:
-        e, p = self.eng, self.plan
-        chunk = (send_chunk if send else recv_chunk)(e.pos, step, e.world, p.shift)
-        return self.subs[e._at(chunk)]
+        ring, p = self.ring, self.plan
+        chunk = (send_chunk if send else recv_chunk)(ring.pos, step, ring.world, p.shift)
+        return self.subs[ring.rank_at(chunk)]
 
     def post(self, one: native_steps.Step, step: int, got: dict[tuple[int, int], int]) -> None:
         """Add ring step ``step``'s messages to ``one``; ``got``: (step, j) -> receive
@@ -121,9 +146,9 @@ class Pass:
                     self.li, wire, route.digest, self.buf, self.base, r.start * e, r.size * e
                 )
 
-    def run(self, op: Reduce, *, whole: bool) -> None:
+    def run(self, op: Reduce, *, whole: bool) -> Handback | None:
         """The pass: one C step for all of it (``whole``: folds in C or none), else a
-        C step per ring step with torch's folds after each."""
+        C step per ring step with torch's folds after each. None: it ran whole."""
         plan, reduce = self.plan, REDUCERS[op]
         groups = [list(range(plan.steps))] if whole else [[s] for s in range(plan.steps)]
         done: tuple[list[object], list[object]] = ([], [])  # what finished steps moved
@@ -143,10 +168,7 @@ class Pass:
                     ):
                         folded.add((step, j))
                 ahead = (done[0] + stopped[0], done[1] + stopped[1])
-                self.eng._ring_rail(
-                    self.flat, plan, op, self.route, ahead=ahead, folded=frozenset(folded)
-                )
-                return
+                return Handback(ahead, frozenset(folded))
             done[0].extend(native_steps.DONE for _ in one.sends)
             done[1].extend(native_steps.finished(self.pairs[m[0]], one.news) for m in one.recvs)
             for step, j in got:
@@ -155,3 +177,4 @@ class Pass:
                         r, at = self.spans(step, False)[j], j * self.largest
                         reduce(self.flat[r.start : r.stop], self.pool[at : at + r.size])
                     folded.add((step, j))
+        return None

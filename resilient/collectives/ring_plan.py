@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 __all__ = [
+    "RingPass",
+    "RingSeat",
     "Span",
     "avoiding_ring",
     "even_bounds",
@@ -132,6 +134,41 @@ def send_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
 def recv_chunk(rank: int, step: int, world: int, shift: int = 0) -> int:
     """Chunk that ``rank`` receives from its left neighbour at ring ``step``."""
     return (rank - step - 1 + shift) % world
+
+
+@dataclass(slots=True)
+class RingPass:
+    """What one rail does in one ring pass."""
+
+    rail: int
+    pieces: list[Span]  # per global chunk, this rail's part
+    steps: int  # total ring steps
+    reduce_steps: int  # the first steps receive into scratch and reduce
+    shift: int  # see send_chunk
+    subs: int  # sub-chunks per piece
+
+
+class RingSeat(Protocol):
+    """Where this rank sits in the ring order: what a ring pass asks of its
+    engine (:class:`~resilient.collectives.engine.RingEngine` is one)."""
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def pos(self) -> int:
+        """This rank's position in the ring order."""
+        ...
+
+    @property
+    def left(self) -> int: ...
+
+    @property
+    def right(self) -> int: ...
+
+    def rank_at(self, pos: int) -> int:
+        """The rank at ring position ``pos`` (also the chunk that position owns)."""
+        ...
 
 
 # Search budget of :func:`avoiding_ring` (vertices tried): with a few cut pairs the

@@ -24,7 +24,7 @@ import torch
 from resilient.errors import CollectiveMismatch
 
 if TYPE_CHECKING:
-    from resilient.collectives.engine import Reduce
+    from resilient.collectives.reduce_ops import Reduce
 
 __all__ = [
     "WIDTH",

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from resilient.collectives.engine import Reduce
+from resilient.collectives.reduce_ops import Reduce
 from resilient.collectives.ring_plan import Span, even_bounds
 from resilient.errors import RecoveryError
 

@@ -6,14 +6,16 @@ that rank's speed: it moves as many bytes as anyone. The straggler-aware schedul
 no chunk to reduce, so it sends its data once and receives the result once while
 the others reduce among themselves (DESIGN.md's bound ``max(T_healthy, N/(bB))``).
 
-Evidence: after each mesh reduction of at least ``LAG_MIN_BYTES`` every rank reads
-its links' send rates from the kernel (bytes acknowledged per microsecond the
-connection had data to send, ``TCP_INFO``) and names its slowest peer, with that
-rate in permille of the median of its other peers (``RingEngine.lagging``). The
-kernel's rate is what the path allowed, whatever the schedule, so it reads the
-same in either schedule. Every exchange row carries it, so all ranks see the same
-table, run the same vote and switch on the same call; the results stay identical
-on every rank (the straggler-aware schedule folds in the mesh's rank order).
+Evidence: after each mesh reduction of at least ``LAG_MIN_BYTES`` the engine calls
+its ``lag_meter`` (a :class:`SendRates`, see :mod:`resilient.collectives.engine`):
+every rank reads its links' send rates from the kernel (bytes acknowledged per
+microsecond the connection had data to send, ``TCP_INFO``) and names its slowest
+peer, with that rate in permille of the median of its other peers
+(``SendRates.lagging``). The kernel's rate is what the path allowed, whatever the
+schedule, so it reads the same in either schedule. Every exchange row carries it,
+so all ranks see the same table, run the same vote and switch on the same call;
+the results stay identical on every rank (the straggler-aware schedule folds in the
+mesh's rank order).
 
 * enter: on :data:`ENTER_VOTES` consecutive votes with new measurements, at least
   :func:`quorum` of the other ranks name the same rank at :data:`ENTER_PERMILLE` or
