@@ -101,13 +101,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self.rails = tuple(rails)
         self.incarnation = incarnation
         self.links = LinkTable(
-            rank=rank,
-            rails=self.rails,
-            store=store,
-            config=self.config,
-            epoch=epoch,
+            rank=rank, rails=self.rails, store=store, config=self.config, epoch=epoch,
             transport=self.config.data_transport,
-        )
+        )  # fmt: skip
         # Confirmed stragglers for the policy (recovery.Session reads them).
         self.verdicts = Verdicts()
         # NIC state of each rail (~10 ms): nic.down/nic.up events, hooks for recovery.

@@ -52,6 +52,14 @@ class GatherCalls:
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> ResilientWork:
+        """Gather every rank's one input into ``output_tensors[0]`` (one per rank).
+
+        Raises:
+            NotImplementedError: more than one input; see check_tensors.
+            ValueError, TypeError: outputs not one per rank shaped like the input;
+                see check_tensors.
+            MembershipError: the group shrank (the op needs every rank).
+        """
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise NotImplementedError("resilient allgather: exactly one input tensor per rank")
         outs, inp = output_tensors[0], input_tensors[0]
@@ -74,6 +82,13 @@ class GatherCalls:
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
+        """Gather every rank's ``input`` into ``output`` (rank after rank).
+
+        Raises:
+            NotImplementedError, TypeError: see check_tensors.
+            ValueError: ``output`` is not ranks times ``input``; see check_tensors.
+            MembershipError: the group shrank (the op needs every rank).
+        """
         check_tensors("all_gather_into_tensor", [output, input])
         self._need_every_rank("all_gather_into_tensor")
         if output.numel() != input.numel() * self._size:
@@ -103,6 +118,16 @@ class GatherCalls:
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> ResilientWork:
+        """Reduce ``input_tensors[0]`` (one per rank) across ranks; this rank's
+        share lands in ``output_tensors[0]``.
+
+        Raises:
+            NotImplementedError: more than one output, or the reduce op; see
+                check_tensors.
+            ValueError, TypeError: inputs not one per rank shaped like the output;
+                see check_tensors.
+            MembershipError: the group shrank (the op needs every rank).
+        """
         opts = opts or dist.ReduceScatterOptions()
         if len(output_tensors) != 1 or len(input_tensors) != 1:
             raise NotImplementedError("resilient reduce_scatter: exactly one output per rank")
@@ -126,6 +151,14 @@ class GatherCalls:
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ResilientWork:
+        """Reduce ``input`` across ranks; this rank's share lands in ``output``.
+
+        Raises:
+            NotImplementedError: the reduce op; see check_tensors.
+            ValueError, TypeError: ``input`` is not ranks times ``output``; see
+                check_tensors.
+            MembershipError: the group shrank (the op needs every rank).
+        """
         opts = opts or dist.ReduceScatterOptions()
         check_tensors("reduce_scatter_tensor", [output, input])
         self._need_every_rank("reduce_scatter_tensor")
@@ -150,6 +183,11 @@ class GatherCalls:
     def all_gather_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
+        """all_gather_into_tensor of each pair, in order; the last call's work.
+
+        Raises:
+            ValueError: no pairs, or as all_gather_into_tensor.
+        """
         return self._last(
             [self.all_gather_into_tensor(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         )
@@ -157,6 +195,11 @@ class GatherCalls:
     def reduce_scatter_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
+        """reduce_scatter_tensor of each pair, in order; the last call's work.
+
+        Raises:
+            ValueError: no pairs, or as reduce_scatter_tensor.
+        """
         return self._last(
             [self.reduce_scatter_tensor(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         )
