@@ -3,8 +3,9 @@
 Collectives run on one communication thread per group, in the order they were
 issued (every rank issues them in the same order, as with any process group), and
 return a :class:`ResilientWork` whose future completes when the collective does, so
-DDP overlaps them with backward exactly as with gloo. Each collective is a ring
-schedule over two-rank link groups (:mod:`resilient.collectives.engine`).
+DDP overlaps them with backward exactly as with gloo. Each collective is a mesh or
+ring schedule over links, one TCP connection per (peer, rail) by default
+(:mod:`resilient.collectives.engine`, :mod:`resilient.links`).
 
 Before the data moves, ranks exchange a small signature of the call (op, reduce
 op, dtype, shapes, sequence number). If ranks disagree, every rank raises
@@ -12,7 +13,8 @@ op, dtype, shapes, sequence number). If ranks disagree, every rank raises
 and the group stays usable, because no data phase was started. While the group
 is quiet most calls skip that exchange and are checked by a digest in their data
 messages instead, falling back to it when a rank refuses one
-(:mod:`resilient.collectives.digest_check`); nothing is folded before every peer's digest was seen.
+(:mod:`resilient.collectives.digest_check`); nothing is folded before every peer's
+digest was seen.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
     broadcast, allgather, all_gather_into_tensor, reduce_scatter,
     reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int32/64
-    tensors, contiguous or not, on CPU (gloo links) or CUDA (NCCL pair links, one
+    tensors, contiguous or not, on CPU (socket or gloo links) or CUDA (NCCL pair links, one
     GPU per rank). Anything else raises ``NotImplementedError``
     naming the op. Errors of a collective surface from ``Work.wait()``.
 

@@ -186,7 +186,7 @@ class Exchange:
     rows where none was given), or None: :meth:`payloads` then reads them from
     ``table``; ``rates``: every rank's measured rail rates;
     ``clocks``: every rank's ``(active_us, waited_us, stolen_us)`` totals when it began this
-    exchange (see :class:`~resilient.check.exchange.SignatureChannel`); ``lagging``:
+    exchange (see :class:`~resilient.check.exchange.CallChecks`); ``lagging``:
     every rank's ``(peer, permille, count)``: who held its latest measured reduction
     up, and how many it measured; ``staged``: every rank's staged rebuilt links as
     ``(table code, peer, rail, generation)``; ``cut``: every rank's peers it

@@ -6,7 +6,7 @@ the 100 MB warm-spare benchmark, 66-330 ms after the launcher saw the exit. The
 launcher, its parent, sees the exit within one poll and writes the replacement it
 starts (or "none") under ``replacement/<rank>`` in etcd (resilient.launch.leases).
 Every rank watches that prefix; an announcement makes it look at the named rank's
-links at once (``EpochControl._probe_peer``), and if every one of them is closed
+links at once (``PeerLoss.probe``, resilient.group.peer_loss), and if every one of them is closed
 at the peer's end or its socket is gone (gloo closes an idle socket whose peer
 closed it), the rank is declared lost: its peers then leave the step within
 milliseconds. A socket gone alone is no proof of a loss (resilient.detect.lost_peer); with

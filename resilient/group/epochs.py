@@ -285,7 +285,8 @@ class EpochControl:
 
     # -- engines ------------------------------------------------------------------------
     def engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine:
-        """The CPU engine (gloo links), or the CUDA one (NCCL pair links), built lazily."""
+        """The CPU engine (socket links by default), or the CUDA one (NCCL pair
+        links), built lazily."""
         if t.device.type != "cuda" or isinstance(self.engine, SoloEngine):
             return self.engine
         if self.cuda is None:

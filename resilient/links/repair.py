@@ -65,7 +65,7 @@ CTL_TABLE: Final = 1
 
 # Threads that may sit in gloo's constructor when the group shuts down: repair
 # threads an epoch change left running (``stop(wait=False)``), and links built
-# ahead (EpochControl.prebuild_links). The group's shutdown joins them: a daemon
+# ahead (StateTransfer.prebuild_links). The group's shutdown joins them: a daemon
 # thread that comes back from gloo's constructor after the interpreter began
 # finalising aborts the process ("terminate called without an active exception",
 # seen after a flapping NIC's job had finished).

@@ -1,4 +1,4 @@
-"""Moving a state over one data-plane link (real processes, real gloo links): the
+"""Moving a state over one data-plane link (real processes, real links): the
 header and the tensors arrive whole, whatever their sizes (empty, less than a
 chunk, several chunks and a tail), and a digest that does not match is an error,
 never a silent load."""
