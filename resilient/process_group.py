@@ -45,7 +45,7 @@ from resilient.group.args import AllreduceCalls, check_tensors
 from resilient.group.calls import CallRunner
 from resilient.group.epochs import EpochControl
 from resilient.group.gathers import GatherCalls
-from resilient.group.transfers import StateTransfer
+from resilient.group.state_transfer import StateTransfer
 from resilient.group.work import ResilientWork, _Flat, _packed
 from resilient.links import repair, transfer
 from resilient.links.table import Counters, LinkTable
@@ -83,7 +83,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     What lives for one epoch (engines, health board, call checks, peer loss) is
     :attr:`epochs`' (:class:`~resilient.group.epochs.EpochControl`); the gather and
     scatter calls are built by :attr:`gathers`, state transfers run by
-    :class:`~resilient.group.transfers.StateTransfer`.
+    :class:`~resilient.group.state_transfer.StateTransfer`.
     """
 
     def __init__(
@@ -257,7 +257,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def prebuild_links(self, transfers: Sequence[int] = ()) -> threading.Thread | None:
         """Build this epoch's missing links in the background, those to the ranks in
-        ``transfers`` first (see resilient.group.transfers.StateTransfer).
+        ``transfers`` first (see resilient.group.state_transfer.StateTransfer).
 
         Raises:
             RecoveryError: no rail reaches a rank in ``transfers``.
@@ -271,7 +271,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         tensors: Sequence[torch.Tensor],
         rail: int | None = None,
     ) -> None:
-        """Send a state to ``peer`` (see :mod:`resilient.group.transfers`).
+        """Send a state to ``peer`` (see :mod:`resilient.group.state_transfer`).
 
         Raises:
             ValueError: a tensor is not a contiguous CPU tensor.

@@ -7,7 +7,7 @@
   some survivors only.
 - ``calls``: :class:`CallRunner`, the communication thread that runs calls in order.
 - ``gathers``: :class:`GatherCalls`, the gather and scatter collectives.
-- ``transfers``: :class:`StateTransfer`, a donor's state to a replacement over a
+- ``state_transfer``: :class:`StateTransfer`, a donor's state to a replacement over a
   data link, and links built ahead of first use.
 - ``args``: argument checks on the caller's thread, and the known-call cache.
 - ``work``: :class:`ResilientWork` and tensor packing; ``handoff``: handing work to
@@ -20,7 +20,7 @@ from resilient.group.calls import CallRunner
 from resilient.group.epochs import EpochControl
 from resilient.group.gathers import GatherCalls
 from resilient.group.peer_loss import PeerLoss
-from resilient.group.transfers import StateTransfer
+from resilient.group.state_transfer import StateTransfer
 from resilient.group.work import ResilientWork
 
 __all__ = [
