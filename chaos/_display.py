@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final, TextIO
 
 if TYPE_CHECKING:
-    from chaos._progress import RankTrack
+    from chaos._progress_watch import RankTrack
     from chaos.report import FaultRecord
 
 _BAR: Final = 20

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
-from chaos._progress import RankTrack
+from chaos._progress_watch import RankTrack
 from chaos.scenario import Scenario
 
 __all__ = ["FaultRecord", "RunFacts", "build_report", "render"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from chaos._display import Display
-from chaos._progress import ProgressWatch
+from chaos._progress_watch import ProgressWatch
 from chaos.injector_kinds import make_injector
 from chaos.injectors import InjectionContext, Injector, needs_netns
 from chaos.report import FaultRecord, RunFacts, build_report

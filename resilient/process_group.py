@@ -43,7 +43,7 @@ from resilient.detect.stragglers import Verdicts
 from resilient.errors import PeerLost
 from resilient.group.args import AllreduceCalls, check_tensors
 from resilient.group.calls import CallRunner
-from resilient.group.epochs import EpochControl
+from resilient.group.epoch_control import EpochControl
 from resilient.group.gathers import GatherCalls
 from resilient.group.state_transfer import StateTransfer
 from resilient.group.work import ResilientWork, _Flat, _packed
@@ -81,7 +81,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
     naming the op. Errors of a collective surface from ``Work.wait()``.
 
     What lives for one epoch (engines, health board, call checks, peer loss) is
-    :attr:`epochs`' (:class:`~resilient.group.epochs.EpochControl`); the gather and
+    :attr:`epochs`' (:class:`~resilient.group.epoch_control.EpochControl`); the gather and
     scatter calls are built by :attr:`gathers`, state transfers run by
     :class:`~resilient.group.state_transfer.StateTransfer`.
     """
@@ -246,7 +246,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         members: tuple[int, ...] | None = None,
     ) -> int:
         """Continue at ``epoch`` with ``members``, keeping the listed (peer rank, rail)
-        links; returns links dropped (see resilient.group.epochs.EpochControl).
+        links; returns links dropped (see resilient.group.epoch_control.EpochControl).
 
         Raises:
             RecoveryError: this rank is not among ``members``.

@@ -201,3 +201,22 @@ def test_modules_stay_under_the_size_bound() -> None:
         if (n := len(p.read_text().splitlines())) > 520
     }
     assert not long, f"modules over ~500 lines: {long}"
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one inserted, deleted or changed letter."""
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return a[i + 1 :] == b[i + 1 :] or a[i:] == b[i + 1 :] or a[i + 1 :] == b[i:]
+
+
+def test_no_two_module_names_one_letter_apart() -> None:
+    # `_elide` beside `_elided`, `_loss` beside `_lost`: names a reader confuses.
+    names = sorted({p.stem for p in MODULES.values() if p.stem not in ("__init__", "__main__")})
+    close = [(a, b) for i, a in enumerate(names) for b in names[i + 1 :] if _one_edit_apart(a, b)]
+    assert not close, f"module names one letter apart: {close}"
+    assert _one_edit_apart("_loss", "_lost") and _one_edit_apart("epoch", "epochs")
+    assert not _one_edit_apart("link", "links_table")

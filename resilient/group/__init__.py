@@ -1,6 +1,6 @@
 """The process group's collaborators: what :class:`ResilientProcessGroup` holds.
 
-- ``epochs``: :class:`EpochControl`, what the group runs for one epoch (members,
+- ``epoch_control``: :class:`EpochControl`, what the group runs for one epoch (members,
   engines, health board, call checks, learners) and how it moves to the next.
 - ``peer_loss``: :class:`PeerLoss`, declaring a peer lost and giving up the
   epoch's calls; ``rescue``: finishing a small call a lost peer left complete on
@@ -17,7 +17,7 @@ Modules inside the package import each other by module path, never from here.
 """
 
 from resilient.group.calls import CallRunner
-from resilient.group.epochs import EpochControl
+from resilient.group.epoch_control import EpochControl
 from resilient.group.gathers import GatherCalls
 from resilient.group.peer_loss import PeerLoss
 from resilient.group.state_transfer import StateTransfer

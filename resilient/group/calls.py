@@ -17,7 +17,7 @@ from resilient.check.elision import CHECKED, ElidedCalls
 from resilient.check.exchange import Payload
 from resilient.collectives.signature import Exchange, Signature
 from resilient.errors import CommunicationError, PeerLost, RecoveryError, ResilientError
-from resilient.group.epochs import EpochControl
+from resilient.group.epoch_control import EpochControl
 from resilient.group.handoff import Handoff
 from resilient.group.work import Failed, ResilientWork
 

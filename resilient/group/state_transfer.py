@@ -13,7 +13,7 @@ import torch
 
 from resilient.collectives.engine import RingEngine
 from resilient.errors import LinkError, RecoveryError
-from resilient.group.epochs import EpochControl
+from resilient.group.epoch_control import EpochControl
 from resilient.links import repair, transfer
 from resilient.links.table import Link, LinkTable
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from chaos._progress import RankTrack
+from chaos._progress_watch import RankTrack
 from chaos.report import (
     FaultRecord,
     RunFacts,
