@@ -2,11 +2,13 @@
 
 Importing this package is cheap: torch is imported only when a data-plane name
 (``init``, ``register``, ``ResilientProcessGroup``) is first used, so the CLI starts
-fast. If torch is already imported, the ``"resilient"`` backend is registered right
-away, so ``import resilient`` then ``dist.init_process_group("resilient")`` works.
+fast. The ``"resilient"`` backend is registered by name in any import order: torch
+calls :func:`torch_autoload` at the end of ``import torch`` (an entry point), and
+importing this package after torch calls it too.
 """
 
 import sys
+from typing import Any
 
 from resilient.config import EtcdConfig, MembershipConfig, RankEnv
 from resilient.errors import (
@@ -49,6 +51,7 @@ __all__ = [
     "StoreTimeout",
     "init",
     "register",
+    "torch_autoload",
 ]
 
 _LAZY = {
@@ -67,7 +70,27 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
-if "torch.distributed" in sys.modules:
-    from resilient.backend import register as _register
+def _create_backend(store: Any, rank: int, world_size: int, timeout: Any) -> Any:
+    # What torch calls to make a group: the data plane is imported only now.
+    from resilient.backend import create_backend
 
-    _register()
+    return create_backend(store, rank, world_size, timeout)
+
+
+def torch_autoload() -> None:
+    """Register the ``"resilient"`` backend by name (idempotent), without importing
+    the data plane: that happens when torch first makes a group of it.
+
+    torch calls this at the end of ``import torch`` (the ``torch.backends`` entry
+    point in pyproject.toml), so ``init_process_group("resilient")`` works whatever
+    was imported first; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off, and then
+    ``import resilient`` after torch, or ``resilient.register()``, does it.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and "resilient" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("resilient", _create_backend, devices=["cpu", "cuda"])
+
+
+if "torch.distributed" in sys.modules:
+    torch_autoload()

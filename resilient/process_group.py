@@ -75,9 +75,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
     broadcast, allgather, all_gather_into_tensor, reduce_scatter,
-    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int32/64
-    tensors, contiguous or not, on CPU (socket or gloo links) or CUDA (NCCL pair links, one
-    GPU per rank). Anything else raises ``NotImplementedError``
+    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int8/16/32/64,
+    uint8 and bool tensors, contiguous or not, on CPU (socket or gloo links) or CUDA
+    (NCCL pair links, one GPU per rank). Anything else raises ``NotImplementedError``
     naming the op. Errors of a collective surface from ``Work.wait()``.
 
     What lives for one epoch (engines, health board, call checks, peer loss) is

@@ -51,6 +51,11 @@ _DTYPES = (
     torch.bfloat16,
     torch.int32,
     torch.int64,
+    # Appended, not inserted: a dtype's number in the rows is its index here.
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.bool,
 )
 _REDUCES = (None, "sum", "avg", "product", "min", "max")
 SUPPORTED_DTYPES = tuple(d for d in _DTYPES if d is not None)

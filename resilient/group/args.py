@@ -48,12 +48,19 @@ def check_tensors(op: str, tensors: Sequence[torch.Tensor]) -> None:
             )
 
 
-def reduce_op(op: str, opts: Any) -> Reduce:
-    """The :class:`Reduce` of ``opts.reduceOp``; NotImplementedError if unsupported."""
+def reduce_op(op: str, opts: Any, tensors: Sequence[torch.Tensor] = ()) -> Reduce:
+    """The :class:`Reduce` of ``opts.reduceOp``.
+
+    Raises:
+        NotImplementedError: the reduce op is not supported.
+        TypeError: AVG of bool ``tensors`` (an average of truth values is not one).
+    """
     # opts.reduceOp is a ReduceOp wrapper (or the bare enum); key on the enum.
     red = _REDUCE_OPS.get(getattr(opts.reduceOp, "op", opts.reduceOp))
     if red is None:
         raise NotImplementedError(f"resilient {op}: reduce op {opts.reduceOp} is not supported")
+    if red is Reduce.AVG and any(t.dtype == torch.bool for t in tensors):
+        raise TypeError(f"resilient {op}: AVG of bool tensors is not defined (use MAX or MIN)")
     return red
 
 
@@ -88,7 +95,7 @@ class AllreduceCalls:
                 return known
         opts = opts or dist.AllreduceOptions()
         check_tensors("allreduce", tensors)
-        red = reduce_op("allreduce", opts)
+        red = reduce_op("allreduce", opts, tensors)
         sig = Signature.of("allreduce", tensors, reduce=red)
         elide = self._elide and all(t.device.type == "cpu" for t in tensors)
         known = (red, sig, digest_of(sig) if elide else 0)

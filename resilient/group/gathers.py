@@ -138,7 +138,7 @@ class GatherCalls:
             raise ValueError(
                 f"resilient reduce_scatter: need {self._size} inputs shaped {tuple(out.shape)}"
             )
-        red = reduce_op("reduce_scatter", opts)
+        red = reduce_op("reduce_scatter", opts, [out])
         sig = Signature.of("reduce_scatter", [out], reduce=red)
 
         def run(_: torch.Tensor | None) -> list[torch.Tensor]:
@@ -167,7 +167,7 @@ class GatherCalls:
                 f"resilient reduce_scatter_tensor: input has {input.numel()} elements, "
                 f"need {output.numel() * self._size}"
             )
-        red = reduce_op("reduce_scatter_tensor", opts)
+        red = reduce_op("reduce_scatter_tensor", opts, [output])
         sig = Signature.of("reduce_scatter_tensor", [output], reduce=red)
 
         def run(_: torch.Tensor | None) -> list[torch.Tensor]:
