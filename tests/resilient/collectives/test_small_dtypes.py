@@ -66,12 +66,18 @@ def _every_collective(pg: Any, rank: int, world: int) -> list[str]:
                 want.add_(_input(r * 10 + rank, n, dtype))
             assert torch.equal(out, want), (dtype, n)
             checked.append(f"others/{dtype}/{n}")
+        # 9 MiB: the ring (all_reduce of 8 MiB or more), folded by torch in C steps.
+        n = 9 << 20
+        t = _input(rank, n, dtype)
+        pg.allreduce([t], reduce_opts(dist.ReduceOp.SUM)).wait()
+        assert torch.equal(t, _reference(world, n, dtype, "sum")), (dtype, n)
+        checked.append(f"ring/{dtype}")
     return checked
 
 
 def test_small_integer_and_bool_dtypes_in_every_collective() -> None:
     results = run_world(_every_collective, 3, timeout_s=150.0)
-    assert all(len(r) == len(DTYPES) * 2 * (len(OPS) + 1) for r in results), results
+    assert all(len(r) == len(DTYPES) * (2 * (len(OPS) + 1) + 1) for r in results), results
 
 
 def _avg_of_bools(pg: Any, rank: int, world: int) -> str:
