@@ -51,19 +51,17 @@ from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
-from membership.epoch import EPOCH_KEY, advance_epoch, current_epoch
+from membership.epoch import EPOCH_KEY, advance_epoch
 from resilient.detect.doorbell import watch_or_poll
 from resilient.errors import RecoveryError, StaleEpoch
 from resilient.links.ledger import salt_of
 from resilient.links.table import Counters
 
 __all__ = [
-    "EPOCH_KEY",
     "NO_STATE",
     "Plan",
     "Record",
     "agree",
-    "current_epoch",
     "join_requested",
     "make_plan",
     "request_join",

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from membership.epoch import current_epoch
 from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of, unpack
 from recovery.agree import (
@@ -62,7 +63,6 @@ from recovery.agree import (
     Plan,
     Record,
     agree,
-    current_epoch,
     request_join,
 )
 from recovery.policy import Policy
