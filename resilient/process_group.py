@@ -24,7 +24,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,13 @@ from resilient.detect.nic import NicMonitor
 from resilient.detect.peer_watch import PeerWatch
 from resilient.detect.stragglers import Verdicts
 from resilient.errors import PeerLost
+from resilient.group.alltoall import AllToAllCalls
 from resilient.group.args import AllreduceCalls, check_tensors
 from resilient.group.calls import CallRunner
 from resilient.group.epoch_control import EpochControl
 from resilient.group.gathers import GatherCalls
+from resilient.group.p2p import PointToPoint
+from resilient.group.rooted import RootedCalls
 from resilient.group.state_transfer import StateTransfer
 from resilient.group.work import ResilientWork, _Flat, _packed
 from resilient.links import repair, transfer
@@ -133,6 +136,13 @@ class ResilientProcessGroup(dist.ProcessGroup):
             rank=rank, size=world_size, need_every_rank=self.epochs.need_every_rank,
             engine_for=self.epochs.engine_for, submit=self._calls.submit,
         )  # fmt: skip
+        self.rooted = RootedCalls(
+            rank=rank, size=world_size, epochs=self.epochs, submit=self._calls.submit
+        )  # fmt: skip
+        self.alltoalls = AllToAllCalls(
+            rank=rank, size=world_size, epochs=self.epochs, submit=self._calls.submit
+        )  # fmt: skip
+        self.p2p = PointToPoint(rank=rank, size=world_size, epochs=self.epochs)
         _LIVE.add(self)
 
     def _start_health(self, rank: int, joining: bool) -> None:
@@ -159,6 +169,38 @@ class ResilientProcessGroup(dist.ProcessGroup):
     @property
     def name(self) -> str:  # type: ignore[override]
         return "resilient"
+
+    # torch keeps a group's name in the C++ backends registered under it; this group
+    # is its own backend (a Python one cannot be registered there), so it keeps the
+    # name itself. DeviceMesh, FSDP2 and functional collectives look groups up by it.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("resilient process group: torch has not named this group yet")
+        return name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_desc", "undefined")
+
+    def _get_backend(self, device: Any) -> ResilientProcessGroup:  # type: ignore[override]
+        # The group serves every device type it takes (cpu, cuda) itself.
+        return self
+
+    def supports_tensor_alloc(self, device: Any) -> bool:
+        """No backend-owned memory (FSDP2 then allocates with torch.empty)."""
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
 
     @property
     def engine(self) -> RingEngine | SoloEngine:
@@ -423,31 +465,52 @@ class ResilientProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    # -- unsupported ops: a clear error instead of torch's generic one ------------------
-    def _unsupported(self, op: str) -> NoReturn:
-        raise NotImplementedError(
-            f"resilient process group: '{op}' is not supported (supported: all_reduce, "
-            "broadcast, all_gather, all_gather_into_tensor, reduce_scatter, "
-            "reduce_scatter_tensor, barrier)"
+    # -- rooted calls and all-to-all (resilient.group.rooted, resilient.group.alltoall) -------
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:  # type: ignore[override]
+        return self.rooted.reduce(tensors, opts)
+
+    def gather(  # type: ignore[override]
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        return self.rooted.gather(output_tensors, input_tensors, opts)
+
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> ResilientWork:
+        return self.rooted.scatter(output_tensors, input_tensors, opts)
+
+    def alltoall(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        return self.alltoalls.all_to_all(output_tensors, input_tensors, opts)
+
+    def alltoall_base(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> ResilientWork:
+        return self.alltoalls.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, opts
         )
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("all_to_all")
+    # -- point to point (resilient.group.p2p) --------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> ResilientWork:  # type: ignore[override]
+        return self.p2p.send(tensors, dstRank, tag)
 
-    def alltoall_base(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("all_to_all_single")
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> ResilientWork:  # type: ignore[override]
+        return self.p2p.recv(tensors, srcRank, tag)
 
-    def gather(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("gather")
-
-    def scatter(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("scatter")
-
-    def reduce(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("reduce")
-
-    def send(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("send")
-
-    def recv(self, *args: Any, **kwargs: Any) -> ResilientWork:
-        self._unsupported("recv")
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> ResilientWork:  # type: ignore[override]
+        return self.p2p.recv_anysource(tensors, tag)
