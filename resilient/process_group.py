@@ -188,7 +188,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def group_desc(self) -> str:  # type: ignore[override]
-        return getattr(self, "_group_desc", "undefined")
+        return str(getattr(self, "_group_desc", "undefined"))
 
     def _get_backend(self, device: Any) -> ResilientProcessGroup:  # type: ignore[override]
         # The group serves every device type it takes (cpu, cuda) itself.
