@@ -178,7 +178,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
-        name = getattr(self, "_group_name", None)
+        name: str | None = getattr(self, "_group_name", None)
         if name is None:
             raise RuntimeError("resilient process group: torch has not named this group yet")
         return name
