@@ -70,11 +70,11 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(module), name)
 
 
-def _create_backend(store: Any, rank: int, world_size: int, timeout: Any) -> Any:
+def _create_group(options: Any, backend_options: Any = None) -> Any:
     # What torch calls to make a group: the data plane is imported only now.
-    from resilient.backend import create_backend
+    from resilient.backend import create_group
 
-    return create_backend(store, rank, world_size, timeout)
+    return create_group(options, backend_options)
 
 
 def torch_autoload() -> None:
@@ -89,7 +89,9 @@ def torch_autoload() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and "resilient" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("resilient", _create_backend, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(
+            "resilient", _create_group, devices=["cpu", "cuda"], extended_api=True
+        )
 
 
 if "torch.distributed" in sys.modules:

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from resilient.config import DataPlaneConfig, RankEnv
-from resilient.errors import ConfigError
+from resilient.errors import ConfigError, RecoveryError
 from resilient.links.rails import resolve_rails
 from resilient.process_group import ResilientProcessGroup
 
-__all__ = ["BACKEND_NAME", "create_backend", "init", "register"]
+__all__ = ["BACKEND_NAME", "create_backend", "create_group", "init", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +47,50 @@ def _link_store(env: RankEnv, init_store: Store) -> Store:
     return EtcdStore(env.etcd, prefix)
 
 
-def create_backend(
-    store: Store, rank: int, world_size: int, timeout: timedelta
-) -> ResilientProcessGroup:
-    """Backend factory torch calls from ``init_process_group``/``new_group``.
+def create_group(options: Any, backend_options: Any = None) -> ResilientProcessGroup:
+    """Backend factory torch calls from ``init_process_group``, ``new_group`` and
+    ``init_device_mesh`` (its extended API: ``options`` is torch's
+    ``_DistributedBackendOptions``, whose ``global_ranks_in_group`` is empty for the
+    world group and lists the job ranks of a subgroup).
 
     Raises:
         ConfigError: the RESILIENT_* environment is malformed.
+        RecoveryError: a replacement rank tries to make a subgroup.
+        MembershipError: the world group could not join the job's membership.
+    """
+    return create_backend(
+        options.store,
+        options.group_rank,
+        options.group_size,
+        options.timeout,
+        job_ranks=tuple(options.global_ranks_in_group) or None,
+    )
+
+
+def create_backend(
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    *,
+    job_ranks: Sequence[int] | None = None,
+) -> ResilientProcessGroup:
+    """Make the world group (``job_ranks`` None) or a subgroup of the job ranks
+    ``job_ranks`` (``rank`` and ``world_size`` are then the group's).
+
+    Only the world group joins the job's membership and runs recovery; a subgroup
+    (``new_group``, a DeviceMesh dimension) has links and call checks of its own
+    over its members, and a lost member fails its calls with ``PeerLost``.
+
+    Raises:
+        ConfigError: the RESILIENT_* environment is malformed.
+        RecoveryError: a replacement rank tries to make a subgroup.
+        MembershipError: the world group could not join the job's membership.
     """
     env = RankEnv.from_env(rank=rank, world_size=world_size)
     config = DataPlaneConfig.from_env()
+    if job_ranks is not None:
+        return _subgroup(env, store, config, tuple(job_ranks))
     if env.fault_control:
         if env.etcd is None:
             raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
@@ -94,6 +128,36 @@ def create_backend(
     return pg
 
 
+def _subgroup(
+    env: RankEnv, store: Store, config: DataPlaneConfig, job_ranks: tuple[int, ...]
+) -> ResilientProcessGroup:
+    """A subgroup of ``job_ranks``: no membership join, no fault hook of its own
+    (the world group's serves the process)."""
+    if env.incarnation > 0:
+        # The survivors made their subgroups long ago and will not meet this one,
+        # and a subgroup does not follow recovery yet: refuse rather than hang.
+        raise RecoveryError(
+            f"rank {job_ranks[env.rank]} (incarnation {env.incarnation}): a replacement "
+            f"cannot make a subgroup of ranks {list(job_ranks)}; subgroups (new_group, "
+            "DeviceMesh dimensions) do not follow recovery yet"
+        )
+    rails = resolve_rails(env.rails, env.master_addr)
+    pg = ResilientProcessGroup(
+        rank=env.rank,
+        world_size=env.world_size,
+        rails=rails,
+        store=_link_store(env, store),
+        config=config,
+        job_ranks=job_ranks,
+    )
+    logger.info(
+        "rank %d (group rank %d/%d): resilient subgroup of ranks %s over %d rail(s) "
+        "(job %s, epoch 0, step 0)",
+        job_ranks[env.rank], env.rank, env.world_size, list(job_ranks), len(rails), env.job,
+    )  # fmt: skip
+    return pg
+
+
 def _join(env: RankEnv, rails: Sequence[str]) -> Any:
     """Hold this rank's member key under a lease: a supervisor that sees it expire
     while the process still runs knows the rank hung (SIGSTOP, a frozen host).
@@ -117,7 +181,9 @@ def register() -> None:
     """Register the ``"resilient"`` backend with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(
+        BACKEND_NAME, create_group, devices=["cpu", "cuda"], extended_api=True
+    )
 
 
 def init(**kwargs: Any) -> ResilientProcessGroup:

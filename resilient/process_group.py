@@ -100,8 +100,13 @@ class ResilientProcessGroup(dist.ProcessGroup):
         epoch: int = 0,
         incarnation: int = 0,
         joining: bool = False,
+        job_ranks: Sequence[int] | None = None,
     ) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
+        # The job rank of each group rank: a subgroup's, or the world's own numbers.
+        self.job_ranks = tuple(job_ranks) if job_ranks is not None else tuple(range(world_size))
+        if len(self.job_ranks) != world_size:
+            raise ValueError(f"{len(self.job_ranks)} job ranks for a group of {world_size}")
         self.config = config or DataPlaneConfig()
         self.rails = tuple(rails)
         self.incarnation = incarnation
@@ -351,6 +356,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         # Before any link closes (resilient.detect.lost_peer).
         if self._calls.stop(60) and epochs.checks is not None:
             epochs.board.leave(epochs.checks.succeeded)
+        self.p2p.close()
         epochs.close()
         if self.membership is not None:
             self.membership.close()

@@ -123,3 +123,88 @@ def broadcast_opts(root: int) -> Any:
     o = dist.BroadcastOptions()
     o.rootRank = root
     return o
+
+
+def _dist_entry(
+    target: Target,
+    backend: str,
+    rank: int,
+    world: int,
+    port: int,
+    results: Any,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
+    try:
+        os.environ.update(env)
+        os.environ["RESILIENT_RAILS"] = f"127.0.1.{rank + 1}"
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        try:
+            out = target(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_dist(
+    target: Target,
+    world: int,
+    *,
+    backend: str = "resilient",
+    timeout_s: float = 90.0,
+    args: tuple[Any, ...] = (),
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target(rank, world, *args)`` on ``world`` processes after
+    ``dist.init_process_group(backend)``, as a user's script does (``env`` is added
+    to each rank's environment); return results by rank.
+
+    Raises AssertionError with every failing rank's traceback; always reaps the processes.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_dist_entry,
+            args=(target, backend, r, world, port, results, args, env or {}),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    return _collect(procs, results, world, timeout_s)
+
+
+def _collect(procs: list[Any], results: Any, world: int, timeout_s: float) -> list[Any]:
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(world):
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world)) - set(out) - set(errors))} gave no result "
+                    f"within {timeout_s} s"
+                ) from None
+            (out if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                os.kill(p.pid or 0, 9)
+                p.join(timeout=5)
+    if errors:
+        raise AssertionError(
+            "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        )
+    return [out[r] for r in range(world)]

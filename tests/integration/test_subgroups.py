@@ -1,0 +1,127 @@
+"""Subgroups, DeviceMesh dimensions and FSDP2/HSDP on the ``"resilient"`` backend.
+
+Every group is made through torch's own calls (``new_group``, ``init_device_mesh``,
+``fully_shard``) after ``init_process_group("resilient")``, as a user's script does.
+The world group holds the rank's membership in etcd; a subgroup must not join a
+second time (that used to fail with "rank 0 is held by incarnation 0").
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from resilient.config import EtcdConfig
+from tests._dist import run_dist
+
+WORLD = 4
+
+
+def _subgroups(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {"world_joined": dist.group.WORLD.membership is not None}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    t = torch.arange(5, dtype=torch.float32) + 10 * rank
+    dist.all_reduce(t, group=mine)
+    out["pair_sum"] = t.tolist()
+    out["pair_member_joined"] = mine.membership is not None
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    rep, shard = mesh.get_group("rep"), mesh.get_group("shard")
+    out["names"] = (rep.group_name, shard.group_name, dist.group.WORLD.group_name)
+    x = torch.full((3,), float(rank + 1), dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=rep)
+    out["rep_max"] = x.tolist()
+    gathered = torch.empty(4, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, torch.tensor([rank, -rank]), group=shard)
+    out["shard_gather"] = gathered.tolist()
+    flat = init_device_mesh("cpu", (world,))
+    y = torch.ones(2, dtype=torch.bfloat16) * (rank + 1)
+    dist.all_reduce(y, group=flat.get_group())
+    out["flat_sum"] = y.float().tolist()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_new_group_and_device_mesh_dims_run_without_a_second_membership_join(
+    etcd_config: EtcdConfig,
+) -> None:
+    env = {
+        "RESILIENT_ETCD": ",".join(etcd_config.endpoints),
+        "RESILIENT_TOKEN": "subgroup-secret",
+        "RESILIENT_JOB": f"test-{uuid.uuid4().hex[:12]}",
+    }
+    results = run_dist(_subgroups, WORLD, env=env, timeout_s=150)
+    for rank, r in enumerate(results):
+        assert r["world_joined"] is True, rank
+        assert r["pair_member_joined"] is False, rank
+        lo = 2 * (rank // 2)
+        assert r["pair_sum"] == [float(2 * i + 10 * lo + 10 * (lo + 1)) for i in range(5)], rank
+        # mesh (2, 2): rank = 2 * rep_index + shard_index; "rep" joins ranks {s, s + 2}.
+        assert r["rep_max"] == [float((rank % 2) + 3)] * 3, rank
+        base = 2 * (rank // 2)
+        assert r["shard_gather"] == [base, -base, base + 1, -(base + 1)], rank
+        assert r["flat_sum"] == [10.0, 10.0], rank
+        assert len(set(r["names"])) == 3, r["names"]
+
+
+def _train(rank: int, world: int, hsdp: bool, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 33), torch.nn.Tanh(),
+        torch.nn.Linear(33, 4),
+    )  # fmt: skip
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        loss = (model(x) - 1.0).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    # numpy arrays travel by value (a tensor would travel as shared memory that
+    # vanishes with this process).
+    full = {k: v.full_tensor().detach().numpy().copy() for k, v in model.state_dict().items()}
+    dist.barrier()
+    return {"losses": losses, "params": full, "backend": dist.get_backend()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp-1d", "hsdp-2x2"])
+def test_fsdp2_trains_as_on_gloo(hsdp: bool) -> None:
+    import numpy as np
+
+    ours = run_dist(_train, WORLD, args=(hsdp, 3), timeout_s=240)
+    ref = run_dist(_train, WORLD, backend="gloo", args=(hsdp, 3), timeout_s=240)
+    assert {r["backend"] for r in ours} == {"resilient"}
+    for rank in range(WORLD):
+        # Every rank ends with the same full parameters (they are one model).
+        for k, v in ours[rank]["params"].items():
+            assert np.array_equal(v, ours[0]["params"][k]), (rank, k)
+        for a, b in zip(ours[rank]["losses"], ref[rank]["losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), (rank, a, b)
+    for k, v in ours[0]["params"].items():
+        want = ref[0]["params"][k]
+        assert np.allclose(v, want, rtol=1e-6, atol=1e-7), (k, np.abs(v - want).max())
