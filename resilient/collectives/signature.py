@@ -42,6 +42,12 @@ _OPS = (
     "reduce_scatter",
     "reduce_scatter_tensor",
     "barrier",
+    # Appended, not inserted: an op's number in the rows is its index here.
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
 )
 _DTYPES = (
     None,
