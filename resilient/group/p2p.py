@@ -1,24 +1,175 @@
-"""send and recv between two ranks of a group (placeholder, being built)."""
+"""``send`` and ``recv`` between two ranks of a group, for CPU tensors.
+
+``send`` and ``recv`` (and so torch's ``dist.send``/``recv``/``isend``/``irecv``,
+``P2POp`` and ``batch_isend_irecv``) return a
+:class:`~resilient.group.work.ResilientWork` at once; its future completes when the
+op does. Every dtype of the group's collectives
+(:data:`~resilient.collectives.signature.SUPPORTED_DTYPES`) is taken, contiguous or
+not (a non-contiguous send is copied when it is issued; a non-contiguous receive
+lands in a buffer and is copied into the tensor).
+
+Only the two ranks of a pair issue a p2p call, so these calls skip the group's call
+checks (every rank issues every collective in the same order there) and travel on
+links of their own, one per peer (:mod:`resilient.group.p2p_channel`: the wire
+protocol, the threads, deadlines and what breaks a link).
+
+Semantics:
+
+* **Order.** Messages between two ranks with the same tag match in issue order.
+* **Tags.** A receive matches by tag: a receive whose tag is not the next
+  message's still completes when the sender used its tag (the messages before it
+  wait in the socket pair's stash, read aside). Tags are 32-bit integers.
+* **Completion.** A send completes once its bytes left and the receiver checked
+  its header (synchronous, as MPI's ``Ssend``): blocking sends that the peer
+  receives in another order than sent wait for each other until a deadline. Use
+  ``isend``/``batch_isend_irecv`` for such exchanges.
+* **Checks.** A receive of another dtype or element count than its send fails at
+  both ends with :class:`~resilient.errors.CollectiveMismatch`, and the pair goes
+  on working. A peer rank outside the group or equal to this one raises
+  ``ValueError`` on the caller's thread; a peer that left the group (a shrink)
+  :class:`~resilient.errors.MembershipError`.
+* **Deadlines.** A peer that never posts the matching op fails the op with
+  :class:`~resilient.errors.LinkError` after ``op_timeout_floor_s`` plus the bytes at
+  ``expected_link_bytes_per_s``; that link is cut and built again on the pair's
+  next call (within ``connect_timeout_s``).
+* ``recv`` from any source is not supported (``NotImplementedError``).
+
+After a shrink, peers are named by rank and numbered inside the epoch
+(``EpochControl.position``); a new epoch's calls build new links.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
 
+import torch
+from torch.futures import Future
+
+from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.group.epoch_control import EpochControl
+from resilient.group.p2p_channel import Channel, Message
 from resilient.group.work import ResilientWork
 
 __all__ = ["PointToPoint"]
 
+logger = logging.getLogger(__name__)
+
+_TAG_MIN: Final = -(1 << 31)
+_TAG_MAX: Final = (1 << 31) - 1
+
 
 class PointToPoint:
+    """The p2p calls of rank ``rank`` in a group of ``size`` over ``epochs``."""
+
     def __init__(self, *, rank: int, size: int, epochs: EpochControl) -> None:
         self._rank, self._size, self._epochs = rank, size, epochs
+        self._channels: dict[int, Channel] = {}  # by peer rank, for self._epoch
+        self._epoch = epochs.epoch
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def send(self, tensors: Any, dst: int, tag: int) -> ResilientWork:
-        raise NotImplementedError("resilient process group: 'send' is not supported yet")
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> ResilientWork:
+        """Send ``tensors[0]`` to rank ``dst``.
 
-    def recv(self, tensors: Any, src: int, tag: int) -> ResilientWork:
-        raise NotImplementedError("resilient process group: 'recv' is not supported yet")
+        Raises:
+            ValueError: ``dst`` is not another rank of the group, not one tensor, or a
+                tag outside 32 bits.
+            TypeError: an unsupported dtype.
+            NotImplementedError: a tensor not on the CPU.
+            MembershipError: ``dst`` left the group.
+            RuntimeError: the group is shut down.
+            The work's ``wait``: CollectiveMismatch (the receive differs), LinkError
+                (the link failed or the deadline passed).
+        """
+        t = self._check("send", tensors, dst, tag)
+        src = t.detach()
+        buf = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
+        msg = self._message("send", buf, t, dst, tag)
+        self._channel(dst, "send").send(msg)
+        return ResilientWork(msg.fut, "send")
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> ResilientWork:
+        """Receive into ``tensors[0]`` from rank ``src``.
+
+        Raises:
+            As :meth:`send`.
+        """
+        t = self._check("recv", tensors, src, tag)
+        into = t.detach()
+        buf = into.view(-1) if into.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
+        msg = self._message("recv", buf, t, src, tag)
+        self._channel(src, "recv").recv(msg)
+        return ResilientWork(msg.fut, "recv")
 
     def recv_anysource(self, tensors: Any, tag: int) -> ResilientWork:
+        """Raises NotImplementedError: a receive must name its peer."""
         raise NotImplementedError("resilient process group: recv from any source is not supported")
+
+    def _message(self, op: str, buf: torch.Tensor, t: torch.Tensor, peer: int, tag: int) -> Message:
+        what = (
+            f"{op} of {str(t.dtype).removeprefix('torch.')}[{t.numel()}] (tag {tag}) "
+            f"{'to' if op == 'send' else 'from'} rank {peer}"
+        )
+        return Message(tag=tag, buf=buf, target=t, fut=Future(), what=what)
+
+    def _check(self, op: str, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> torch.Tensor:
+        """The one tensor of a p2p call, checked (see :meth:`send` for what raises)."""
+        if self._closed:
+            raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            raise ValueError(f"resilient {op}: peer rank must be an int, got {peer!r}")
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise ValueError(
+                f"resilient {op}: rank {self._rank} cannot {op} {'to' if op == 'send' else 'from'} "
+                f"rank {peer} (the group's ranks are 0..{self._size - 1}, this one excluded)"
+            )
+        if isinstance(tag, bool) or not isinstance(tag, int) or not _TAG_MIN <= tag <= _TAG_MAX:
+            raise ValueError(f"resilient {op}: tag must be a 32-bit integer, got {tag!r}")
+        if len(tensors) != 1:
+            raise ValueError(f"resilient {op}: takes exactly one tensor, got {len(tensors)}")
+        t = tensors[0]
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
+        if t.device.type != "cpu":
+            raise NotImplementedError(
+                f"resilient {op}: {t.device.type} tensors are not supported (cpu only)"
+            )
+        return t
+
+    def _channel(self, peer: int, op: str) -> Channel:
+        """The channel to rank ``peer`` in the current epoch (a new epoch's first call
+        closes the last epoch's channels).
+
+        Raises:
+            MembershipError: ``peer`` left the group.
+            RuntimeError: the group is shut down.
+        """
+        ep = self._epochs
+        pos = ep.position(peer, op)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
+            stale: list[Channel] = []
+            if ep.epoch != self._epoch:
+                stale, self._channels = list(self._channels.values()), {}
+                self._epoch = ep.epoch
+            chan = self._channels.get(peer)
+            if chan is None:
+                chan = self._channels[peer] = Channel(
+                    rank=self._rank, peer_rank=peer, pos=ep.pos, peer=pos, rails=ep.rails,
+                    store=ep.store, config=ep.config, epoch=ep.epoch,
+                )  # fmt: skip
+        for old in stale:  # its links rendezvoused under the last epoch's numbering
+            old.close()
+        return chan
+
+    def close(self) -> None:
+        """Close every channel: queued and pending ops fail, links close (shutdown)."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for chan in channels:
+            chan.close()

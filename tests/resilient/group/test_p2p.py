@@ -1,0 +1,228 @@
+"""send/recv on the resilient group, on real processes (resilient.group.p2p).
+
+Round trips of every supported dtype, contiguous or not, against the values sent;
+isend/irecv of 64 MiB both ways at once; tags taken in and out of order;
+``batch_isend_irecv`` around a ring through torch's public API; and the bad inputs
+(a receive of another size or dtype, a peer that is no other rank of the group,
+a peer that never posts), each a typed error after which the group still works.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient.collectives.signature import SUPPORTED_DTYPES
+from resilient.errors import CollectiveMismatch, LinkError
+from tests._dist import reduce_opts, run_dist, run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-100, 100)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _round_trips(pg: Any, rank: int, world: int) -> int:
+    checked = 0
+    for i, dtype in enumerate(SUPPORTED_DTYPES):
+        # 0, 3 (small frames), 30,000 elements (bytes read straight into the tensor).
+        for n in (0, 3, 30_000):
+            sent = _values(n, dtype, seed=i * 100 + n)
+            if rank == 0:
+                pg.send([sent], 1, 7).wait()
+                back = torch.zeros(n, dtype=dtype)
+                pg.recv([back], 1, 7).wait()
+                assert torch.equal(back, sent), (dtype, n)
+            else:
+                got = torch.zeros(n, dtype=dtype)
+                pg.recv([got], 0, 7).wait()
+                assert torch.equal(got, sent), (dtype, n)
+                pg.send([got], 0, 7).wait()
+            checked += 1
+        # Not contiguous at either end: a transposed send into a strided slice.
+        grid = _values(60 * 40, dtype, seed=i).view(60, 40)
+        if rank == 0:
+            pg.send([grid.t()], 1, 8).wait()
+        else:
+            into = torch.zeros(40, 120, dtype=dtype)
+            pg.recv([into[:, ::2]], 0, 8).wait()
+            assert torch.equal(into[:, ::2], grid.t()), dtype
+            assert not into[:, 1::2].any(), dtype  # nothing written between the strides
+        checked += 1
+    return checked
+
+
+def test_round_trips_of_every_dtype_contiguous_or_not() -> None:
+    results = run_world(_round_trips, 2, timeout_s=120.0)
+    assert results == [len(SUPPORTED_DTYPES) * 4] * 2
+
+
+def _both_ways_large(pg: Any, rank: int, world: int) -> float:
+    n = 16 << 20  # 64 MiB of float32
+    peer = 1 - rank
+    mine = torch.full((n,), float(rank + 1))
+    theirs = torch.zeros(n)
+    start = time.monotonic()
+    # Each rank sends before it receives: neither may wait for the other's receive.
+    sent = pg.send([mine], peer, 0)
+    got = pg.recv([theirs], peer, 0)
+    sent.wait()
+    got.wait()
+    assert bool((theirs == float(peer + 1)).all())
+    return time.monotonic() - start
+
+
+def test_isend_irecv_64_mib_both_ways_at_once() -> None:
+    took = run_world(_both_ways_large, 2, timeout_s=120.0)
+    assert all(t < 60 for t in took), took
+
+
+def _tags(pg: Any, rank: int, world: int) -> list[str]:
+    big = 300_000  # 1.2 MB: read aside while the receive of another tag waits
+    if rank == 0:
+        works = [
+            pg.send([torch.full((4,), 1.0)], 1, 1),
+            pg.send([torch.full((big,), 2.0)], 1, 2),
+            pg.send([torch.full((4,), 3.0)], 1, 1),
+            pg.send([torch.arange(5)], 1, -5),
+        ]
+        for w in works:
+            w.wait()
+        return ["sent"]
+    # Out of order: tag 2 first, then tag -5, then tag 1's two messages in issue order.
+    t2, t5 = torch.zeros(big), torch.zeros(5, dtype=torch.int64)
+    first, second = torch.zeros(4), torch.zeros(4)
+    w2 = pg.recv([t2], 0, 2)
+    w5 = pg.recv([t5], 0, -5)
+    w2.wait()
+    w5.wait()
+    w1a = pg.recv([first], 0, 1)
+    w1b = pg.recv([second], 0, 1)
+    w1a.wait()
+    w1b.wait()
+    assert bool((t2 == 2.0).all()) and torch.equal(t5, torch.arange(5))
+    assert bool((first == 1.0).all()) and bool((second == 3.0).all())
+    return ["tag 2", "tag -5", "tag 1 in order"]
+
+
+def test_tags_match_in_and_out_of_order() -> None:
+    assert run_world(_tags, 2, timeout_s=90.0)[1] == ["tag 2", "tag -5", "tag 1 in order"]
+
+
+def _ring(rank: int, world: int) -> list[float]:
+    right, left = (rank + 1) % world, (rank - 1) % world
+    mine = torch.arange(1000, dtype=torch.float32) + 1000 * rank
+    got = torch.zeros(1000)
+    ops = [dist.P2POp(dist.isend, mine, right, tag=3), dist.P2POp(dist.irecv, got, left, tag=3)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    assert torch.equal(got, torch.arange(1000, dtype=torch.float32) + 1000 * left)
+    # And the blocking API: a value passed around the ring.
+    token = torch.tensor([float(rank)])
+    if rank == 0:
+        dist.send(token, right)
+        dist.recv(token, left)
+    else:
+        dist.recv(token, left)
+        token += 1
+        dist.send(token, right)
+    return [float(got[0]), float(token[0])]
+
+
+def test_batch_isend_irecv_ring_through_torch() -> None:
+    world = 3
+    results = run_dist(_ring, world, timeout_s=120.0)
+    assert [r[0] for r in results] == [2000.0, 0.0, 1000.0]
+    assert results[0][1] == world - 1
+
+
+def _mismatches(pg: Any, rank: int, world: int) -> list[str]:
+    seen = []
+    peer = 1 - rank
+    # Another count, then another dtype; the larger side's bytes are read aside.
+    for mine in (
+        torch.ones(10) if rank == 0 else torch.zeros(12),
+        torch.ones(50_000) if rank == 0 else torch.zeros(50_000, dtype=torch.float64),
+    ):
+        work = pg.send([mine], peer, 4) if rank == 0 else pg.recv([mine], peer, 4)
+        with pytest.raises(CollectiveMismatch, match="met a"):
+            work.wait()
+        seen.append("mismatch")
+    if rank == 1:
+        assert not mine.any()  # nothing landed in the receive
+    # The pair and the group go on.
+    t = torch.full((6,), 5.0) if rank == 0 else torch.zeros(6)
+    (pg.send([t], 1, 4) if rank == 0 else pg.recv([t], 0, 4)).wait()
+    assert bool((t == 5.0).all())
+    s = torch.ones(3)
+    pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
+    assert bool((s == world).all())
+    return [*seen, "usable"]
+
+
+def test_size_or_dtype_mismatch_fails_both_ends_and_the_group_goes_on() -> None:
+    assert run_world(_mismatches, 2, timeout_s=90.0) == [["mismatch", "mismatch", "usable"]] * 2
+
+
+def _bad_peers(pg: Any, rank: int, world: int) -> str:
+    t = torch.zeros(2)
+    for bad in (rank, world, -1):
+        with pytest.raises(ValueError, match="cannot"):
+            pg.send([t], bad, 0)
+        with pytest.raises(ValueError, match="cannot"):
+            pg.recv([t], bad, 0)
+    with pytest.raises(ValueError, match="tag"):
+        pg.send([t], 1 - rank, 1 << 40)
+    with pytest.raises(TypeError, match="dtype"):
+        pg.send([torch.zeros(2, dtype=torch.complex64)], 1 - rank, 0)
+    with pytest.raises(NotImplementedError, match="any source"):
+        pg.recv_anysource([t], 0)
+    s = torch.ones(3)
+    pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
+    assert bool((s == world).all())
+    return "ok"
+
+
+def test_bad_peer_ranks_raise_value_error_on_the_callers_thread() -> None:
+    assert run_world(_bad_peers, 2, timeout_s=60.0) == ["ok", "ok"]
+
+
+def _unmatched(pg: Any, rank: int, world: int) -> list[str]:
+    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    (pg.send([t], 1, 0) if rank == 0 else pg.recv([t], 0, 0)).wait()  # the link is up
+    out = []
+    if rank == 0:
+        # Rank 1 never sends: the receive fails at its deadline (floor 1.5 s).
+        start = time.monotonic()
+        with pytest.raises(LinkError):
+            pg.recv([torch.zeros(4)], 1, 9).wait()
+        took = time.monotonic() - start
+        assert 1.0 < took < 10.0, took
+        out.append("timed out")
+        pg.store.set("p2p-test/timed-out", "1")
+    else:
+        pg.store.wait(["p2p-test/timed-out"])
+    s = torch.ones(3)
+    pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
+    assert bool((s == world).all())
+    # The pair's next calls build the link again, at both ends.
+    t = torch.full((4,), 7.0) if rank == 1 else torch.zeros(4)
+    (pg.send([t], 0, 0) if rank == 1 else pg.recv([t], 1, 0)).wait()
+    assert bool((t == 7.0).all())
+    return [*out, "usable"]
+
+
+def test_a_peer_that_never_posts_fails_the_op_at_its_deadline() -> None:
+    results = run_world(_unmatched, 2, timeout_s=90.0, config={"op_timeout_floor_s": 1.5})
+    assert results == [["timed out", "usable"], ["usable"]]
