@@ -1,0 +1,169 @@
+"""Run PyTorch's own distributed test suite on a backend, as every c10d backend does.
+
+    python tools/torch_suite.py --backend resilient --world-size 2
+    python tools/torch_suite.py --backend gloo --world-size 2 --json-out gloo.json
+    python tools/torch_suite.py --backend resilient -k test_all_reduce_sum -k test_send_recv
+
+The suite is ``torch.testing._internal.distributed.distributed_test`` (needs the
+``expecttest`` package): each test spawns ``--world-size`` processes that call
+``init_process_group(backend=...)`` on a file store and run one scenario
+(collectives on the world group and on subgroups, p2p, object collectives, DDP ...).
+It reads BACKEND, WORLD_SIZE and TEMP_DIR from the environment at import, so this
+script sets them before importing it.
+
+``-k SUBSTRING`` (repeatable) keeps the tests whose name contains one of them;
+``--compare-json FILE`` (the ``--json-out`` of another backend's run) lists the
+tests that passed there and did not pass here. Prints one line per test, a count,
+then one JSON line (passed, failed, errors, skipped by reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import unittest
+from collections import Counter
+from typing import Any
+
+_MARK = "RESILIENT_TORCH_SUITE_RANK"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="resilient", help="backend name (default resilient)")
+    p.add_argument("--world-size", type=int, default=2, help="processes per test (default 2)")
+    p.add_argument("-k", dest="keep", action="append", default=[], help="name substring")
+    p.add_argument("--exclude", action="append", default=[], help="drop names with this")
+    p.add_argument("--json-out", default=None, help="write every test's outcome here")
+    p.add_argument("--compare-json", default=None, help="another run's --json-out")
+    p.add_argument("--list", action="store_true", help="list the selected tests, run nothing")
+    args = p.parse_args(argv)
+    if args.world_size < 2:
+        p.error("--world-size must be at least 2")
+    return args
+
+
+class _Outcomes(unittest.TextTestResult):
+    """Records each test's outcome (and a skip's reason) by test name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outcomes: dict[str, tuple[str, str]] = {}
+        self._started = 0.0
+
+    def startTest(self, test: unittest.TestCase) -> None:
+        self._started = time.monotonic()
+        super().startTest(test)
+
+    def _record(self, test: unittest.TestCase, outcome: str, detail: str = "") -> None:
+        name = test.id().rsplit(".", 1)[-1]
+        self.outcomes[name] = (outcome, detail)
+        took = time.monotonic() - self._started
+        print(f"{outcome:7s} {name} ({took:.1f} s) {detail[:160]}", flush=True)
+
+    def addSuccess(self, test: unittest.TestCase) -> None:
+        super().addSuccess(test)
+        self._record(test, "pass")
+
+    def addFailure(self, test: unittest.TestCase, err: Any) -> None:
+        super().addFailure(test, err)
+        self._record(test, "fail", _last_line(self.failures[-1][1]))
+
+    def addError(self, test: unittest.TestCase, err: Any) -> None:
+        super().addError(test, err)
+        self._record(test, "error", _last_line(self.errors[-1][1]))
+
+    def addSkip(self, test: unittest.TestCase, reason: str) -> None:
+        super().addSkip(test, reason)
+        self._record(test, "skip", reason)
+
+
+def _last_line(tb: str) -> str:
+    lines = [line for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _suite_class() -> type[unittest.TestCase]:
+    """The spawn-based test class, as torch's test_distributed_spawn.py builds it."""
+    from torch.testing._internal.distributed.distributed_test import (
+        DistributedTest,
+        TestDistBackend,
+    )
+
+    class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):  # type: ignore[misc,name-defined]
+        def setUp(self) -> None:
+            super().setUp()
+            self._spawn_processes()
+
+    # Spawned ranks unpickle the class by its module and name: the module defines it
+    # at import there too (see the end of this file).
+    TestDistBackendWithSpawn.__qualname__ = "TestDistBackendWithSpawn"
+    TestDistBackendWithSpawn.__module__ = __name__
+    globals()["TestDistBackendWithSpawn"] = TestDistBackendWithSpawn
+    return TestDistBackendWithSpawn
+
+
+def _selected(cls: type[unittest.TestCase], keep: list[str], exclude: list[str]) -> list[str]:
+    names = unittest.TestLoader().getTestCaseNames(cls)
+    return [
+        n
+        for n in names
+        if (not keep or any(k in n for k in keep)) and not any(x in n for x in exclude)
+    ]
+
+
+def _report(outcomes: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict[str, Any]:
+    counts = Counter(o for o, _ in outcomes.values())
+    skipped = Counter(d.split(".")[0][:80] for o, d in outcomes.values() if o == "skip")
+    summary: dict[str, Any] = {
+        "suite": "torch distributed_test",
+        "backend": args.backend,
+        "world_size": args.world_size,
+        "tests": len(outcomes),
+        "passed": counts["pass"],
+        "failed": counts["fail"],
+        "errors": counts["error"],
+        "skipped": counts["skip"],
+        "skip_reasons": dict(skipped.most_common()),
+        "not_passed": sorted(n for n, (o, _) in outcomes.items() if o in ("fail", "error")),
+    }
+    if args.compare_json:
+        with open(args.compare_json) as f:
+            other = json.load(f)["outcomes"]
+        summary["passed_there_not_here"] = sorted(
+            n for n, (o, _) in other.items() if o == "pass" and outcomes.get(n, ("",))[0] != "pass"
+        )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["BACKEND"] = args.backend
+    os.environ["WORLD_SIZE"] = str(args.world_size)
+    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="torch-suite-"))
+    os.environ[_MARK] = "1"
+    cls = _suite_class()
+    names = _selected(cls, args.keep, args.exclude)
+    if args.list:
+        print("\n".join(names))
+        return 0
+    suite = unittest.TestSuite(cls(n) for n in names)
+    runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=0, stream=sys.stderr)
+    result = runner.run(suite)
+    assert isinstance(result, _Outcomes)
+    summary = _report(result.outcomes, args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({**summary, "outcomes": result.outcomes}, f, indent=1)
+    print(json.dumps(summary))
+    return 0 if not summary["not_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+elif os.environ.get(_MARK):  # a rank spawned by a test of main()'s run
+    _suite_class()
