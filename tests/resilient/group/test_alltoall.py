@@ -1,0 +1,228 @@
+"""all_to_all and all_to_all_single on real processes (socket links), against
+references computed here: equal and uneven splits (zero-size ones included), every
+dtype, non-contiguous tensors, two rails, checks off, disagreeing splits, and
+through torch's public API against gloo.
+
+Rank ``i``'s block for rank ``j`` holds values made from (i, j) alone, so every
+rank knows what it must receive.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from resilient.procs import free_port
+from tests._dist import run_world
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+COLS = 3
+
+
+def _block(i: int, j: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """What rank ``i`` sends rank ``j``: ``rows`` rows of COLS."""
+    g = torch.Generator().manual_seed(100 * i + j + 7 * rows)
+    v = torch.randint(0, 2 if dtype == torch.bool else 100, (rows, COLS), generator=g)
+    return v.to(dtype)
+
+
+def _uneven(i: int, j: int, world: int) -> int:
+    """Rows rank ``i`` sends rank ``j`` (0 for some pairs)."""
+    return (i + 2 * j) % world
+
+
+def _single(pg: Any, rank: int, world: int, dtype: torch.dtype, rows_of: Any) -> None:
+    """all_to_all_single with ``rows_of(i, j)`` rows from i to j; a non-contiguous
+    input (a transposed copy's transpose) and output."""
+    splits_in = [rows_of(rank, j) for j in range(world)]
+    splits_out = [rows_of(i, rank) for i in range(world)]
+    inp = torch.cat([_block(rank, j, splits_in[j], dtype) for j in range(world)])
+    inp = inp.t().contiguous().t()  # same values, column-major
+    out = torch.zeros((COLS, sum(splits_out)), dtype=dtype).t()
+    # (A single row is contiguous either way.)
+    assert inp.is_contiguous() == (sum(splits_in) < 2), splits_in
+    assert out.is_contiguous() == (sum(splits_out) < 2), splits_out
+    equal = len(set(splits_in)) == 1 and len(set(splits_out)) == 1
+    pg.alltoall_base(out, inp, [] if equal else splits_out, [] if equal else splits_in).wait()
+    want = torch.cat([_block(i, rank, splits_out[i], dtype) for i in range(world)])
+    assert torch.equal(out, want), (dtype, splits_in, splits_out)
+
+
+def _listed(pg: Any, rank: int, world: int, dtype: torch.dtype) -> None:
+    """all_to_all of lists, blocks of different sizes per pair (zero-size included)."""
+    ins = [_block(rank, j, _uneven(rank, j, world), dtype) for j in range(world)]
+    outs = [torch.ones((_uneven(i, rank, world), COLS), dtype=dtype) for i in range(world)]
+    pg.alltoall(outs, ins).wait()
+    for i in range(world):
+        assert torch.equal(outs[i], _block(i, rank, _uneven(i, rank, world), dtype)), (dtype, i)
+
+
+def _every_dtype(pg: Any, rank: int, world: int) -> int:
+    checked = 0
+    for dtype in DTYPES:
+        _single(pg, rank, world, dtype, lambda i, j: 2)
+        _single(pg, rank, world, dtype, lambda i, j: _uneven(i, j, world))
+        _listed(pg, rank, world, dtype)
+        checked += 1
+    # 3 MiB of float32 per rank: well past the inline rows, in 1 MiB messages.
+    _single(pg, rank, world, torch.float32, lambda i, j: 1 << 18 if i != j else 5)
+    return checked
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_every_dtype_equal_and_uneven(world: int) -> None:
+    assert run_world(_every_dtype, world, timeout_s=200.0) == [len(DTYPES)] * world
+
+
+@pytest.mark.timeout(240)
+def test_all_to_all_with_checks_off() -> None:
+    # Splits then travel in an all_gather of their own, not in the signature rows.
+    results = run_world(_every_dtype, 3, timeout_s=200.0, config={"check_mismatch": False})
+    assert results == [len(DTYPES)] * 3
+
+
+def _rail1_sends(pg: Any) -> int:
+    return sum(c[2] for c in pg.links.counters() if c[1] == 1)
+
+
+def _two_rails(pg: Any, rank: int, world: int) -> int:
+    pg.barrier().wait()  # builds the links: the count below is the exchanges' own
+    before = _rail1_sends(pg)
+    # 2 MiB per message: above single_rail_below_bytes, so cut across both rails.
+    _single(pg, rank, world, torch.float32, lambda i, j: (2 << 20) // (4 * COLS))
+    _single(pg, rank, world, torch.int64, lambda i, j: _uneven(i, j, world) * 30_000)
+    return _rail1_sends(pg) - before
+
+
+@pytest.mark.timeout(240)
+def test_all_to_all_single_on_two_rails() -> None:
+    sent = run_world(_two_rails, 3, rails=2, timeout_s=200.0)
+    # Every rank sent a piece of each large message to each peer on rail 1.
+    assert all(n >= 2 for n in sent), sent
+
+
+def _bad_splits(pg: Any, rank: int, world: int) -> list[str]:
+    msgs = []
+    # Rank 1 expects 2 rows from rank 0, which sends it 1.
+    splits_in = [1] * world
+    splits_out = [2 if rank == 1 and i == 0 else 1 for i in range(world)]
+    out = torch.zeros((sum(splits_out), 4))
+    try:
+        pg.alltoall_base(out, torch.ones((world, 4)), splits_out, splits_in).wait()
+        msgs.append("no error")
+    except ValueError as exc:
+        msgs.append(str(exc))
+    assert not out.any(), "data moved although the splits disagreed"
+    for call in (
+        # Output rows do not add up to the output's dim 0.
+        lambda: pg.alltoall_base(torch.zeros(5, 4), torch.ones(world, 4), [1] * world, []),
+        # Dim 0 does not divide into equal splits.
+        lambda: pg.alltoall_base(torch.zeros(world + 1), torch.ones(world + 1), [], []),
+        # Input and output of different dtypes.
+        lambda: pg.alltoall_base(torch.zeros(world, dtype=torch.int64), torch.ones(world), [], []),
+        # Not one tensor per rank.
+        lambda: pg.alltoall([torch.zeros(1)], [torch.zeros(1)]),
+    ):
+        try:
+            call()
+            msgs.append("no error")
+        except (ValueError, TypeError) as exc:
+            msgs.append(f"{type(exc).__name__}: {exc}")
+    t = torch.ones(2)
+    pg.allreduce([t]).wait()  # the group still works
+    msgs.append(str(t.tolist()))
+    return msgs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("checks", [True, False])
+def test_disagreeing_splits_fail_on_every_rank_and_the_group_goes_on(checks: bool) -> None:
+    results = run_world(_bad_splits, 3, config={"check_mismatch": checks})
+    first = results[0][0]
+    assert "split sizes disagree" in first, first
+    assert "rank 0 sends 4 to rank 1, which expects 8 from it" in first, first
+    for msgs in results:
+        assert msgs[0] == first  # the same error on every rank
+        assert "ValueError" in msgs[1] and "adding up to its dim 0 (5)" in msgs[1], msgs
+        assert "ValueError" in msgs[2] and "does not divide into 3" in msgs[2], msgs
+        assert "TypeError" in msgs[3] and "share a dtype" in msgs[3], msgs
+        assert "ValueError" in msgs[4] and "need 3 inputs" in msgs[4], msgs
+        assert msgs[5] == str([3.0, 3.0])
+
+
+# -- through torch's public API, against gloo -----------------------------------------
+WORLD = 3
+
+
+def _api_rank(rank: int, port: int, results: Any) -> None:
+    try:
+        os.environ["RESILIENT_RAILS"] = f"127.0.1.{rank + 1}"
+        import resilient  # noqa: F401  (registers the backend)
+
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=60))
+        dist.init_process_group("resilient", store=store, rank=rank, world_size=WORLD)
+        try:
+            gloo = dist.new_group(backend="gloo")
+            out = {}
+            splits_in = [_uneven(rank, j, WORLD) for j in range(WORLD)]
+            splits_out = [_uneven(i, rank, WORLD) for i in range(WORLD)]
+            src = torch.arange(WORLD * 4, dtype=torch.float32) + 100 * rank
+            uneven = torch.arange(sum(splits_in), dtype=torch.int64) + 100 * rank
+            for name, group in (("resilient", None), ("gloo", gloo)):
+                a = torch.zeros(WORLD * 4)
+                dist.all_to_all_single(a, src, group=group)
+                b = torch.zeros(sum(splits_out), dtype=torch.int64)
+                dist.all_to_all_single(b, uneven, splits_out, splits_in, group=group)
+                # gloo's list form takes equal sizes only.
+                c = [torch.zeros(2) for _ in range(WORLD)]
+                dist.all_to_all(
+                    c, [torch.full((2,), float(rank + j)) for j in range(WORLD)], group=group
+                )
+                out[name] = (a.tolist(), b.tolist(), [t.tolist() for t in c])
+            results.put((rank, "ok", (type(dist.group.WORLD).__name__, out)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # reported to the test, which names the rank
+        results.put((rank, "error", repr(exc)))
+
+
+@pytest.mark.timeout(150)
+def test_all_to_all_through_torch_matches_gloo() -> None:
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_api_rank, args=(r, port, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    seen: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(seen) < WORLD and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            assert status == "ok", (rank, value)
+            seen[rank] = value
+        assert len(seen) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(seen))} gave no result"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for rank, (kind, out) in seen.items():
+        assert kind == "ResilientProcessGroup", (rank, kind)
+        assert out["resilient"] == out["gloo"], (rank, out)
+        assert out["resilient"][0][:4] == [4.0 * rank + k for k in range(4)], (rank, out)
+        assert out["resilient"][2] == [[float(i + rank)] * 2 for i in range(WORLD)], (rank, out)
