@@ -20,6 +20,7 @@ from torch._C._distributed_c10d import Store
 
 from resilient.config import DataPlaneConfig, RankEnv
 from resilient.errors import ConfigError, RecoveryError
+from resilient.group.roster import agree_roster
 from resilient.links.rails import resolve_rails
 from resilient.process_group import ResilientProcessGroup
 
@@ -85,6 +86,8 @@ def create_backend(
     Raises:
         ConfigError: the RESILIENT_* environment is malformed.
         RecoveryError: a replacement rank tries to make a subgroup.
+        CollectiveMismatch: ranks made their subgroups in different orders.
+        StoreTimeout: a member of a subgroup did not make it in time.
         MembershipError: the world group could not join the job's membership.
     """
     env = RankEnv.from_env(rank=rank, world_size=world_size)
@@ -141,6 +144,7 @@ def _subgroup(
             f"cannot make a subgroup of ranks {list(job_ranks)}; subgroups (new_group, "
             "DeviceMesh dimensions) do not follow recovery yet"
         )
+    agree_roster(store, env.rank, job_ranks, config.connect_timeout_s)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
         rank=env.rank,

@@ -8,6 +8,7 @@ second time (that used to fail with "rank 0 is held by incarnation 0").
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -125,3 +126,40 @@ def test_fsdp2_trains_as_on_gloo(hsdp: bool) -> None:
     for k, v in ours[0]["params"].items():
         want = ref[0]["params"][k]
         assert np.allclose(v, want, rtol=1e-6, atol=1e-7), (k, np.abs(v - want).max())
+
+
+def _made_in_different_orders(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from resilient.errors import CollectiveMismatch
+
+    # Rank 0 thinks the first subgroup is {0, 1}; ranks 1 and 2 think it is {1, 2}.
+    # torch gives both the same name, so they would share one store prefix.
+    ranks = [0, 1] if rank == 0 else [1, 2]
+    out: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        dist.new_group(ranks)
+        out["error"] = None
+    except CollectiveMismatch as exc:
+        out["error"] = str(exc)
+    out["took_s"] = time.monotonic() - start
+    # The world group is untouched and still works.
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    out["world_sum"] = t.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_subgroups_made_in_different_orders_fail_on_every_member_and_the_world_works() -> None:
+    results = run_dist(_made_in_different_orders, 3, timeout_s=100)
+    # Rank 0's view conflicts with the others' under one group name: it always fails.
+    # Ranks 1 and 2 agree with each other; they may form their group or, having seen
+    # rank 0's conflict first, fail too. Nobody waits for the 60 s connect timeout.
+    assert results[0]["error"] is not None and "different orders" in results[0]["error"]
+    for rank, r in enumerate(results):
+        assert r["error"] is None or "different orders" in r["error"], (rank, r)
+        assert r["took_s"] < 20.0, (rank, r["took_s"])
+        assert r["world_sum"] == [6.0] * 4, rank
