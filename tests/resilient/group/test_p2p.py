@@ -226,3 +226,29 @@ def _unmatched(pg: Any, rank: int, world: int) -> list[str]:
 def test_a_peer_that_never_posts_fails_the_op_at_its_deadline() -> None:
     results = run_world(_unmatched, 2, timeout_s=90.0, config={"op_timeout_floor_s": 1.5})
     assert results == [["timed out", "usable"], ["usable"]]
+
+
+def _pipeline(backend: str) -> list[str]:
+    import os
+    import subprocess
+    import sys
+
+    from resilient.procs import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "examples/pipeline_stages.py",
+        "--backend", backend, "--steps", "4", "--width", "64",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sorted(
+        line.split(": ", 1)[1] for line in proc.stdout.splitlines() if "final loss" in line
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_pipeline_example_ends_as_on_gloo() -> None:
+    resilient, gloo = _pipeline("resilient"), _pipeline("gloo")
+    assert len(resilient) == 2 and resilient == gloo
