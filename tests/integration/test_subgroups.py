@@ -163,3 +163,54 @@ def test_subgroups_made_in_different_orders_fail_on_every_member_and_the_world_w
         assert r["error"] is None or "different orders" in r["error"], (rank, r)
         assert r["took_s"] < 20.0, (rank, r["took_s"])
         assert r["world_sum"] == [6.0] * 4, rank
+
+
+def _dcp_round_trip(rank: int, world: int, directory: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+
+    def build(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Linear(24, 5))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build(0)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+    saved = {k: v.full_tensor().numpy().copy() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = build(1)  # other initial values, no optimizer state yet
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    state = {"model": fmsd, "optim": fosd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    loaded = {k: v.full_tensor().numpy().copy() for k, v in fresh.state_dict().items()}
+    dist.barrier()
+    return {"saved": saved, "loaded": loaded, "backend": dist.get_backend()}
+
+
+@pytest.mark.timeout(240)
+def test_dcp_save_and_load_of_an_hsdp_model(tmp_path: Any) -> None:
+    import numpy as np
+
+    results = run_dist(_dcp_round_trip, WORLD, args=(str(tmp_path / "ckpt"),), timeout_s=200)
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+    for rank, r in enumerate(results):
+        assert r["backend"] == "resilient"
+        assert r["saved"].keys() == r["loaded"].keys()
+        for k, v in r["saved"].items():
+            assert np.array_equal(v, r["loaded"][k]), (rank, k)
+            assert np.array_equal(v, results[0]["saved"][k]), (rank, k)
