@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilient.collectives.engine import RingEngine, fold_rows
-from resilient.collectives.signature import INLINE_BYTES, Signature
+from resilient.collectives.engine import RingEngine
 from resilient.collectives.solo import SoloEngine
 from resilient.config import DataPlaneConfig
 from resilient.detect.announcements import watch_announcements
@@ -42,14 +41,14 @@ from resilient.detect.peer_watch import PeerWatch
 from resilient.detect.stragglers import Verdicts
 from resilient.errors import PeerLost
 from resilient.group.alltoall import AllToAllCalls
-from resilient.group.args import AllreduceCalls, check_tensors
 from resilient.group.calls import CallRunner
 from resilient.group.epoch_control import EpochControl
 from resilient.group.gathers import GatherCalls
 from resilient.group.p2p import PointToPoint
+from resilient.group.reductions import ReduceCalls
 from resilient.group.rooted import RootedCalls
 from resilient.group.state_transfer import StateTransfer
-from resilient.group.work import ResilientWork, _Flat, _packed
+from resilient.group.work import ResilientWork
 from resilient.links import repair, transfer
 from resilient.links.table import Counters, LinkTable
 
@@ -125,8 +124,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
         )  # fmt: skip
         self._transfers = StateTransfer(self.epochs)
         self._start_health(rank, joining)
-        self._allreduces = AllreduceCalls(elide=self.config.elide_every > 0)
         self._calls = CallRunner(rank, self.epochs)
+        self.reductions = ReduceCalls(
+            rank=rank, epochs=self.epochs, calls=self._calls, elide=self.config.elide_every > 0
+        )
         self._peer_watch = PeerWatch(
             rank, self.epochs.tables, self._calls.busy, self.epochs.peer_loss.check_lost
         )
@@ -241,17 +242,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
         """The peer loss this group saw in this epoch, or None."""
         return self.epochs.lost
 
-    def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Small enough to travel inside the signature exchange (same verdict on all
-        ranks once their signatures matched: it depends only on numel and dtype)."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        return self.epochs.checks is not None and nbytes <= INLINE_BYTES
-
-    @staticmethod
-    def _rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        nbytes = buf.numel() * buf.element_size()
-        return table[:, :nbytes].contiguous().view(buf.dtype)
-
     # -- membership and recovery (recovery.session.Session drives these) -----------------
     def join_members_later(self, join: Callable[[], Any]) -> None:
         """Defer taking the member key to :meth:`join_members` (a replacement)."""
@@ -365,60 +355,18 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def allreduce(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
-        red, sig, digest = self._allreduces.of(tensors, opts)
-        inline = self._inline(tensors)
-
-        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
-            with _Flat(tensors) as flat:
-                buf = flat.buffer
-                if inline and table is not None:
-                    buf.copy_(fold_rows(self._rows(table, buf), red))
-                else:
-                    self.epochs.engine_for(buf).all_reduce(buf, red)
-            return tensors
-
-        payload = (lambda: _packed(tensors)) if inline else None
-        digest = 0 if inline else digest
-        return self._calls.submit("allreduce", sig, run, payload=payload, digest=digest)
+        return self.reductions.allreduce(tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
-        return self.allreduce(tensors, opts)
+        return self.reductions.allreduce(tensors, opts)
 
     def broadcast(  # type: ignore[override]
         self, tensors: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
-        opts = opts or dist.BroadcastOptions()
-        check_tensors("broadcast", tensors)
-        root = int(opts.rootRank)
-        at = self.epochs.position(root, "broadcast")  # the root's number in this epoch
-        sig = Signature.of("broadcast", tensors, root=root)
-
-        inline = self._inline(tensors)
-
-        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
-            with _Flat(tensors) as flat:
-                buf = flat.buffer
-                if inline and table is not None:
-                    buf.copy_(self._rows(table, buf)[at])
-                else:
-                    self.epochs.engine_for(buf).broadcast(buf, at)
-            return tensors
-
-        # Only the root's bytes matter, but every rank waits for earlier calls alike.
-        payload = (lambda: _packed(tensors) if self.rank() == root else None) if inline else None
-        return self._calls.submit("broadcast", sig, run, payload=payload, after_previous=inline)
+        return self.reductions.broadcast(tensors, opts)
 
     def barrier(self, opts: Any = None) -> ResilientWork:
-        sig = Signature.of("barrier", [])
-
-        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
-            # The exchange ran only once every rank had finished its earlier calls
-            # and entered: that already is a barrier. Without checks, run one.
-            if table is None:
-                self.engine.barrier()
-            return []
-
-        return self._calls.submit("barrier", sig, run, after_previous=True)
+        return self.reductions.barrier()
 
     # -- gathers and scatters (GatherCalls builds them) ----------------------------------
     def allgather(  # type: ignore[override]

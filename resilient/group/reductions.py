@@ -1,0 +1,106 @@
+"""all_reduce, broadcast and barrier of the process group: :class:`ReduceCalls`
+checks a call's tensors on the caller's thread and builds what runs it on the
+communication thread. Calls of at most ``INLINE_BYTES`` travel inside their
+signature exchange and need no data phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilient.collectives.engine import fold_rows
+from resilient.collectives.signature import INLINE_BYTES, Signature
+from resilient.group.args import AllreduceCalls, check_tensors
+from resilient.group.calls import CallRunner
+from resilient.group.epoch_control import EpochControl
+from resilient.group.work import ResilientWork, _Flat, _packed
+
+__all__ = ["ReduceCalls", "inline_rows"]
+
+
+def inline_rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """Every rank's inline bytes of the exchange ``table``, as rows shaped like ``buf``."""
+    nbytes = buf.numel() * buf.element_size()
+    return table[:, :nbytes].contiguous().view(buf.dtype)
+
+
+class ReduceCalls:
+    """all_reduce, broadcast and barrier of group rank ``rank`` in the epoch
+    ``epochs`` runs, queued on ``calls``; ``elide``: all_reduce calls may run
+    elided (the config's elide_every > 0)."""
+
+    def __init__(self, *, rank: int, epochs: EpochControl, calls: CallRunner, elide: bool) -> None:
+        self._rank, self._epochs, self._calls = rank, epochs, calls
+        self._known = AllreduceCalls(elide=elide)
+
+    def _inline(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Small enough to travel inside the signature exchange (same verdict on all
+        ranks once their signatures matched: it depends only on numel and dtype)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._epochs.checks is not None and nbytes <= INLINE_BYTES
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
+        """Reduce ``tensors`` (one flat buffer) across the members, in place.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: see check_tensors, reduce_op.
+        """
+        red, sig, digest = self._known.of(tensors, opts)
+        inline = self._inline(tensors)
+
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
+            with _Flat(tensors) as flat:
+                buf = flat.buffer
+                if inline and table is not None:
+                    buf.copy_(fold_rows(inline_rows(table, buf), red))
+                else:
+                    self._epochs.engine_for(buf).all_reduce(buf, red)
+            return tensors
+
+        payload = (lambda: _packed(tensors)) if inline else None
+        digest = 0 if inline else digest
+        return self._calls.submit("allreduce", sig, run, payload=payload, digest=digest)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
+        """Copy the root's ``tensors`` into every member's.
+
+        Raises:
+            ValueError, TypeError, NotImplementedError: see check_tensors.
+            MembershipError: the root left the group (it shrank without it).
+        """
+        opts = opts or dist.BroadcastOptions()
+        check_tensors("broadcast", tensors)
+        root = int(opts.rootRank)
+        at = self._epochs.position(root, "broadcast")  # the root's number in this epoch
+        sig = Signature.of("broadcast", tensors, root=root)
+        inline = self._inline(tensors)
+
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
+            with _Flat(tensors) as flat:
+                buf = flat.buffer
+                if inline and table is not None:
+                    buf.copy_(inline_rows(table, buf)[at])
+                else:
+                    self._epochs.engine_for(buf).broadcast(buf, at)
+            return tensors
+
+        # Only the root's bytes matter, but every rank waits for earlier calls alike.
+        payload = (lambda: _packed(tensors) if self._rank == root else None) if inline else None
+        return self._calls.submit("broadcast", sig, run, payload=payload, after_previous=inline)
+
+    def barrier(self) -> ResilientWork:
+        """Complete once every member has entered it, after its earlier calls."""
+        sig = Signature.of("barrier", [])
+
+        def run(table: torch.Tensor | None) -> list[torch.Tensor]:
+            # The exchange ran only once every rank had finished its earlier calls
+            # and entered: that already is a barrier. Without checks, run one.
+            if table is None:
+                self._epochs.engine.barrier()
+            return []
+
+        return self._calls.submit("barrier", sig, run, after_previous=True)
