@@ -81,12 +81,6 @@ def _pieces(engine: RingEngine, spans: Sequence[Span]) -> list[_Piece]:
     return out
 
 
-def _route(engine: RingEngine) -> Route:
-    # The engine numbers its calls when it makes a route (failover records and
-    # acknowledgement tags carry the number, alike on every rank): take the same one.
-    return engine._route()
-
-
 def all_to_all(
     engine: RingEngine,
     send: torch.Tensor,
@@ -114,7 +108,9 @@ def all_to_all(
     peers = [p for p in range(engine.world) if p != me]
     # Every rail, used or not: a failover must find its backup link built.
     engine.links.ensure((p, rail) for rail in range(engine.num_rails) for p in peers)
-    route = _route(engine)
+    # The engine numbers its calls when it makes a route (failover records and
+    # acknowledgement tags carry the number, alike on every rank).
+    route = engine.route()
     ahead: tuple[dict[int, list[object]], dict[int, list[object]]] | None = None
     if engine.num_rails == 1 and send.device.type == "cpu":
         links = native_steps.quiet_links(engine.links, peers, 0)

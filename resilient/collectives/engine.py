@@ -131,7 +131,8 @@ class RingEngine:
         self.gate_waited_s = 0.0
         self.gate_news = False
 
-    def _route(self) -> Route:
+    def route(self) -> Route:
+        """The next call's route: numbers the call (alike on every rank)."""
         self._calls += 1
         key, digest, news = self.elided or (0, 0, False)
         return Route(
@@ -272,7 +273,7 @@ class RingEngine:
             return
         whole = [Span(0, flat.numel())]
         pieces = rail_pieces(whole, self._weights_for(flat))
-        route = self._route()
+        route = self.route()
 
         def run(rail: int) -> None:
             piece = pieces[rail][0]
@@ -360,7 +361,7 @@ class RingEngine:
         # Every rail, used or not: a failover must find its backup link built
         # (building one in the middle of a collective is a rendezvous in odd order).
         self.links.ensure((p, rail) for rail in range(self.num_rails) for p in peers)
-        route = self._route()
+        route = self.route()
 
         def run(rail: int) -> None:
             if rail not in plan.rails:
@@ -451,7 +452,7 @@ class RingEngine:
             )
             for rail in range(self.num_rails)
         ]
-        route = self._route()
+        route = self.route()
 
         def run(rail: int) -> None:
             if rail in used:
