@@ -72,6 +72,15 @@ def _shutdown_live_groups() -> None:
             logger.debug("shutdown at exit failed", exc_info=True)
 
 
+def _fail_subgroups(lost: PeerLost) -> None:
+    """The world group lost ``lost.peer``: every subgroup of this process holding
+    that rank gives its calls up at once, instead of each finding out for itself
+    at its next call's deadline."""
+    for pg in list(_LIVE):
+        if pg.is_subgroup and lost.peer in pg.job_ranks:
+            pg.declare_lost(pg.job_ranks.index(lost.peer), f"the world group lost it ({lost})")
+
+
 class ResilientProcessGroup(dist.ProcessGroup):
     """A process group whose collectives are ring schedules over per-rail links.
 
@@ -104,6 +113,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         # The job rank of each group rank: a subgroup's, or the world's own numbers.
         self.job_ranks = tuple(job_ranks) if job_ranks is not None else tuple(range(world_size))
+        self._subgroup = job_ranks is not None
         if len(self.job_ranks) != world_size:
             raise ValueError(f"{len(self.job_ranks)} job ranks for a group of {world_size}")
         self.config = config or DataPlaneConfig()
@@ -149,6 +159,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
             rank=rank, size=world_size, epochs=self.epochs, submit=self._calls.submit
         )  # fmt: skip
         self.p2p = PointToPoint(rank=rank, size=world_size, epochs=self.epochs)
+        if job_ranks is None:  # the world group: its losses are every subgroup's
+            self.epochs.peer_loss.on_declared = _fail_subgroups
         _LIVE.add(self)
 
     def _start_health(self, rank: int, joining: bool) -> None:
@@ -241,6 +253,19 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def lost(self) -> PeerLost | None:
         """The peer loss this group saw in this epoch, or None."""
         return self.epochs.lost
+
+    @property
+    def is_subgroup(self) -> bool:
+        """Made by new_group / a DeviceMesh dimension, not init_process_group."""
+        return self._subgroup
+
+    def declare_lost(self, rank: int, why: str) -> None:
+        """Give this epoch's calls up because group rank ``rank`` is gone (see
+        :meth:`~resilient.group.peer_loss.PeerLoss.declare`); no-op once a loss is
+        known or when ``rank`` already left the group."""
+        epochs = self.epochs
+        if epochs.lost is None and rank in epochs.members and rank != self.rank():
+            epochs.peer_loss.declare(epochs.members.index(rank), why)
 
     # -- membership and recovery (recovery.session.Session drives these) -----------------
     def join_members_later(self, join: Callable[[], Any]) -> None:

@@ -161,10 +161,12 @@ def run_dist(
     timeout_s: float = 90.0,
     args: tuple[Any, ...] = (),
     env: dict[str, str] | None = None,
+    dead: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Run ``target(rank, world, *args)`` on ``world`` processes after
     ``dist.init_process_group(backend)``, as a user's script does (``env`` is added
-    to each rank's environment); return results by rank.
+    to each rank's environment); return results by rank. Ranks in ``dead`` are
+    expected to die without a result (their entry is None).
 
     Raises AssertionError with every failing rank's traceback; always reaps the processes.
     """
@@ -179,22 +181,24 @@ def run_dist(
         )
         for r in range(world)
     ]
-    return _collect(procs, results, world, timeout_s)
+    return _collect(procs, results, world, timeout_s, dead)
 
 
-def _collect(procs: list[Any], results: Any, world: int, timeout_s: float) -> list[Any]:
+def _collect(
+    procs: list[Any], results: Any, world: int, timeout_s: float, dead: frozenset[int]
+) -> list[Any]:
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
         for p in procs:
             p.start()
-        for _ in range(world):
+        for _ in range(world - len(dead)):
             try:
                 rank, status, value = results.get(timeout=timeout_s)
             except queue.Empty:
                 raise AssertionError(
-                    f"ranks {sorted(set(range(world)) - set(out) - set(errors))} gave no result "
-                    f"within {timeout_s} s"
+                    f"ranks {sorted(set(range(world)) - set(out) - set(errors) - dead)} gave "
+                    f"no result within {timeout_s} s"
                 ) from None
             (out if status == "ok" else errors)[rank] = value
     finally:
@@ -207,4 +211,4 @@ def _collect(procs: list[Any], results: Any, world: int, timeout_s: float) -> li
         raise AssertionError(
             "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         )
-    return [out[r] for r in range(world)]
+    return [out.get(r) for r in range(world)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from resilient import events
@@ -63,6 +64,8 @@ class PeerLoss:
         # recovery.Session moves the group to the next epoch (which clears it).
         self.lost: PeerLost | None = None
         self._lock = threading.Lock()
+        # Told of each loss this group declares (the world group tells its subgroups).
+        self.on_declared: Callable[[PeerLost], None] | None = None
 
     def check_lost(self) -> PeerLost | None:
         """After a failed call: is a peer gone (detect.lost_peer)? Sets :attr:`lost`."""
@@ -130,6 +133,8 @@ class PeerLoss:
         )  # fmt: skip
         logger.warning("rank %d (epoch %d): rank %d lost: %s", self._rank, ep.epoch, real, why)
         self._give_up(lost, peer, f"rank {real} was lost: this epoch's calls are given up")
+        if self.on_declared is not None:
+            self.on_declared(lost)
         return lost
 
     def _give_up(self, lost: PeerLost, peer: int, reason: str) -> None:

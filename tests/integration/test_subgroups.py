@@ -214,3 +214,60 @@ def test_dcp_save_and_load_of_an_hsdp_model(tmp_path: Any) -> None:
         for k, v in r["saved"].items():
             assert np.array_equal(v, r["loaded"][k]), (rank, k)
             assert np.array_equal(v, results[0]["saved"][k]), (rank, k)
+
+
+def _lost_in_every_group(rank: int, world: int) -> dict[str, Any]:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from resilient.errors import PeerLost
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    groups = {"rep": mesh.get_group("rep"), "shard": mesh.get_group("shard")}
+    for g in (None, *groups.values()):
+        dist.all_reduce(torch.ones(4), group=g)
+    dist.barrier()
+    if rank == 3:
+        os._exit(0)  # the process is gone: its sockets close
+    out: dict[str, Any] = {}
+    try:
+        dist.all_reduce(torch.ones(1000))
+        out["world"] = "no error"
+    except PeerLost as exc:
+        out["world"] = exc.peer
+    for name, g in groups.items():
+        ranks = dist.get_process_group_ranks(g)
+        # Told by the world group, before this group made any call of its own.
+        deadline = time.monotonic() + 2.0
+        while g.lost is None and 3 in ranks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        told = g.lost is not None
+        start = time.monotonic()
+        try:
+            t = torch.ones(3) * (rank + 1)
+            dist.all_reduce(t, group=g)
+            result: Any = t.tolist()
+        except PeerLost as exc:
+            result = ("PeerLost", dist.get_process_group_ranks(g)[0], exc.peer)
+        out[name] = (ranks, told, result, time.monotonic() - start)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_rank_fails_every_subgroup_holding_it_at_once_and_spares_the_others() -> None:
+    results = run_dist(_lost_in_every_group, WORLD, timeout_s=150, dead=frozenset({3}))
+    for rank in range(3):
+        r = results[rank]
+        assert r["world"] == 3, (rank, r)
+        for name in ("rep", "shard"):
+            ranks, told, result, took = r[name]
+            if 3 in ranks:
+                assert told, (rank, name)  # before any call of that group
+                assert result[0] == "PeerLost" and result[2] == ranks.index(3), (rank, name)
+                assert took < 1.0, (rank, name, took)  # at once, no deadline waited for
+            else:
+                assert not told, (rank, name)
+                assert result == [float(sum(x + 1 for x in ranks))] * 3, (rank, name, result)
