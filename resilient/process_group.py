@@ -208,6 +208,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def group_desc(self) -> str:  # type: ignore[override]
         return str(getattr(self, "_group_desc", "undefined"))
 
+    def _get_backend_name(self) -> str:
+        return "resilient"
+
     def _get_backend(self, device: Any) -> ResilientProcessGroup:  # type: ignore[override]
         # The group serves every device type it takes (cpu, cuda) itself.
         return self
@@ -401,6 +404,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> ResilientWork:
         return self.gathers.allgather(output_tensors, input_tensors, opts)
+
+    def allgather_coalesced(  # type: ignore[override]
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        return self.gathers.allgather_coalesced(output_lists, input_tensors, opts)
 
     def _allgather_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None

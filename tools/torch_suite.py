@@ -83,8 +83,10 @@ class _Outcomes(unittest.TextTestResult):
 
 
 def _last_line(tb: str) -> str:
-    lines = [line for line in tb.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    """The line that names the error (torch's spawn wrapper adds repro hints after it)."""
+    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line]
+    return (named or lines or [""])[-1]
 
 
 def _suite_class() -> type[unittest.TestCase]:

@@ -180,6 +180,33 @@ class GatherCalls:
         mine = self._engine_for(buf).reduce_scatter(buf, red)
         out.copy_(buf[mine.start : mine.stop].view_as(out))
 
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> ResilientWork:
+        """all_gather of each input: ``output_lists[r][i]`` receives rank r's input
+        i. Runs as one all_gather per input, in order; the last call's work.
+
+        Raises:
+            ValueError: no inputs, or not one output list per rank holding one
+                output per input; as allgather.
+        """
+        if len(output_lists) != self._size or any(
+            len(outs) != len(input_tensors) for outs in output_lists
+        ):
+            raise ValueError(
+                f"resilient allgather_coalesced: need {self._size} output lists (one per "
+                f"rank) of {len(input_tensors)} tensors (one per input)"
+            )
+        return self._last(
+            [
+                self.allgather([[outs[i] for outs in output_lists]], [inp], opts)
+                for i, inp in enumerate(input_tensors)
+            ]
+        )
+
     def all_gather_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> ResilientWork:
