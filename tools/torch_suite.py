@@ -30,6 +30,42 @@ from collections import Counter
 from typing import Any
 
 _MARK = "RESILIENT_TORCH_SUITE_RANK"
+_AS = "RESILIENT_TORCH_SUITE_AS_GLOO"
+
+
+def _swap_gloo(backend: str) -> None:
+    """Make every group the suite asks of gloo a ``backend`` one: many tests run only
+    for backends the suite names (gloo, nccl, ucc), though they use nothing of gloo's."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def swapped(fn: Any, position: int) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > position and str(args[position]).lower() == "gloo":
+                args = (*args[:position], backend, *args[position + 1 :])
+            if str(kwargs.get("backend", "")).lower() == "gloo":
+                kwargs["backend"] = backend
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, position in (("init_process_group", 0), ("new_group", 2), ("new_subgroups", 3)):
+        wrapped = swapped(getattr(c10d, name), position)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    init = c10d.init_process_group
+
+    @functools.wraps(init)
+    def checked_init(*args: Any, **kwargs: Any) -> Any:
+        out = init(*args, **kwargs)
+        if c10d.get_backend() != backend:  # the swap must hold, or the run proves nothing
+            raise RuntimeError(f"--as-gloo: the world group is {c10d.get_backend()}")
+        return out
+
+    c10d.init_process_group = dist.init_process_group = checked_init
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,6 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json-out", default=None, help="write every test's outcome here")
     p.add_argument("--compare-json", default=None, help="another run's --json-out")
     p.add_argument("--list", action="store_true", help="list the selected tests, run nothing")
+    p.add_argument(
+        "--as-gloo",
+        action="store_true",
+        help="tell the suite the backend is gloo (its gloo-only tests then run) while every "
+        "group it makes is a --backend one",
+    )
     args = p.parse_args(argv)
     if args.world_size < 2:
         p.error("--world-size must be at least 2")
@@ -124,6 +166,7 @@ def _report(outcomes: dict[str, tuple[str, str]], args: argparse.Namespace) -> d
     summary: dict[str, Any] = {
         "suite": "torch distributed_test",
         "backend": args.backend,
+        "as_gloo": args.as_gloo,
         "world_size": args.world_size,
         "tests": len(outcomes),
         "passed": counts["pass"],
@@ -144,7 +187,9 @@ def _report(outcomes: dict[str, tuple[str, str]], args: argparse.Namespace) -> d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ["BACKEND"] = args.backend
+    os.environ["BACKEND"] = "gloo" if args.as_gloo else args.backend
+    if args.as_gloo:
+        os.environ[_AS] = args.backend
     os.environ["WORLD_SIZE"] = str(args.world_size)
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="torch-suite-"))
     os.environ[_MARK] = "1"
@@ -168,4 +213,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 elif os.environ.get(_MARK):  # a rank spawned by a test of main()'s run
+    if os.environ.get(_AS):
+        _swap_gloo(os.environ[_AS])
     _suite_class()
