@@ -11,7 +11,8 @@ The suite is ``torch.testing._internal.distributed.distributed_test`` (needs the
 It reads BACKEND, WORLD_SIZE and TEMP_DIR from the environment at import, so this
 script sets them before importing it.
 
-``-k SUBSTRING`` (repeatable) keeps the tests whose name contains one of them;
+``-k SUBSTRING`` (repeatable) keeps the tests whose name contains one of them,
+``--exclude SUBSTRING`` drops them, ``--name NAME`` keeps exactly the tests named;
 ``--compare-json FILE`` (the ``--json-out`` of another backend's run) lists the
 tests that passed there and did not pass here. Prints one line per test, a count,
 then one JSON line (passed, failed, errors, skipped by reason).
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="processes per test (default 2)")
     p.add_argument("-k", dest="keep", action="append", default=[], help="name substring")
     p.add_argument("--exclude", action="append", default=[], help="drop names with this")
+    p.add_argument("--name", action="append", default=[], help="keep this exact test name")
     p.add_argument("--json-out", default=None, help="write every test's outcome here")
     p.add_argument("--compare-json", default=None, help="another run's --json-out")
     p.add_argument("--list", action="store_true", help="list the selected tests, run nothing")
@@ -151,8 +153,14 @@ def _suite_class() -> type[unittest.TestCase]:
     return TestDistBackendWithSpawn
 
 
-def _selected(cls: type[unittest.TestCase], keep: list[str], exclude: list[str]) -> list[str]:
+def _selected(cls: type[unittest.TestCase], args: argparse.Namespace) -> list[str]:
     names = unittest.TestLoader().getTestCaseNames(cls)
+    if args.name:
+        unknown = sorted(set(args.name) - set(names))
+        if unknown:
+            raise SystemExit(f"no such test in the suite: {', '.join(unknown)}")
+        return [n for n in names if n in args.name]
+    keep, exclude = args.keep, args.exclude
     return [
         n
         for n in names
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="torch-suite-"))
     os.environ[_MARK] = "1"
     cls = _suite_class()
-    names = _selected(cls, args.keep, args.exclude)
+    names = _selected(cls, args)
     if args.list:
         print("\n".join(names))
         return 0
