@@ -22,10 +22,12 @@ from resilient.group.work import ResilientWork, _Flat, _packed
 __all__ = ["ReduceCalls", "inline_rows"]
 
 
-def inline_rows(table: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    """Every rank's inline bytes of the exchange ``table``, as rows shaped like ``buf``."""
-    nbytes = buf.numel() * buf.element_size()
-    return table[:, :nbytes].contiguous().view(buf.dtype)
+def inline_rows(table: torch.Tensor, like: torch.Tensor, nbytes: int | None = None) -> torch.Tensor:
+    """Every rank's first ``nbytes`` inline bytes of the exchange ``table`` (default:
+    ``like``'s size), a row each, in ``like``'s dtype."""
+    if nbytes is None:
+        nbytes = like.numel() * like.element_size()
+    return table[:, :nbytes].contiguous().view(like.dtype)
 
 
 class ReduceCalls:

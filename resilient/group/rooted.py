@@ -25,6 +25,7 @@ from resilient.collectives.engine import fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.group.args import check_tensors, reduce_op
 from resilient.group.epoch_control import EpochControl
+from resilient.group.reductions import inline_rows
 from resilient.group.work import ResilientWork, _packed
 
 __all__ = ["RootedCalls", "Submit"]
@@ -47,11 +48,6 @@ class Submit(Protocol):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _rows(table: torch.Tensor, like: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """Every rank's first ``nbytes`` payload bytes as ``like``'s dtype, a row each."""
-    return table[:, :nbytes].contiguous().view(like.dtype)
 
 
 class RootedCalls:
@@ -101,7 +97,7 @@ class RootedCalls:
         def run(table: torch.Tensor | None) -> list[torch.Tensor]:
             if inline and table is not None:
                 if mine:
-                    t.copy_(fold_rows(_rows(table, t, _nbytes(t)), red).view_as(t))
+                    t.copy_(fold_rows(inline_rows(table, t, _nbytes(t)), red).view_as(t))
                 return tensors
             # A scratch copy: only the root's tensor may change.
             buf = t.detach().reshape(-1).clone()
@@ -175,7 +171,7 @@ class RootedCalls:
 
         def run(table: torch.Tensor | None) -> list[list[torch.Tensor]]:
             if inline and table is not None:
-                rows = _rows(table, inp, _nbytes(inp))
+                rows = inline_rows(table, inp, _nbytes(inp))
             else:
                 rows = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
                 rows[self._rank].copy_(inp.reshape(-1))
@@ -218,7 +214,7 @@ class RootedCalls:
 
         def run(table: torch.Tensor | None) -> list[torch.Tensor]:
             if inline and table is not None:
-                whole = _rows(table, out, _nbytes(out) * size)[root]
+                whole = inline_rows(table, out, _nbytes(out) * size)[root]
             else:
                 whole = _packed(ins) if ins else torch.empty(n * size, dtype=out.dtype)
                 whole = whole.contiguous()
