@@ -93,7 +93,7 @@ def create_backend(
     env = RankEnv.from_env(rank=rank, world_size=world_size)
     config = DataPlaneConfig.from_env()
     if job_ranks is not None:
-        return _subgroup(env, store, config, tuple(job_ranks))
+        return _subgroup(env, store, config, tuple(job_ranks), timeout)
     if env.fault_control:
         if env.etcd is None:
             raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
@@ -110,6 +110,7 @@ def create_backend(
         incarnation=env.incarnation,
         # A restarted rank joins a running job: recovery.Session admits it.
         joining=env.incarnation > 0,
+        timeout=timeout,
     )
     if env.etcd is not None and env.token:
         join = functools.partial(_join, env, rails)
@@ -132,7 +133,11 @@ def create_backend(
 
 
 def _subgroup(
-    env: RankEnv, store: Store, config: DataPlaneConfig, job_ranks: tuple[int, ...]
+    env: RankEnv,
+    store: Store,
+    config: DataPlaneConfig,
+    job_ranks: tuple[int, ...],
+    timeout: timedelta | None,
 ) -> ResilientProcessGroup:
     """A subgroup of ``job_ranks``: no membership join, no fault hook of its own
     (the world group's serves the process)."""
@@ -153,6 +158,7 @@ def _subgroup(
         store=_link_store(env, store),
         config=config,
         job_ranks=job_ranks,
+        timeout=timeout,
     )
     logger.info(
         "rank %d (group rank %d/%d): resilient subgroup of ranks %s over %d rail(s) "

@@ -24,6 +24,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -109,6 +110,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         incarnation: int = 0,
         joining: bool = False,
         job_ranks: Sequence[int] | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(rank, world_size)  # type: ignore[call-arg]
         # The job rank of each group rank: a subgroup's, or the world's own numbers.
@@ -135,6 +137,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._transfers = StateTransfer(self.epochs)
         self._start_health(rank, joining)
         self._calls = CallRunner(rank, self.epochs)
+        self._calls.timeout = timeout
         self.reductions = ReduceCalls(
             rank=rank, epochs=self.epochs, calls=self._calls, elide=self.config.elide_every > 0
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ class CallRunner:
         # Calls submitted and finished: the peer watch looks only while some run.
         self._calls_in, self._calls_out = 0, 0
         self.closed = False  # set by the group's shutdown: no call is taken after it
+        # How long a work's wait() waits by default (the group's timeout), or None.
+        self.timeout: timedelta | None = None
         self._queue: Handoff[tuple[Callable[[], Any], Future[Any]] | None] = Handoff()
         self._thread = threading.Thread(
             target=self._loop, name=f"resilient-comm-{rank}", daemon=True
@@ -110,7 +113,7 @@ class CallRunner:
         fut: Future[Any] = Future()
         self._calls_in += 1
         self._queue.put((run, fut))
-        return ResilientWork(fut, op)
+        return ResilientWork(fut, op, self.timeout)
 
     def _run_checked(
         self,

@@ -45,18 +45,29 @@ class ResilientWork(Work):
     Python waiters on that child see the error wrapped in a RuntimeError.
     """
 
-    def __init__(self, root: Future[Any], op: str) -> None:
+    def __init__(self, root: Future[Any], op: str, timeout: timedelta | None = None) -> None:
         super().__init__()
         self._root = root
         self._future = root.then(_unwrap)
         self._op = op
+        self._timeout = timeout  # the group's (init_process_group's timeout=)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is not None and timeout.total_seconds() > 0:
+        """Wait for the op (at most ``timeout``, default the group's timeout).
+
+        Raises:
+            CollectiveTimeout: not complete in time (the op itself goes on).
+            ResilientError: the op's own error (LinkError, PeerLost, ...).
+        """
+        timeout = timeout if timeout is not None else self._timeout
+        if timeout is not None and timeout.total_seconds() > 0 and not self._root.done():
             done = threading.Event()
             self._root.add_done_callback(lambda _: done.set())
             if not done.wait(timeout.total_seconds()):
-                raise CollectiveTimeout(f"{self._op} not complete after {timeout}")
+                raise CollectiveTimeout(
+                    f"resilient {self._op}: not complete within its timeout of {timeout} "
+                    "(init_process_group's timeout=, or wait's)"
+                )
         value = self._root.wait()
         if isinstance(value, Failed):
             raise value.exc
