@@ -48,6 +48,7 @@ _OPS = (
     "scatter",
     "all_to_all",
     "all_to_all_single",
+    "sparse_allreduce",
 )
 _DTYPES = (
     None,

@@ -6,15 +6,16 @@ signature exchange and need no data phase.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from resilient.collectives.engine import fold_rows
+from resilient.collectives.engine import Reduce, fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
-from resilient.group.args import AllreduceCalls, check_tensors
+from resilient.group.args import AllreduceCalls, check_tensors, reduce_op
 from resilient.group.calls import CallRunner
 from resilient.group.epoch_control import EpochControl
 from resilient.group.work import ResilientWork, _Flat, _packed
@@ -51,6 +52,8 @@ class ReduceCalls:
         Raises:
             ValueError, TypeError, NotImplementedError: see check_tensors, reduce_op.
         """
+        if tensors and tensors[0].is_sparse:
+            return self._sparse_allreduce(tensors, opts)
         red, sig, digest = self._known.of(tensors, opts)
         inline = self._inline(tensors)
 
@@ -66,6 +69,58 @@ class ReduceCalls:
         payload = (lambda: _packed(tensors)) if inline else None
         digest = 0 if inline else digest
         return self._calls.submit("allreduce", sig, run, payload=payload, digest=digest)
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> ResilientWork:
+        """The sum of one sparse COO tensor across the members, in place (as gloo's):
+        every rank's indices and values are gathered (padded to the largest count)
+        and coalesced in rank order, so every rank ends with the same bits.
+
+        Raises:
+            NotImplementedError: not one CPU COO tensor, or an op other than SUM.
+            TypeError: the dtype; see check_tensors.
+            MembershipError: the group shrank (the call needs every rank).
+        """
+        opts = opts or dist.AllreduceOptions()
+        t = tensors[0]
+        if len(tensors) != 1 or t.layout != torch.sparse_coo or t.device.type != "cpu":
+            raise NotImplementedError("resilient allreduce: sparse needs one CPU COO tensor")
+        if reduce_op("allreduce", opts) is not Reduce.SUM:
+            raise NotImplementedError("resilient allreduce: sparse tensors take SUM only")
+        check_tensors("allreduce", [t._values()])
+        self._epochs.need_every_rank("sparse allreduce")
+        sig = Signature.of("sparse_allreduce", [t], reduce=Reduce.SUM)
+
+        def run(_: torch.Tensor | None) -> list[torch.Tensor]:
+            t.copy_(self._sparse_sum(t.coalesce()))
+            return tensors
+
+        return self._calls.submit("sparse_allreduce", sig, run)
+
+    def _sparse_sum(self, t: torch.Tensor) -> torch.Tensor:
+        engine, size, me = self._epochs.engine, len(self._epochs.members), self._epochs.pos
+        idx, val = t.indices(), t.values()
+        counts = torch.zeros(size, dtype=torch.int64)
+        counts[me] = idx.shape[1]
+        engine.all_gather(counts)
+        most = int(counts.max())
+        row = int(math.prod(val.shape[1:]))  # elements per index (dense dimensions)
+        idx_rows = torch.zeros((size, idx.shape[0] * most), dtype=torch.int64)
+        val_rows = torch.zeros((size, row * most), dtype=val.dtype)
+        idx_rows[me, : idx.numel()] = idx.reshape(-1)
+        val_rows[me, : val.numel()] = val.reshape(-1)
+        if most:
+            engine.all_gather(idx_rows.view(-1))
+            engine.all_gather(val_rows.view(-1))
+        parts = [
+            (
+                idx_rows[r, : idx.shape[0] * int(n)].view(idx.shape[0], int(n)),
+                val_rows[r, : row * int(n)].view(int(n), *val.shape[1:]),
+            )
+            for r, n in enumerate(counts.tolist())
+        ]
+        return torch.sparse_coo_tensor(
+            torch.cat([i for i, _ in parts], dim=1), torch.cat([v for _, v in parts]), t.shape
+        ).coalesce()
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> ResilientWork:
         """Copy the root's ``tensors`` into every member's.
