@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from membership.epoch import current_epoch
+from recovery import subgroups
 from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of, unpack
 from recovery.agree import (
@@ -110,6 +111,8 @@ class Session(Resizing):
         from resilient.process_group import ResilientProcessGroup
 
         self.pg = pg if isinstance(pg, ResilientProcessGroup) else None
+        if self.pg is not None:
+            self.pg.subgroups_follow = True  # recovery.subgroups
         self.state = state
         self._commit = commit or getattr(state, "commit", None)
         self._warmup = warmup
@@ -382,6 +385,7 @@ class Session(Resizing):
         dropped = self.pg.enter_epoch(
             plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members
         )
+        subgroups.follow(plan, before, self._rank, self.config.quiesce_timeout_s)
         if self._cut_backward:
             reset_reducer(self._ddp)
         events.emit(

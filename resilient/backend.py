@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from resilient.config import DataPlaneConfig, RankEnv
-from resilient.errors import ConfigError, RecoveryError
+from resilient.errors import ConfigError
 from resilient.group.roster import agree_roster
 from resilient.links.rails import resolve_rails
 from resilient.process_group import ResilientProcessGroup
@@ -56,7 +56,6 @@ def create_group(options: Any, backend_options: Any = None) -> ResilientProcessG
 
     Raises:
         ConfigError: the RESILIENT_* environment is malformed.
-        RecoveryError: a replacement rank tries to make a subgroup.
         MembershipError: the world group could not join the job's membership.
     """
     return create_backend(
@@ -85,7 +84,6 @@ def create_backend(
 
     Raises:
         ConfigError: the RESILIENT_* environment is malformed.
-        RecoveryError: a replacement rank tries to make a subgroup.
         CollectiveMismatch: ranks made their subgroups in different orders.
         StoreTimeout: a member of a subgroup did not make it in time.
         MembershipError: the world group could not join the job's membership.
@@ -140,15 +138,9 @@ def _subgroup(
     timeout: timedelta | None,
 ) -> ResilientProcessGroup:
     """A subgroup of ``job_ranks``: no membership join, no fault hook of its own
-    (the world group's serves the process)."""
-    if env.incarnation > 0:
-        # The survivors made their subgroups long ago and will not meet this one,
-        # and a subgroup does not follow recovery yet: refuse rather than hang.
-        raise RecoveryError(
-            f"rank {job_ranks[env.rank]} (incarnation {env.incarnation}): a replacement "
-            f"cannot make a subgroup of ranks {list(job_ranks)}; subgroups (new_group, "
-            "DeviceMesh dimensions) do not follow recovery yet"
-        )
+    (the world group's serves the process). A replacement's (incarnation > 0) meets
+    the survivors' subgroup of the same name (it makes its groups in the same
+    order), and is admitted with the world group (recovery.subgroups)."""
     agree_roster(store, env.rank, job_ranks, config.connect_timeout_s)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
@@ -159,6 +151,10 @@ def _subgroup(
         config=config,
         job_ranks=job_ranks,
         timeout=timeout,
+        # A replacement's subgroups run their calls alone until recovery.Session
+        # admits it into the world group's next epoch; they follow it there.
+        incarnation=env.incarnation,
+        joining=env.incarnation > 0,
     )
     logger.info(
         "rank %d (group rank %d/%d): resilient subgroup of ranks %s over %d rail(s) "

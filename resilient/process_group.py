@@ -1,11 +1,9 @@
 """``ResilientProcessGroup``: a real ``torch.distributed.ProcessGroup`` over links.
 
 Collectives run on one communication thread per group, in the order they were
-issued (every rank issues them in the same order, as with any process group), and
-return a :class:`ResilientWork` whose future completes when the collective does, so
-DDP overlaps them with backward exactly as with gloo. Each collective is a mesh or
-ring schedule over links, one TCP connection per (peer, rail) by default
-(:mod:`resilient.collectives.engine`, :mod:`resilient.links`).
+issued, and return a :class:`ResilientWork` whose future completes when the call
+does, so DDP overlaps them with backward as with gloo. Each is a mesh or ring
+schedule over links (:mod:`resilient.collectives.engine`, :mod:`resilient.links`).
 
 Before the data moves, ranks exchange a small signature of the call (op, reduce
 op, dtype, shapes, sequence number). If ranks disagree, every rank raises
@@ -53,7 +51,7 @@ from resilient.group.work import ResilientWork
 from resilient.links import repair, transfer
 from resilient.links.table import Counters, LinkTable
 
-__all__ = ["ResilientProcessGroup", "ResilientWork"]
+__all__ = ["ResilientProcessGroup", "ResilientWork", "live_subgroups"]
 
 
 logger = logging.getLogger(__name__)
@@ -76,26 +74,31 @@ def _shutdown_live_groups() -> None:
 def _fail_subgroups(lost: PeerLost) -> None:
     """The world group lost ``lost.peer``: every subgroup of this process holding
     that rank gives its calls up at once, instead of each finding out for itself
-    at its next call's deadline."""
-    for pg in list(_LIVE):
-        if pg.is_subgroup and lost.peer in pg.job_ranks:
+    at its next call's deadline. When recovery drives the job
+    (:attr:`ResilientProcessGroup.subgroups_follow`), every other subgroup gives
+    its calls up too: the step is replayed on every group."""
+    world = [pg for pg in list(_LIVE) if not pg.is_subgroup]
+    follow = any(pg.subgroups_follow for pg in world)
+    for pg in live_subgroups():
+        if lost.peer in pg.job_ranks:
             pg.declare_lost(pg.job_ranks.index(lost.peer), f"the world group lost it ({lost})")
+        elif follow:
+            pg.epochs.peer_loss.abandon(f"the world group lost rank {lost.peer}; recovering")
+
+
+def live_subgroups() -> list[ResilientProcessGroup]:
+    """This process's subgroups (new_group, DeviceMesh dimensions) not shut down."""
+    return [pg for pg in list(_LIVE) if pg.is_subgroup and not pg.closed]
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
-    """A process group whose collectives are ring schedules over per-rail links.
+    """A process group whose calls are schedules over per-rail links.
 
-    Supported: allreduce (sum, avg, product, min, max), allreduce_coalesced,
-    broadcast, allgather, all_gather_into_tensor, reduce_scatter,
-    reduce_scatter_tensor, barrier; float32/64, float16, bfloat16, int8/16/32/64,
-    uint8 and bool tensors, contiguous or not, on CPU (socket or gloo links) or CUDA
-    (NCCL pair links, one GPU per rank). Anything else raises ``NotImplementedError``
-    naming the op. Errors of a collective surface from ``Work.wait()``.
-
-    What lives for one epoch (engines, health board, call checks, peer loss) is
-    :attr:`epochs`' (:class:`~resilient.group.epoch_control.EpochControl`); the gather and
-    scatter calls are built by :attr:`gathers`, state transfers run by
-    :class:`~resilient.group.state_transfer.StateTransfer`.
+    Every collective, p2p and all-to-all call torch.distributed makes (README's
+    table), for every dtype gloo takes; anything else raises ``NotImplementedError``
+    naming the op. Errors of a call surface from ``Work.wait()``. What lives for one
+    epoch is :attr:`epochs`' (:class:`~resilient.group.epoch_control.EpochControl`);
+    each family of calls is built by its class in :mod:`resilient.group`.
     """
 
     def __init__(
@@ -116,6 +119,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         # The job rank of each group rank: a subgroup's, or the world's own numbers.
         self.job_ranks = tuple(job_ranks) if job_ranks is not None else tuple(range(world_size))
         self._subgroup = job_ranks is not None
+        # Set by recovery.Session on the world group: its subgroups follow each of
+        # its recoveries (recovery.subgroups).
+        self.subgroups_follow = False
         if len(self.job_ranks) != world_size:
             raise ValueError(f"{len(self.job_ranks)} job ranks for a group of {world_size}")
         self.config = config or DataPlaneConfig()
@@ -259,6 +265,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def lost(self) -> PeerLost | None:
         """The peer loss this group saw in this epoch, or None."""
         return self.epochs.lost
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` ran."""
+        return self._calls.closed
 
     @property
     def is_subgroup(self) -> bool:

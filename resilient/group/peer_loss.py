@@ -137,13 +137,29 @@ class PeerLoss:
             self.on_declared(lost)
         return lost
 
+    def abandon(self, why: str) -> PeerLost:
+        """Give up this epoch's calls though none of this group's peers is gone: the
+        world group lost a rank and recovery replays the step on every group (a
+        subgroup of survivors only would otherwise run a call some members gave up).
+        Returns the error its calls now fail with (``peer`` -1)."""
+        ep = self._epoch
+        with self._lock:
+            if self.lost is not None:
+                return self.lost
+            lost = PeerLost(f"rank {self._rank} (epoch {ep.epoch}): {why}", epoch=ep.epoch)
+            self.lost = lost
+        logger.info("rank %d (epoch %d): calls given up: %s", self._rank, ep.epoch, why)
+        self._give_up(lost, -1, why)
+        return lost
+
     def _give_up(self, lost: PeerLost, peer: int, reason: str) -> None:
         """Fail the pending exchanges, freeze the links, publish this rank's last
         exchange, and cut what is still busy after ABANDON_GRACE_S."""
         ep = self._epoch
         if ep.checks is not None:
             ep.checks.fail_pending(PeerLost(str(lost), peer=lost.peer, epoch=ep.epoch))
-        ep.board.mark_lost(peer)
+        if peer >= 0:
+            ep.board.mark_lost(peer)
         for table in ep.tables():
             table.abandoned = reason
             table.freeze()

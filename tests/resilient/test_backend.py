@@ -9,22 +9,28 @@ import pytest
 import torch.distributed as dist
 
 from resilient.backend import create_group
-from resilient.errors import RecoveryError
 
 
 @pytest.mark.timeout(30)
-def test_a_replacement_cannot_make_a_subgroup(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A replacement (incarnation 1) making a subgroup would wait for survivors that
-    # made theirs long ago: it is refused at once, before the store is touched.
+def test_a_replacements_subgroup_waits_for_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A replacement (incarnation 1) meets the survivors' subgroup of the same name:
+    # their claims are in the store, and it runs its calls alone (joining) until
+    # recovery.Session admits it (recovery.subgroups).
     monkeypatch.setenv("RESILIENT_INCARNATION", "1")
+    monkeypatch.setenv("RESILIENT_RAILS", "127.0.1.4")
     store = dist.HashStore()
+    store.set("resilient/roster/0", "2:2,3")  # the survivor's claim, made long ago
     options = SimpleNamespace(
         store=store, group_rank=1, group_size=2, timeout=timedelta(seconds=5),
         global_ranks_in_group=[2, 3],
     )  # fmt: skip
-    with pytest.raises(RecoveryError, match=r"rank 3 \(incarnation 1\).*ranks \[2, 3\]"):
-        create_group(options)
-    assert store.num_keys() == 0
+    pg = create_group(options)
+    try:
+        assert pg.is_subgroup and pg.joining and pg.membership is None
+        assert pg.job_ranks == (2, 3) and pg.incarnation == 1
+        assert store.get("resilient/roster/1") == b"3:2,3"
+    finally:
+        pg.shutdown()
 
 
 @pytest.mark.timeout(30)
