@@ -73,6 +73,7 @@ from recovery.state import (
     TrainState,
     average_over_members,
     cut_forward,
+    refuse_sharded,
     reset_reducer,
 )
 from resilient import events
@@ -112,6 +113,7 @@ class Session(Resizing):
 
         self.pg = pg if isinstance(pg, ResilientProcessGroup) else None
         if self.pg is not None:
+            refuse_sharded(state)
             self.pg.subgroups_follow = True  # recovery.subgroups
         self.state = state
         self._commit = commit or getattr(state, "commit", None)

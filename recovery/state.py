@@ -8,9 +8,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from resilient.errors import PeerLost
+from resilient.errors import PeerLost, RecoveryError
 
-__all__ = ["StateHook", "TrainState", "average_over_members", "cut_forward", "reset_reducer"]
+__all__ = [
+    "StateHook",
+    "TrainState",
+    "average_over_members",
+    "cut_forward",
+    "refuse_sharded",
+    "reset_reducer",
+]
 
 
 @runtime_checkable
@@ -57,6 +64,40 @@ class TrainState:
 
     def commit(self) -> None:
         self.optimizer.step()
+
+
+def _sharded(obj: Any, path: str = "") -> str | None:
+    """The path of the first sharded tensor (a DTensor) in ``obj``, or None."""
+    if isinstance(obj, torch.Tensor):
+        return path if type(obj).__name__ == "DTensor" else None
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(
+        obj, list | tuple
+    ) else ()  # fmt: skip
+    for key, value in items:
+        found = _sharded(value, f"{path}/{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_sharded(state: StateHook) -> None:
+    """Refuse a state holding sharded tensors (FSDP2/HSDP parameters, DTensors).
+
+    A replacement gets its state from one donor, whole: with sharded parameters that
+    would load the donor's shards in place of its own, silently wrong. Restoring a
+    shard from its replica (HSDP) is not built yet.
+
+    Raises:
+        RecoveryError: ``state`` holds a DTensor (names where).
+    """
+    where = _sharded(state.state_dict())
+    if where is not None:
+        raise RecoveryError(
+            f"recovery.Session: the state holds a sharded tensor at {where} (FSDP2/HSDP): "
+            "a replacement would get another rank's shards; restoring shards from "
+            "their replicas is not supported yet. Save DCP checkpoints instead "
+            "(examples/train_fsdp.py) and let a lost rank end the job"
+        )
 
 
 def average_over_members(ddp: Any, pg: Any, *, cut_backward: bool = False) -> None:

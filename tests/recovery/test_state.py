@@ -95,3 +95,27 @@ def test_cut_forward_ends_a_forward_pass_at_the_next_module_once_a_peer_is_lost(
     with pytest.raises(PeerLost):
         model(torch.ones(1, 4))
     assert ran == ["0"]
+
+
+@pytest.mark.timeout(60)
+def test_a_session_refuses_fsdp_sharded_state() -> None:
+    # A replacement would load the donor's shards as its own: refused at setup.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from recovery.state import TrainState, refuse_sharded
+    from resilient.errors import RecoveryError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        plain = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        refuse_sharded(plain)  # DDP-style replicated state is fine
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        sharded = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(RecoveryError, match=r"sharded tensor at /model/0.weight"):
+            refuse_sharded(sharded)
+    finally:
+        dist.destroy_process_group()
