@@ -78,33 +78,10 @@ def run_world(
         )
         for r in range(world)
     ]
-    out: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    try:
-        for p in procs:
-            p.start()
-        for _ in range(world - len(dead)):
-            try:
-                rank, status, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError(
-                    f"ranks {sorted(set(range(world)) - set(out) - set(errors))} gave no result "
-                    f"within {timeout_s} s"
-                ) from None
-            (out if status == "ok" else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                os.kill(p.pid or 0, 9)
-                p.join(timeout=5)
-    if errors:
-        raise AssertionError(
-            "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-        )
+    out = _collect(procs, results, world, timeout_s, dead)
     for r in dead:
         out[r] = procs[r].exitcode
-    return [out[r] for r in range(world)]
+    return out
 
 
 def reduce_opts(op: Any) -> Any:

@@ -9,19 +9,13 @@ rank knows what it must receive.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from resilient.procs import free_port
-from tests._dist import run_world
+from tests._dist import run_dist, run_world
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 COLS = 3
@@ -163,64 +157,28 @@ def test_disagreeing_splits_fail_on_every_rank_and_the_group_goes_on(checks: boo
 WORLD = 3
 
 
-def _api_rank(rank: int, port: int, results: Any) -> None:
-    try:
-        os.environ["RESILIENT_RAILS"] = f"127.0.1.{rank + 1}"
-        import resilient  # noqa: F401  (registers the backend)
-
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=60))
-        dist.init_process_group("resilient", store=store, rank=rank, world_size=WORLD)
-        try:
-            gloo = dist.new_group(backend="gloo")
-            out = {}
-            splits_in = [_uneven(rank, j, WORLD) for j in range(WORLD)]
-            splits_out = [_uneven(i, rank, WORLD) for i in range(WORLD)]
-            src = torch.arange(WORLD * 4, dtype=torch.float32) + 100 * rank
-            uneven = torch.arange(sum(splits_in), dtype=torch.int64) + 100 * rank
-            for name, group in (("resilient", None), ("gloo", gloo)):
-                a = torch.zeros(WORLD * 4)
-                dist.all_to_all_single(a, src, group=group)
-                b = torch.zeros(sum(splits_out), dtype=torch.int64)
-                dist.all_to_all_single(b, uneven, splits_out, splits_in, group=group)
-                # gloo's list form takes equal sizes only.
-                c = [torch.zeros(2) for _ in range(WORLD)]
-                dist.all_to_all(
-                    c, [torch.full((2,), float(rank + j)) for j in range(WORLD)], group=group
-                )
-                out[name] = (a.tolist(), b.tolist(), [t.tolist() for t in c])
-            results.put((rank, "ok", (type(dist.group.WORLD).__name__, out)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # reported to the test, which names the rank
-        results.put((rank, "error", repr(exc)))
+def _api_rank(rank: int, world: int) -> tuple[str, dict[str, Any]]:
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    splits_in = [_uneven(rank, j, WORLD) for j in range(WORLD)]
+    splits_out = [_uneven(i, rank, WORLD) for i in range(WORLD)]
+    src = torch.arange(WORLD * 4, dtype=torch.float32) + 100 * rank
+    uneven = torch.arange(sum(splits_in), dtype=torch.int64) + 100 * rank
+    for name, group in (("resilient", None), ("gloo", gloo)):
+        a = torch.zeros(WORLD * 4)
+        dist.all_to_all_single(a, src, group=group)
+        b = torch.zeros(sum(splits_out), dtype=torch.int64)
+        dist.all_to_all_single(b, uneven, splits_out, splits_in, group=group)
+        # gloo's list form takes equal sizes only.
+        c = [torch.zeros(2) for _ in range(WORLD)]
+        dist.all_to_all(c, [torch.full((2,), float(rank + j)) for j in range(WORLD)], group=group)
+        out[name] = (a.tolist(), b.tolist(), [t.tolist() for t in c])
+    return type(dist.group.WORLD).__name__, out
 
 
 @pytest.mark.timeout(150)
 def test_all_to_all_through_torch_matches_gloo() -> None:
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_api_rank, args=(r, port, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    seen: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + 120
-        while len(seen) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            assert status == "ok", (rank, value)
-            seen[rank] = value
-        assert len(seen) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(seen))} gave no result"
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    seen = dict(enumerate(run_dist(_api_rank, WORLD, timeout_s=120)))
     for rank, (kind, out) in seen.items():
         assert kind == "ResilientProcessGroup", (rank, kind)
         assert out["resilient"] == out["gloo"], (rank, out)

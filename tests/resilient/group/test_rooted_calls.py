@@ -7,19 +7,13 @@ sums are logical or, as torch's in-place add.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from resilient.procs import free_port
-from tests._dist import run_world
+from tests._dist import run_dist, run_world
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 # 6 elements travel inside the signature rows; 40,000 take the engine's data path.
@@ -157,59 +151,25 @@ def test_bad_rooted_calls_raise_on_the_callers_thread() -> None:
 WORLD = 3
 
 
-def _api_rank(rank: int, port: int, results: Any) -> None:
-    try:
-        os.environ["RESILIENT_RAILS"] = f"127.0.1.{rank + 1}"
-        import resilient  # noqa: F401  (registers the backend)
-
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=timedelta(seconds=60))
-        dist.init_process_group("resilient", store=store, rank=rank, world_size=WORLD)
-        try:
-            gloo = dist.new_group(backend="gloo")
-            out = {}
-            for name, group in (("resilient", None), ("gloo", gloo)):
-                x = torch.arange(5, dtype=torch.float64) * (rank + 1)
-                dist.reduce(x, dst=2, op=dist.ReduceOp.SUM, group=group)
-                g = [torch.zeros(4, dtype=torch.int64) for _ in range(WORLD)] if rank == 1 else None
-                dist.gather(torch.full((4,), rank, dtype=torch.int64), g, dst=1, group=group)
-                s = torch.zeros(3)
-                chunks = [torch.full((3,), 10.0 * r) for r in range(WORLD)] if rank == 2 else None
-                dist.scatter(s, chunks, src=2, group=group)
-                out[name] = (x.tolist() if rank == 2 else None,
-                             [t.tolist() for t in g] if g else None, s.tolist())  # fmt: skip
-            results.put((rank, "ok", (type(dist.group.WORLD).__name__, out)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # reported to the test, which names the rank
-        results.put((rank, "error", repr(exc)))
+def _api_rank(rank: int, world: int) -> tuple[str, dict[str, Any]]:
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("resilient", None), ("gloo", gloo)):
+        x = torch.arange(5, dtype=torch.float64) * (rank + 1)
+        dist.reduce(x, dst=2, op=dist.ReduceOp.SUM, group=group)
+        g = [torch.zeros(4, dtype=torch.int64) for _ in range(WORLD)] if rank == 1 else None
+        dist.gather(torch.full((4,), rank, dtype=torch.int64), g, dst=1, group=group)
+        s = torch.zeros(3)
+        chunks = [torch.full((3,), 10.0 * r) for r in range(WORLD)] if rank == 2 else None
+        dist.scatter(s, chunks, src=2, group=group)
+        out[name] = (x.tolist() if rank == 2 else None,
+                     [t.tolist() for t in g] if g else None, s.tolist())  # fmt: skip
+    return type(dist.group.WORLD).__name__, out
 
 
 @pytest.mark.timeout(150)
 def test_reduce_gather_scatter_through_torch_match_gloo() -> None:
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_api_rank, args=(r, port, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    seen: dict[int, Any] = {}
-    try:
-        deadline = time.monotonic() + 120
-        while len(seen) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            assert status == "ok", (rank, value)
-            seen[rank] = value
-        assert len(seen) == WORLD, f"ranks {sorted(set(range(WORLD)) - set(seen))} gave no result"
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    seen = dict(enumerate(run_dist(_api_rank, WORLD, timeout_s=120)))
     for rank, (kind, out) in seen.items():
         assert kind == "ResilientProcessGroup", (rank, kind)
         assert out["resilient"] == out["gloo"], (rank, out)
