@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
     final = torch.tensor([loss], dtype=torch.float64)
     dist.broadcast(final, src=1)  # so both stages report it
-    print(f"rank {rank} ({args.backend}): final loss {float(final):.9f} params {digest(model)}")
+    # One write per line: both ranks share the launcher's stdout.
+    line = f"rank {rank} ({args.backend}): final loss {float(final):.9f} params {digest(model)}\n"
+    sys.stdout.write(line)
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
     return 0
