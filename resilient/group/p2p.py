@@ -19,14 +19,19 @@ Semantics:
 * **Tags.** A receive matches by tag: a receive whose tag is not the next
   message's still completes when the sender used its tag (the messages before it
   wait in the socket pair's stash, read aside). Tags are 32-bit integers.
-* **Completion.** A send completes once its bytes left and the receiver checked
-  its header (synchronous, as MPI's ``Ssend``): blocking sends that the peer
+* **Completion.** A send completes once the matching receive was posted (its
+  READY, with its dtype and count, came and was checked here) and the bytes are in
+  the socket: synchronous, as MPI's ``Ssend``, but with no acknowledgement round
+  trip, and on the caller's thread when the READY is there already (the usual case:
+  a receive announces itself as it is posted). Blocking sends that the peer
   receives in another order than sent wait for each other until a deadline. Use
-  ``isend``/``batch_isend_irecv`` for such exchanges.
+  ``isend``/``batch_isend_irecv`` for such exchanges. ``wait`` moves the op on the
+  waiting thread (no hand-off from the channel's thread).
 * **Checks.** A receive of another dtype or element count than its send fails at
-  both ends with :class:`~resilient.errors.CollectiveMismatch`, and the pair goes
-  on working. A peer rank outside the group or equal to this one raises
-  ``ValueError`` on the caller's thread; a peer that left the group (a shrink)
+  both ends with :class:`~resilient.errors.CollectiveMismatch` (the sender checks,
+  so no byte lands in the receive), and the pair goes on working. A peer rank
+  outside the group or equal to this one raises ``ValueError`` on the caller's
+  thread; a peer that left the group (a shrink)
   :class:`~resilient.errors.MembershipError`.
 * **Deadlines.** A peer that never posts the matching op fails the op with
   :class:`~resilient.errors.LinkError` after ``op_timeout_floor_s`` plus the bytes at
@@ -42,7 +47,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Final
 
 import torch
@@ -50,7 +57,8 @@ from torch.futures import Future
 
 from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.group.epoch_control import EpochControl
-from resilient.group.p2p_channel import Channel, Message
+from resilient.group.p2p_channel import Channel
+from resilient.group.p2p_wire import Message
 from resilient.group.work import ResilientWork
 
 __all__ = ["PointToPoint"]
@@ -59,6 +67,28 @@ logger = logging.getLogger(__name__)
 
 _TAG_MIN: Final = -(1 << 31)
 _TAG_MAX: Final = (1 << 31) - 1
+
+
+class _P2PWork(ResilientWork):
+    """A p2p op's work: ``wait`` moves the channel's ops on the waiting thread
+    (:meth:`Channel.wait_for`), so the op ends there without a hand-off from the
+    channel's pump; the future completes the same either way."""
+
+    def __init__(self, msg: Message, chan: Channel) -> None:
+        super().__init__(msg.fut, msg.op)
+        self._msg, self._chan = msg, chan
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """As :meth:`ResilientWork.wait`.
+
+        Raises:
+            CollectiveTimeout: not complete within ``timeout`` (the op goes on).
+            CollectiveMismatch, LinkError: the op's own error.
+        """
+        if not self._msg.fut.done():
+            secs = timeout.total_seconds() if timeout is not None else 0.0
+            self._chan.wait_for(self._msg, time.monotonic() + secs if secs > 0 else None)
+        return super().wait(timeout)
 
 
 class PointToPoint:
@@ -87,9 +117,10 @@ class PointToPoint:
         t = self._check("send", tensors, dst, tag)
         src = t.detach()
         buf = src.reshape(-1) if src.is_contiguous() else src.contiguous().reshape(-1)
-        msg = self._message("send", buf, t, dst, tag)
-        self._channel(dst, "send").send(msg)
-        return ResilientWork(msg.fut, "send")
+        msg = Message("send", tag, dst, buf, t, Future())
+        chan = self._channel(dst, "send")
+        chan.send(msg)
+        return _P2PWork(msg, chan)
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int) -> ResilientWork:
         """Receive into ``tensors[0]`` from rank ``src``.
@@ -100,20 +131,14 @@ class PointToPoint:
         t = self._check("recv", tensors, src, tag)
         into = t.detach()
         buf = into.view(-1) if into.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
-        msg = self._message("recv", buf, t, src, tag)
-        self._channel(src, "recv").recv(msg)
-        return ResilientWork(msg.fut, "recv")
+        msg = Message("recv", tag, src, buf, t, Future())
+        chan = self._channel(src, "recv")
+        chan.recv(msg)
+        return _P2PWork(msg, chan)
 
     def recv_anysource(self, tensors: Any, tag: int) -> ResilientWork:
         """Raises NotImplementedError: a receive must name its peer."""
         raise NotImplementedError("resilient process group: recv from any source is not supported")
-
-    def _message(self, op: str, buf: torch.Tensor, t: torch.Tensor, peer: int, tag: int) -> Message:
-        what = (
-            f"{op} of {str(t.dtype).removeprefix('torch.')}[{t.numel()}] (tag {tag}) "
-            f"{'to' if op == 'send' else 'from'} rank {peer}"
-        )
-        return Message(tag=tag, buf=buf, target=t, fut=Future(), what=what)
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> torch.Tensor:
         """The one tensor of a p2p call, checked (see :meth:`send` for what raises)."""
@@ -133,7 +158,7 @@ class PointToPoint:
         t = tensors[0]
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"resilient {op}: dtype {t.dtype} is not supported")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise NotImplementedError(
                 f"resilient {op}: {t.device.type} tensors are not supported (cpu only)"
             )

@@ -1,4 +1,4 @@
-"""One peer's point-to-point traffic: its own link, its threads and the wire protocol.
+"""One peer's point-to-point traffic: its own link, the wire protocol, who moves it.
 
 A :class:`Channel` carries this rank's ``send`` and ``recv`` calls with one peer
 (:class:`~resilient.group.p2p.PointToPoint` keeps one per peer and epoch). Its link
@@ -10,115 +10,102 @@ first call either end makes to the other (both ends build it then: a call names
 its peer, and the peer's matching call names this rank), on rail 0 or the first
 rail whose link builds; both ends agree on that (LinkTable.ensure).
 
-On the wire each message is three frames, each tag-matched by the socket pair
-(:mod:`resilient.links.socket_pair`) on a wire tag made of the user's tag and the
-frame's kind:
+On the wire the receiver speaks first; every frame is tag-matched by the socket
+pair (:mod:`resilient.links.socket_pair`) on a wire tag made of the user's tag and
+the frame's kind:
 
-* sender -> receiver: a header (dtype number, element count), then the bytes;
-* receiver -> sender: an acknowledgement once the header was checked against the
-  receive (match, or the receive's dtype and count).
+* receiver -> sender, READY (the receive's dtype number and element count), sent
+  as the receive is posted, with the receive of the bytes posted at once into the
+  caller's tensor (or the buffer a non-contiguous one lands in);
+* sender -> receiver, DATA: the bytes, once the send met its READY and the two
+  agree, so only a message of exactly the receive's dtype and size ever lands in
+  a receive. On a mismatch the sender sends INFO (its own dtype and count) and an
+  empty DATA frame flagged NEWS instead: both ends raise
+  :class:`~resilient.errors.CollectiveMismatch`, nothing lands, the link stays.
 
-The sender posts header and bytes at once (eager); the receiver checks the header
-before it posts a receive for the bytes, so a message never lands in a buffer of
-another size (which fails a socket pair as a whole). On a mismatch the receiver
-reads the bytes aside, acknowledges with its own dtype and count, and both ends
-raise :class:`~resilient.errors.CollectiveMismatch`; the link stays in service.
+There is no acknowledgement: a send completes once its READY came and its bytes
+are in the socket, a receive once its bytes came. A receive usually posts its
+READY before the peer reaches the matching send (a ping-pong's reply is posted
+as the request leaves), so that send completes on the caller's thread at once.
 
-Sends are posted by one thread (in issue order) and completed by another, in the
-same order, once their bytes left and their acknowledgement came; receives run on
-a third. So a send never waits for an acknowledgement before the next send is
-posted (a receiver taking tags out of order waits for a later message), and large
-sends and receives in both directions make progress together.
+Who moves the bytes: the caller's thread posts ops and advances every op that can
+go on without waiting (a send whose READY is there is written and complete before
+``send`` returns; a receive whose bytes are there completes too). One thread per
+channel (the pump) builds the link and waits for the rest, on all of the
+channel's ops at once (sends waiting for READYs of any tags, in any order;
+receives for their bytes; large writes). Both post and advance in issue order
+under the channel's lock, so messages of one tag meet in issue order.
 
-Every wait has the link's deadline (``op_timeout_floor_s`` plus the bytes at
-``expected_link_bytes_per_s``); a missed one, or any error of the link, fails the
-op with :class:`~resilient.errors.LinkError` and cuts the link, so the peer's ops
-on it fail at once too. The next call either end makes builds it again (the next
-generation; both ends saw the same link break).
+Every op has the link's deadline from the moment it waits for the peer
+(``op_timeout_floor_s`` plus the bytes at ``expected_link_bytes_per_s``); a missed
+one, or any error of the link, fails the op with
+:class:`~resilient.errors.LinkError` and cuts the link, so every op posted on it
+fails at once, at both ends. The next call either end makes builds it again (the
+next generation; both ends saw the same link break).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
-import torch
 from torch._C._distributed_c10d import Store
-from torch.futures import Future
 
-from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.config import DataPlaneConfig
-from resilient.errors import CollectiveMismatch, LinkError
-from resilient.group.handoff import Handoff
-from resilient.group.work import Failed
+from resilient.errors import LinkError
+from resilient.group.handoff import WakePipe
+from resilient.group.p2p_wire import DATA, EMPTY, INFO, PAIR, READY, Message, mismatch, wire_tag
 from resilient.links.byte_views import bytes_of
+from resilient.links.socket_engine import Engine, SocketWork
+from resilient.links.socket_frames import NEWS
 from resilient.links.table import Link, LinkTable
 
-__all__ = ["Channel", "Message", "wire_tag"]
+__all__ = ["Channel"]
 
 logger = logging.getLogger(__name__)
 
-# Frame kinds, in the low bits of a wire tag. The user's tag (32 bits) sits from
-# bit 28 up: bits 24-27 hold the epoch's salt (resilient.links.ledger), and the wire
-# tag stays non-negative (negative tags are the pair's own: the repair probe).
-_HEADER: Final = 1
-_DATA: Final = 2
-_ACK: Final = 3
-_TAG_SHIFT: Final = 28
-_HEADER_BYTES: Final = 16  # int64 dtype number, int64 element count
-_ACK_BYTES: Final = 24  # int64 status (0 match, 1 mismatch), the receive's dtype and count
 _JOIN_S: Final = 5.0
+_QUIET_S: Final = 0.05  # after this long without an op ending, check the link (_ready_link)
 
 
-def wire_tag(tag: int, kind: int) -> int:
-    """The socket pair's tag of frame ``kind`` of a message with user tag ``tag``."""
-    return ((tag & 0xFFFFFFFF) << _TAG_SHIFT) | kind
+@dataclass(slots=True, eq=False)
+class _Op:
+    """A message's progress: posted on ``link`` (None: not yet), waiting for
+    ``work`` (a send: its READY, then its bytes' write; a receive: its bytes)
+    until ``deadline``, which is ``timeout_s`` after the wait began."""
+
+    msg: Message
+    link: Link | None = None
+    work: Any = None
+    deadline: float = 0.0
+    timeout_s: float = 0.0
+    ready: bytearray | None = None  # a send's READY frame, until it came
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    return SUPPORTED_DTYPES.index(dtype)
+# What an op ended with: True (done), or the exception its work raises.
+_Outcome = bool | BaseException
+_Settled = list[tuple[Message, _Outcome]]
 
 
-def _describe(code: int, numel: int) -> str:
-    name = str(SUPPORTED_DTYPES[code]) if 0 <= code < len(SUPPORTED_DTYPES) else f"dtype#{code}"
-    return f"{name.removeprefix('torch.')}[{numel}]"
+class _AnyOf(SocketWork):
+    """What a thread waits for on the socket engine: any of ``works`` ending, or the
+    channel having news since generation ``gen`` (ops came, or it closed)."""
 
+    __slots__ = ("_chan", "_gen", "_works")
 
-@dataclass(slots=True)
-class Message:
-    """One send or receive: ``buf`` is the flat contiguous buffer on the wire;
-    ``target`` the caller's tensor (a receive into a non-contiguous one lands in
-    ``buf`` first and is copied over)."""
+    def __init__(self, pair: Any, works: list[Any], chan: Channel, gen: int) -> None:
+        super().__init__(pair, EMPTY, sending=False)
+        self._works, self._chan, self._gen = works, chan, gen
 
-    tag: int
-    buf: torch.Tensor
-    target: torch.Tensor
-    fut: Future[Any]
-    what: str  # "send of float32[10] (tag 3) to rank 1", for errors
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
-
-    @property
-    def code(self) -> int:
-        return _dtype_code(self.buf.dtype)
-
-    def finish(self) -> None:
-        if self.buf.data_ptr() != self.target.data_ptr() or not self.target.is_contiguous():
-            self.target.copy_(self.buf.view(self.target.shape))
-        self.fut.set_result([self.target])
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.fut.done():
-            self.fut.set_result(Failed(exc))
-
-
-# What the send poster hands the completer: the message, its link, and the works of
-# its header, its bytes (None when empty) and its acknowledgement, with that buffer.
-_Posted = tuple[Message, Link, Any, Any, Any, torch.Tensor]
+    def is_completed(self) -> bool:
+        # Runs under the engine's lock, many times a wait: reads only, no lock.
+        chan = self._chan
+        if chan.gen != self._gen or chan.closed:
+            return True
+        return any(w.done or w.error is not None for w in self._works)
 
 
 class Channel:
@@ -142,37 +129,109 @@ class Channel:
     ) -> None:
         self.rank, self.peer_rank, self.peer, self.epoch = rank, peer_rank, peer, epoch
         self._config = config
+        self._floor_s = config.op_timeout_floor_s
+        self._per_byte_s = 1.0 / config.expected_link_bytes_per_s
         self._table = LinkTable(
             rank=pos, rails=rails, store=store, config=config, epoch=epoch,
             name="p2p", transport="socket",
         )  # fmt: skip
         self._link: Link | None = None
         self._link_lock = threading.Lock()
-        self._closed = False
-        self._sends: Handoff[Message | None] = Handoff()
-        self._posted: Handoff[_Posted | None] = Handoff()
-        self._recvs: Handoff[Message | None] = Handoff()
-        name = f"{rank}-{peer_rank}"
-        self._threads = [
-            threading.Thread(target=fn, name=f"resilient-p2p-{what}-{name}", daemon=True)
-            for fn, what in (
-                (self._post_loop, "send"),
-                (self._complete_loop, "ack"),
-                (self._recv_loop, "recv"),
-            )
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._lock = threading.Lock()  # the ops, their posting and progress
+        self._ops: list[_Op] = []  # issued and not ended, in issue order
+        self.closed = False
+        self.gen = 0  # bumped when ops come: waits on the engine look again (_AnyOf)
+        self._idle = False  # the pump sleeps on _wake
+        self._drivers = 0  # callers waiting for their op (the pump leaves it to them)
+        self._engine: Engine | None = None  # the link's socket engine, once built
+        self._active = 0.0  # when an op last ended (monotonic)
+        self._wake = WakePipe()
+        self._pump = threading.Thread(
+            target=self._pump_loop, name=f"resilient-p2p-{rank}-{peer_rank}", daemon=True
+        )
+        self._pump.start()
 
     def send(self, msg: Message) -> None:
-        """Queue ``msg`` for the peer (posted in issue order)."""
-        self._sends.put(msg)
+        """Issue a send of ``msg`` to the peer (completed here if its READY came)."""
+        self._issue(_Op(msg))
 
     def recv(self, msg: Message) -> None:
-        """Queue a receive of ``msg`` from the peer (run in issue order)."""
-        self._recvs.put(msg)
+        """Issue a receive of ``msg`` from the peer."""
+        self._issue(_Op(msg))
+
+    def _issue(self, op: _Op) -> None:
+        link = self._ready_link()
+        settled: _Settled = []
+        with self._lock:
+            if self.closed:
+                settled = [(op.msg, self._closed_error())]
+                pending = idle = False
+            else:
+                self._ops.append(op)
+                settled = self._advance(link)
+                pending = op in self._ops
+                idle = self._idle
+                if pending:
+                    self.gen += 1  # a thread waiting on the engine must watch it too
+        self._settle(settled)
+        if pending:
+            self._nudge(idle)
+
+    def _nudge(self, idle: bool) -> None:
+        """Have the pump look at the ops again (after ``gen`` moved on): wake it, or
+        end the engine wait of whoever waits there."""
+        if idle:
+            self._wake.ring()
+            return
+        engine_ = self._engine
+        if engine_ is not None:
+            with engine_.lock:
+                engine_.ring()  # its driver serves the ring and hands over (_AnyOf)
+
+    def wait_for(self, msg: Message, limit: float | None) -> None:
+        """Move the channel's ops on this (the caller's) thread until ``msg`` ended,
+        saving the hand-offs to and from the pump; returns early (the pump goes on)
+        when ``msg`` is not posted yet, or ``limit`` (a monotonic time) comes before
+        the ops' deadline: a wait on the engine fails the link at its deadline."""
+        with self._lock:
+            self._drivers += 1
+        try:
+            while not msg.fut.done():
+                link = self._ready_link()
+                with self._lock:
+                    settled = self._advance(link)
+                    gen = self.gen
+                    posted = [op for op in self._ops if op.link is not None]
+                    mine = any(op.msg is msg for op in posted)
+                self._settle(settled)
+                if not mine or (limit is not None and limit < min(o.deadline for o in posted)):
+                    return
+                self._wait_any(posted, gen)
+        finally:
+            with self._lock:
+                self._drivers -= 1
+                pending = bool(self._ops) and not self._drivers
+                if pending:
+                    self.gen += 1
+                idle = self._idle
+            if pending:
+                self._nudge(idle)  # the pump left them to this thread
 
     # -- the link -------------------------------------------------------------------------
+    def _ready_link(self) -> Link | None:
+        """The channel's link if it is built and sound, without waiting; else None.
+
+        Asks the kernel whether the peer closed it (a system call) only after a quiet
+        spell: a peer whose op failed cut the link, and this end's next op must go
+        on the next generation. Ops in a busy exchange are posted on the link as it
+        is (a close the kernel saw shows when they are posted: see _advance)."""
+        link = self._link
+        if link is None or link.broken or link.pg is None or link.pg.error is not None:
+            return None
+        if time.monotonic() - self._active > _QUIET_S and link.check_closed():
+            return None
+        return link
+
     def _link_now(self) -> Link:
         """The channel's link: built on first use, built again (the next generation)
         once it broke.
@@ -181,10 +240,8 @@ class Channel:
             LinkError: the channel is closed, or no rail's link could be built.
         """
         with self._link_lock:
-            if self._closed:
-                raise LinkError(
-                    f"rank {self.rank}: point-to-point with rank {self.peer_rank} is closed"
-                )
+            if self.closed:
+                raise self._closed_error()
             link = self._link
             if link is not None and not link.broken and not link.check_closed():
                 return link
@@ -213,135 +270,220 @@ class Channel:
             "for point-to-point"
         )
 
-    def _broke(self, link: Link, msg: Message, exc: BaseException) -> None:
-        """Fail ``msg`` and cut ``link`` (its other ops fail at once, at both ends)."""
-        logger.warning("rank %d (epoch %d): %s failed: %s", self.rank, self.epoch, msg.what, exc)
-        # Cut even when the failure already marked it broken: the peer's end must
-        # see the connection close (its next call then builds the link again too).
-        link.abort(f"point-to-point op failed: {exc}")
-        msg.fail(exc)
+    def _closed_error(self) -> LinkError:
+        return LinkError(f"rank {self.rank}: point-to-point with rank {self.peer_rank} is closed")
 
-    # -- sending --------------------------------------------------------------------------
-    def _post_loop(self) -> None:
-        while (msg := self._sends.get()) is not None:
-            link: Link | None = None
-            try:
-                link = self._link_now()
-                ack = torch.empty(3, dtype=torch.int64)
-                # The acknowledgement's receive first: it is pending before it can come.
-                ack_work = link.irecv(ack, wire_tag(msg.tag, _ACK))
-                header = torch.tensor([msg.code, msg.buf.numel()], dtype=torch.int64)
-                head_work = link.isend(header, wire_tag(msg.tag, _HEADER))
-                data_work = (
-                    link.isend(bytes_of(msg.buf), wire_tag(msg.tag, _DATA)) if msg.nbytes else None
-                )
-            except LinkError as exc:
-                if link is None:
-                    msg.fail(exc)
-                else:
-                    self._broke(link, msg, exc)
-                continue
-            except Exception as exc:  # delivered to whoever waits on the work
-                logger.exception("rank %d: posting %s failed", self.rank, msg.what)
-                msg.fail(exc)
-                continue
-            self._posted.put((msg, link, head_work, data_work, ack_work, ack))
-        self._posted.put(None)
+    # -- progress (under self._lock) -----------------------------------------------------
+    def _advance(self, link: Link | None) -> _Settled:
+        """Post the unposted ops on ``link`` (None: not now) and move every op on as
+        far as it goes without waiting, in issue order; returns the ops that ended.
+        A failed link is cut, and every op posted on it fails."""
+        settled: _Settled = []
+        kept: list[_Op] = []
+        broken: tuple[Link, str] | None = None
+        dead: Link | None = None
+        now = time.monotonic()
+        for op in self._ops:
+            if broken is None and (op.link is not None or link is not None):
+                try:
+                    if op.link is None:
+                        self._post(op, link, now)  # type: ignore[arg-type]
+                        if link.pg.error is not None:  # type: ignore[union-attr]
+                            # Closed by the peer before this post (its op failed and
+                            # cut it): nothing reached the peer, so the op waits for
+                            # the link's next generation, which the pump builds.
+                            dead, link, op.link = link, None, None
+                            kept.append(op)
+                            continue
+                    outcome = self._step(op, now)
+                except LinkError as exc:
+                    broken = (op.link or link, str(exc))  # type: ignore[assignment]
+                    settled.append((op.msg, exc))
+                    continue
+                if outcome is not None:
+                    settled.append((op.msg, outcome))
+                    continue
+            kept.append(op)
+        if broken is not None:
+            cut, why = broken
+            logger.warning("rank %d (epoch %d): point-to-point: %s", self.rank, self.epoch, why)
+            # Cut even when the failure already marked it broken: the peer's end must
+            # see the connection close (its next call then builds the link again too).
+            cut.abort(f"point-to-point op failed: {why}")
+            gone = [op for op in kept if op.link is cut]
+            kept = [op for op in kept if op.link is not cut]
+            settled += [(op.msg, LinkError(f"{op.msg.what}: link failed: {why}")) for op in gone]
+        if settled:
+            self._active = now
+        if dead is not None and not dead.check_closed():
+            dead.abort(f"found closed by its peer: {dead.pg.error if dead.pg else 'closed'}")
+        self._ops = kept
+        return settled
 
-    def _complete_loop(self) -> None:
-        while (item := self._posted.get()) is not None:
-            msg, link, head_work, data_work, ack_work, ack = item
-            try:
-                # A late receiver is not a stalled link: kept out of stall reports.
-                link.wait(head_work, _HEADER_BYTES, watch=False)
-                if data_work is not None:
-                    link.wait(data_work, msg.nbytes, watch=False)
-                link.wait(ack_work, _ACK_BYTES, watch=False)
-            except LinkError as exc:
-                self._broke(link, msg, exc)
-                continue
-            status, code, numel = (int(v) for v in ack.tolist())
-            if status == 0:
-                msg.fut.set_result([msg.target])
-                continue
-            theirs = f"recv of {_describe(code, numel)}"
-            msg.fail(
-                CollectiveMismatch(
-                    f"rank {self.rank}: {msg.what} met a {theirs} at rank {self.peer_rank}; "
-                    "nothing was received there",
-                    calls={self.rank: msg.what, self.peer_rank: theirs},
-                    fields=("dtype", "numel"),
-                )
-            )
-
-    # -- receiving ------------------------------------------------------------------------
-    def _recv_loop(self) -> None:
-        while (msg := self._recvs.get()) is not None:
-            link: Link | None = None
-            try:
-                link = self._link_now()
-                self._receive(link, msg)
-            except LinkError as exc:
-                if link is None:
-                    msg.fail(exc)
-                else:
-                    self._broke(link, msg, exc)
-            except CollectiveMismatch as exc:
-                msg.fail(exc)
-            except Exception as exc:  # delivered to whoever waits on the work
-                logger.exception("rank %d: %s failed", self.rank, msg.what)
-                msg.fail(exc)
-
-    def _receive(self, link: Link, msg: Message) -> None:
-        """Receive ``msg``'s header, acknowledge it, then its bytes.
+    def _post(self, op: _Op, link: Link, now: float) -> None:
+        """Post ``op`` on ``link``: a send waits for its READY; a receive sends its
+        READY and posts the receive of its bytes.
 
         Raises:
-            LinkError: the link failed or a deadline passed.
-            CollectiveMismatch: the sender's dtype or count differ (its bytes were
-                read aside; the link stays in service).
+            LinkError: the link failed.
         """
-        head = torch.empty(2, dtype=torch.int64)
-        link.wait(link.irecv(head, wire_tag(msg.tag, _HEADER)), _HEADER_BYTES, watch=False)
-        code, numel = (int(v) for v in head.tolist())
-        mine = (msg.code, msg.buf.numel())
-        ok = (code, numel) == mine
-        ack = torch.tensor([0 if ok else 1, *mine], dtype=torch.int64)
-        ack_work = link.isend(ack, wire_tag(msg.tag, _ACK))
-        if ok:
-            if msg.nbytes:
-                link.wait(link.irecv(bytes_of(msg.buf), wire_tag(msg.tag, _DATA)), msg.nbytes)
-            link.wait(ack_work, _ACK_BYTES, watch=False)
-            msg.finish()
+        msg = op.msg
+        op.link = link
+        if msg.op == "send":
+            op.ready = bytearray(PAIR.size)
+            op.work = link.irecv(memoryview(op.ready), wire_tag(msg.tag, READY))
+            op.timeout_s = self._floor_s
+        else:
+            ready = PAIR.pack(msg.code, msg.numel)
+            link.isend(memoryview(ready), wire_tag(msg.tag, READY))
+            op.work = link.irecv(bytes_of(msg.buf), wire_tag(msg.tag, DATA))
+            op.timeout_s = self._floor_s + msg.nbytes * self._per_byte_s
+        op.deadline = now + op.timeout_s
+
+    def _step(self, op: _Op, now: float) -> _Outcome | None:
+        """Move ``op`` on; its outcome once it ended, else None.
+
+        Raises:
+            LinkError: the link failed, or the op's deadline passed.
+        """
+        work, link = op.work, op.link
+        assert link is not None
+        if not work.done:
+            if work.error is not None:
+                raise LinkError(f"{link}: {op.msg.what} failed: {work.error}")
+            if link.pg is None:
+                raise LinkError(f"{link}: {op.msg.what}: the link was closed")
+            if now >= op.deadline:
+                raise LinkError(
+                    f"{link}: {op.msg.what} did not complete within its deadline of "
+                    f"{op.timeout_s:.1f} s"
+                )
+            return None
+        link.ledger.end_wait(work, finished=True)
+        if op.ready is not None:
+            return self._answer(op, link, now)
+        if op.msg.op == "recv" and work.news:
+            return self._refused(op, link)
+        return True
+
+    def _answer(self, op: _Op, link: Link, now: float) -> _Outcome | None:
+        """A send's READY came: write the bytes if the receive agrees, else tell it why
+        not (INFO, then an empty DATA flagged NEWS) and fail the send."""
+        msg = op.msg
+        assert op.ready is not None
+        code, numel = PAIR.unpack(op.ready)
+        op.ready = None
+        if code == msg.code and numel == msg.numel:
+            op.work = link.isend(bytes_of(msg.buf), wire_tag(msg.tag, DATA))
+            op.timeout_s = self._floor_s + msg.nbytes * self._per_byte_s
+            op.deadline = now + op.timeout_s
+            return self._step(op, now)
+        link.isend(memoryview(PAIR.pack(msg.code, msg.numel)), wire_tag(msg.tag, INFO))
+        link.isend(EMPTY, wire_tag(msg.tag, DATA), NEWS)
+        return mismatch(self.rank, msg, self.peer_rank, code, numel)
+
+    def _refused(self, op: _Op, link: Link) -> _Outcome:
+        """A receive's sender refused it (a mismatch): its INFO came ahead of the empty
+        DATA frame, so it is here already.
+
+        Raises:
+            LinkError: it is not (the peer broke the protocol).
+        """
+        msg = op.msg
+        info = bytearray(PAIR.size)
+        work = link.irecv(memoryview(info), wire_tag(msg.tag, INFO))
+        if not work.done:
+            raise LinkError(f"{link}: {msg.what}: a refusal without the sender's dtype and count")
+        link.ledger.end_wait(work, finished=True)
+        return mismatch(self.rank, msg, self.peer_rank, *PAIR.unpack(info))
+
+    @staticmethod
+    def _settle(settled: _Settled) -> None:
+        """Complete ended ops' futures (outside the lock: their callbacks may call in)."""
+        for msg, outcome in settled:
+            if isinstance(outcome, BaseException):
+                msg.fail(outcome)
+            else:
+                msg.finish()
+
+    # -- the pump -------------------------------------------------------------------------
+    def _pump_loop(self) -> None:
+        while not self.closed:
+            try:
+                self._pump_once()
+            except Exception as exc:  # never leave ops waiting on a dead pump
+                logger.exception("rank %d: point-to-point pump failed", self.rank)
+                with self._lock:
+                    ops, self._ops = self._ops, []
+                self._settle([(op.msg, exc) for op in ops])
+
+    def _pump_once(self) -> None:
+        """Build the link if an op needs it, move the ops on, then wait for any of them;
+        sleep while there are none, or while a caller waits for its own (wait_for)."""
+        with self._lock:
+            unposted = any(op.link is None for op in self._ops)
+            # Woken for ops a caller now waits for itself (wait_for): back to sleep.
+            self._idle = idle = not self._ops or (self._drivers > 0 and not unposted)
+        if idle:
+            self._sleep()
             return
-        if not 0 <= code < len(SUPPORTED_DTYPES) or numel < 0:
-            raise LinkError(f"rank {self.rank}: a malformed header from rank {self.peer_rank}")
-        theirs = numel * SUPPORTED_DTYPES[code].itemsize
-        if theirs:  # read the bytes aside: the stream goes on after them
-            aside = memoryview(bytearray(theirs))
-            link.wait(link.irecv(aside, wire_tag(msg.tag, _DATA)), theirs)
-        link.wait(ack_work, _ACK_BYTES, watch=False)
-        raise CollectiveMismatch(
-            f"rank {self.rank}: {msg.what} met a send of {_describe(code, numel)} from "
-            f"rank {self.peer_rank}; nothing was received",
-            calls={self.rank: msg.what, self.peer_rank: f"send of {_describe(code, numel)}"},
-            fields=("dtype", "numel"),
-        )
+        link = self._ready_link()
+        if link is None and unposted:
+            link = self._build_or_fail()
+        with self._lock:
+            settled = self._advance(link)
+            gen = self.gen
+            posted = [op for op in self._ops if op.link is not None]
+            unposted = len(posted) < len(self._ops)
+            self._idle = idle = not self._ops or (self._drivers > 0 and not unposted)
+        self._settle(settled)
+        if idle:
+            self._sleep()
+        elif posted:
+            self._wait_any(posted, gen)
+
+    def _sleep(self) -> None:
+        self._wake.wait()
+        with self._lock:
+            self._idle = False
+
+    def _wait_any(self, posted: list[_Op], gen: int) -> None:
+        """Wait on the engine until one of ``posted`` (all on one link) may move on, the
+        channel has news since ``gen``, or the earliest deadline: that fails the link."""
+        link = posted[0].link
+        pair = link.pg if link is not None else None
+        if pair is None:
+            return  # closed: their ops fail in the next advance
+        self._engine = pair.engine
+        deadline = min(op.deadline for op in posted)
+        pair.engine.wait(_AnyOf(pair, [op.work for op in posted], self, gen), deadline)
+
+    def _build_or_fail(self) -> Link | None:
+        """Build the link; on failure fail the ops waiting to be posted."""
+        try:
+            return self._link_now()
+        except LinkError as exc:
+            with self._lock:
+                failed = [op for op in self._ops if op.link is None]
+                self._ops = [op for op in self._ops if op.link is not None]
+            logger.warning("rank %d: point-to-point link not built: %s", self.rank, exc)
+            self._settle([(op.msg, exc) for op in failed])
+            return None
 
     # -- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
-        """Fail what is queued or in flight, close the link and end the threads."""
-        with self._link_lock:
-            self._closed = True
+        """Fail what is issued, close the link and end the pump."""
+        with self._lock:  # not the link's lock: a build holds it (table.close ends it)
+            self.closed = True
+            ops, self._ops = self._ops, []
         self._table.close()  # pending waits fail at once; a build in progress gives up
-        self._sends.put(None)
-        self._recvs.put(None)
-        for thread in self._threads:
-            thread.join(_JOIN_S)
-        if any(t.is_alive() for t in self._threads):
+        self._nudge(idle=True)
+        self._settle([(op.msg, self._closed_error()) for op in ops])
+        self._pump.join(_JOIN_S)
+        if self._pump.is_alive():
             logger.warning(
-                "rank %d (epoch %d): point-to-point threads with rank %d still running at close",
+                "rank %d (epoch %d): point-to-point pump with rank %d still running at close",
                 self.rank, self.epoch, self.peer_rank,
             )  # fmt: skip
             return
-        for queue in (self._sends, self._posted, self._recvs):
-            queue.close()
+        self._wake.close()

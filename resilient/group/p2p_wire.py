@@ -1,0 +1,101 @@
+"""The frames of point-to-point messages and the message itself (see
+:mod:`resilient.group.p2p_channel` for the protocol: READY from the receiver, then
+DATA from the sender, or INFO and an empty DATA flagged NEWS on a mismatch)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+from torch.futures import Future
+
+from resilient.collectives.signature import SUPPORTED_DTYPES
+from resilient.errors import CollectiveMismatch
+from resilient.group.work import Failed
+
+__all__ = ["DATA", "EMPTY", "INFO", "PAIR", "READY", "Message", "describe", "mismatch", "wire_tag"]
+
+# Frame kinds, in the low bits of a wire tag. The user's tag (32 bits) sits from
+# bit 28 up: bits 24-27 hold the epoch's salt (resilient.links.ledger), and the wire
+# tag stays non-negative (negative tags are the pair's own: the repair probe).
+READY: Final = 1
+DATA: Final = 2
+INFO: Final = 3
+_TAG_SHIFT: Final = 28
+PAIR: Final = struct.Struct("<qq")  # a dtype number and an element count
+EMPTY: Final = memoryview(b"")
+
+
+def wire_tag(tag: int, kind: int) -> int:
+    """The socket pair's tag of frame ``kind`` of a message with user tag ``tag``."""
+    return ((tag & 0xFFFFFFFF) << _TAG_SHIFT) | kind
+
+
+def describe(code: int, numel: int) -> str:
+    name = str(SUPPORTED_DTYPES[code]) if 0 <= code < len(SUPPORTED_DTYPES) else f"dtype#{code}"
+    return f"{name.removeprefix('torch.')}[{numel}]"
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """One send or receive: ``buf`` is the flat contiguous buffer on the wire;
+    ``target`` the caller's tensor (a receive into a non-contiguous one lands in
+    ``buf`` first and is copied over)."""
+
+    op: str  # "send" or "recv"
+    tag: int
+    peer: int  # the peer's rank, for messages
+    buf: torch.Tensor
+    target: torch.Tensor
+    fut: Future[Any]
+
+    @property
+    def what(self) -> str:
+        """What it is, for errors ("send of float32[10] (tag 3) to rank 1"); built only then."""
+        side = "to" if self.op == "send" else "from"
+        return f"{self.op} of {self.desc} (tag {self.tag}) {side} rank {self.peer}"
+
+    @property
+    def desc(self) -> str:
+        return describe(self.code, self.numel)
+
+    @property
+    def numel(self) -> int:
+        return self.buf.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    @property
+    def code(self) -> int:
+        return SUPPORTED_DTYPES.index(self.buf.dtype)
+
+    def finish(self) -> None:
+        if self.op == "recv" and (
+            self.buf.data_ptr() != self.target.data_ptr() or not self.target.is_contiguous()
+        ):
+            self.target.copy_(self.buf.view(self.target.shape))
+        self.fut.set_result([self.target])
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_result(Failed(exc))
+
+
+def mismatch(rank: int, msg: Message, peer: int, code: int, numel: int) -> CollectiveMismatch:
+    """The error of ``msg`` at ``rank``, whose peer ``peer`` posted the other side
+    with dtype number ``code`` and ``numel`` elements."""
+    theirs = f"{'recv' if msg.op == 'send' else 'send'} of {describe(code, numel)}"
+    where = (
+        f"at rank {peer}; nothing was received there"
+        if msg.op == "send"
+        else (f"from rank {peer}; nothing was received")
+    )
+    return CollectiveMismatch(
+        f"rank {rank}: {msg.what} met a {theirs} {where}",
+        calls={rank: msg.what, peer: theirs},
+        fields=("dtype", "numel"),
+    )
