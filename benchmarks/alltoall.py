@@ -8,7 +8,9 @@ over ``--rails`` loopback rails (rank r, rail k on ``127.0.<k+1>.<r+1>``) and on
 group on rail 0's address. ``--size-mb`` is each rank's float32 input (and output);
 every rank sends one ``1/ranks`` block of it to every rank. Every iteration runs both
 once, in alternating order, each op started after a barrier; an op's time is the
-slowest rank's. Prints a table, then one JSON line (last line of output).
+slowest rank's. Equal splits let the resilient calls run elided (no signature
+exchange; every ``elide_every``-th call keeps it): the JSON's ``calls`` says how
+many of rank 0's did. Prints a table, then one JSON line (last line of output).
 """
 
 from __future__ import annotations
@@ -152,9 +154,15 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
                 comms.all_to_all(name, outs[name], src)
                 if it >= plan.warmup:
                     times[name].append((time.perf_counter() - start) * 1e3)
+        checks = comms.resilient.epochs.checks
+        calls = {
+            "exchanged": checks.exchanges if checks else 0,
+            "elided": checks.elided if checks else 0,
+            "fell_back": checks.fallbacks if checks else 0,
+        }
     finally:
         comms.close()
-    return {"times": times, "equal": equal}
+    return {"times": times, "equal": equal, "calls": calls}
 
 
 # -- parent side -----------------------------------------------------------------------
@@ -176,6 +184,7 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "min_max_ms": {n: [round(s["min"], 2), round(s["max"], 2)] for n, s in stats.items()},
         "samples_ms": {n: [round(v, 1) for v in vs] for n, vs in per_iter.items()},
         "correct": all(r["equal"] for r in results),
+        "calls": results[0]["calls"],
         "threads_per_rank": 1,
         "load": loads,
         "check_mismatch": plan.check_mismatch,
@@ -195,6 +204,11 @@ def print_report(s: dict[str, Any]) -> None:
         for name, (lo, hi) in s["min_max_ms"].items()
     ]
     print_table(["config", "median ms", "min ms", "max ms"], rows)
+    c = s["calls"]
+    print(
+        f"resilient calls of rank 0: {c['exchanged']} exchanged, {c['elided']} elided "
+        f"({c['fell_back']} fell back)"
+    )
     print(f"resilient / gloo: {s['ratio']:.3f}; results equal to gloo's: {s['correct']}")
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from resilient.collectives.alltoall import equal_sizes
 from resilient.collectives.digest_check import NotElided, call_key, forget_call, hello
 from resilient.detect.rail_weights import DOWN
 from resilient.detect.slow_rank import ENTER_PERMILLE, named
@@ -118,18 +119,27 @@ class ElidedCalls:
         self.settle(exchange, ticket.sig, mark)
         return fn(exchange.payloads() if payload is not None else CHECKED)
 
-    def _quiet(self, exchange: Exchange, sig: Signature) -> bool:
-        """Whether the next calls may elide (collectives.digest_check): this call (``sig``,
-        agreed) is an all_reduce the mesh takes on one rail, so the next ones
-        likely are too (a job of ring-sized tensors would only fall back), and nothing in this
-        verdict needs the news of every call (links to put in service, cut pairs,
-        a rail down, a slow rank named or agreed, a straggler confirmed). The same
-        on every rank: all of it follows from the exchange table."""
+    def _elidable_op(self, exchange: Exchange, sig: Signature) -> bool:
+        """Whether ``sig`` is an all_reduce the mesh takes on one rail, or an
+        all_to_all_single of equal splits on every rank (its payloads say so; see
+        resilient.group.alltoall) on one rail."""
         engine, dtype = self.engine, sig.dtype
+        if sig.op == "all_to_all_single":
+            return engine.num_rails == 1 and equal_sizes(exchange.payloads(), engine.world)
         if sig.op != "allreduce" or dtype is None or not engine.mesh:
             return False
         nbytes = sig.numel * dtype.itemsize
-        if nbytes >= engine.mesh_below_bytes or not engine.one_rail(nbytes):
+        return nbytes < engine.mesh_below_bytes and engine.one_rail(nbytes)
+
+    def _quiet(self, exchange: Exchange, sig: Signature) -> bool:
+        """Whether the next calls may elide (collectives.digest_check): this call (``sig``,
+        agreed) is one that elides (see _elidable_op), so the next ones likely are
+        too (a job of ring-sized tensors would only fall back), and nothing in this
+        verdict needs the news of every call (links to put in service, cut pairs,
+        a rail down, a slow rank named or agreed, a straggler confirmed). The same
+        on every rank: all of it follows from the exchange table."""
+        engine = self.engine
+        if not self._elidable_op(exchange, sig):
             return False
         if engine.slow_rank is not None or engine.order is not None:
             return False

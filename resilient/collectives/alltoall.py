@@ -18,29 +18,47 @@ takes the heaviest rail; both ends cut it alike, from its size and the weights.
   with bytes to move, every receive posted before any send, on this one thread
   (the socket engine moves every pair's bytes from the thread that waits), with
   the links' deadlines, failover and acknowledgements.
+
+An *elided* call (the engine's ``elided`` set: no signature exchange ran, see
+:mod:`resilient.collectives.digest_check`) is *gated*: its first message to each
+peer is a header-only frame carrying the call's digest, and no data is read
+before every peer's gate frame came with the same digest (the C step chains the
+gate receives and makes every data receive wait for the last). A peer whose call
+differs sends another digest (or a hello, which no receive accepts), so every
+rank refuses the call at its gate, with nothing written into its receive buffer,
+and falls back to a full exchange. Only equal splits elide (the process group
+decides): equal digests then mean equal block sizes everywhere.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from resilient.collectives.digest_check import NotElided
 from resilient.collectives.engine import RingEngine
 from resilient.collectives.failover import Rx, Tx
 from resilient.collectives.ring_plan import Span, rail_sizes
 from resilient.collectives.route import Route
 from resilient.links import native_steps
 from resilient.links.byte_views import bytes_of
+from resilient.links.socket_frames import DigestMismatch
 
 if TYPE_CHECKING:
     from resilient.links.table import Link
 
-__all__ = ["all_to_all", "spans_of"]
+__all__ = ["all_to_all", "equal_sizes", "sizes_of", "sizes_payload", "spans_of"]
 
-# One message per (peer, rail) and call: its tag (the route adds the call's base).
-_TAG = 0
+# The tags of a call's messages (the route adds the call's base): an elided call's
+# header-only gate frame per peer, the tag a peer's hello comes under (digest_check),
+# then one data message per (peer, rail).
+_GATE = 0
+_TAG = 1
+
+_C = TypeVar("_C", Tx, Rx)
 
 # Where one piece goes: (peer, rail, span in the send buffer or the receive buffer).
 _Piece = tuple[int, int, Span]
@@ -53,6 +71,27 @@ def spans_of(sizes: Sequence[int]) -> list[Span]:
         out.append(Span(at, at + n))
         at += n
     return out
+
+
+def sizes_payload(send: Sequence[int], recv: Sequence[int]) -> torch.Tensor:
+    """This rank's row of sizes (elements it sends each rank, then receives from
+    each), as the call's inline payload: int64, ``2 * ranks`` of them."""
+    return torch.tensor([*send, *recv], dtype=torch.int64)
+
+
+def sizes_of(table: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's :func:`sizes_payload` from an exchange's payload ``table`` (one
+    row of bytes per rank), as a ``(world, 2 * world)`` int64 table."""
+    return table[:, : 2 * world * 8].contiguous().view(torch.int64)
+
+
+def equal_sizes(table: torch.Tensor, world: int) -> bool:
+    """Whether every rank sends and receives one block size to and from every rank
+    (``table``: the exchange's payloads; empty when the sizes did not fit)."""
+    if table.dim() != 2 or table.shape[0] != world or table.shape[1] < 2 * world * 8:
+        return False
+    sizes = sizes_of(table, world)
+    return bool((sizes == sizes[0, 0]).all())
 
 
 def _rail_cut(engine: RingEngine, nbytes: int) -> list[int]:
@@ -93,34 +132,75 @@ def all_to_all(
 
     ``send`` and ``recv`` are contiguous 1-D uint8 tensors (the bytes); the spans
     are in bytes, and ``recv_spans[p]`` has the size of rank ``p``'s
-    ``send_spans[rank]`` on every rank (checked by the caller beforehand).
+    ``send_spans[rank]`` on every rank (checked by the caller beforehand, or by
+    the gate of an elided call).
 
     Raises:
+        NotElided: the call runs elided and cannot be (nothing was posted).
+        DigestMismatch: it runs elided and a peer's call differs (nothing was
+            written into ``recv``).
         LinkError: a link failed and no failover could finish the call.
         PeerLost: as any collective.
     """
     me = engine.rank
+    gated = engine.elided is not None
+    peers = [p for p in range(engine.world) if p != me]
+    if gated:
+        _check_elidable(engine, send, peers)
+    sends, recvs = _pieces(engine, send_spans), _pieces(engine, recv_spans)
+    if sends or recvs or gated:
+        # Every rail, used or not: a failover must find its backup link built.
+        engine.links.ensure((p, rail) for rail in range(engine.num_rails) for p in peers)
+        # The engine numbers its calls when it makes a route (failover records and
+        # acknowledgement tags carry the number, alike on every rank).
+        _exchange(engine, engine.route(), peers, send, recv, sends, recvs, gated=gated)
+    # Last: an elided call's gate may refuse it, and nothing may be written then.
     own_in, own_out = send_spans[me], recv_spans[me]
     recv[own_out.start : own_out.stop].copy_(send[own_in.start : own_in.stop])
-    sends, recvs = _pieces(engine, send_spans), _pieces(engine, recv_spans)
-    if not sends and not recvs:
+
+
+def _check_elidable(engine: RingEngine, send: torch.Tensor, peers: Sequence[int]) -> None:
+    """Raises NotElided unless an elided call can gate here: CPU bytes, socket
+    links, one rail, a link to every peer already built (links are built in
+    checked calls only: a rendezvous with a peer that left would wait for its
+    timeout, where an exchange fails at once)."""
+    if (
+        engine.num_rails == 1
+        and send.device.type == "cpu"
+        and engine.links.sockets
+        and all(engine.links.has(p, 0) for p in peers)
+    ):
         return
-    peers = [p for p in range(engine.world) if p != me]
-    # Every rail, used or not: a failover must find its backup link built.
-    engine.links.ensure((p, rail) for rail in range(engine.num_rails) for p in peers)
-    # The engine numbers its calls when it makes a route (failover records and
-    # acknowledgement tags carry the number, alike on every rank).
-    route = engine.route()
+    raise NotElided(f"rank {engine.rank}: this all_to_all does not run elided")
+
+
+def _exchange(
+    engine: RingEngine,
+    route: Route,
+    peers: Sequence[int],
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    sends: Sequence[_Piece],
+    recvs: Sequence[_Piece],
+    *,
+    gated: bool,
+) -> None:
+    """Move the pieces: one C step when it can, else (or from where it stopped)
+    the failover channels."""
     ahead: tuple[dict[int, list[object]], dict[int, list[object]]] | None = None
     if engine.num_rails == 1 and send.device.type == "cpu":
         links = native_steps.quiet_links(engine.links, peers, 0)
         if links is not None:
-            step = _step(links, route, peers, send, recv, sends, recvs)
+            step = _step(links, route, peers, send, recv, sends, recvs, gated=gated)
+            began = time.monotonic()
             stopped = step.run()
+            if gated:  # the step's wait for its peers counts as the gate's (as the mesh's)
+                engine.gate_waited_s += time.monotonic() - began
+                engine.gate_news = engine.gate_news or step.news
             if stopped is None:
                 return
             ahead = _ahead(peers, step, stopped)
-    _on_channels(route, send, recv, sends, recvs, ahead)
+    _on_channels(engine, route, peers, send, recv, sends, recvs, ahead, gated=gated)
 
 
 def _step(
@@ -131,18 +211,31 @@ def _step(
     recv: torch.Tensor,
     sends: Sequence[_Piece],
     recvs: Sequence[_Piece],
+    *,
+    gated: bool,
 ) -> native_steps.Step:
-    """The whole exchange as one C step, posted (not run)."""
+    """The whole exchange as one C step, posted (not run). ``gated``: each peer's
+    gate frame first, the gate receives chained one after the other and every data
+    receive after the last, so no data is read before every gate passed."""
     pairs = [link.pg for link in links]
     ledgers = [link.ledger for link in links]
     at = {p: i for i, p in enumerate(peers)}
     step = native_steps.Step(pairs, ledgers)
     sview, sbase = bytes_of(send), send.data_ptr()
     rview, rbase = bytes_of(recv), recv.data_ptr()
+    last = -1
+    if gated:
+        for i in range(len(peers)):
+            tag = ledgers[i].tag(_GATE + route.base)
+            last = step.recv(i, tag, route.digest, rview, rbase, 0, 0, after_recv=last)
     for peer, _, span in recvs:
         i = at[peer]
         tag = ledgers[i].tag(_TAG + route.base)
-        step.recv(i, tag, route.digest, rview, rbase, span.start, span.size)
+        step.recv(i, tag, route.digest, rview, rbase, span.start, span.size, after_recv=last)
+    if gated:
+        for i in range(len(peers)):
+            tag = ledgers[i].tag(_GATE + route.base)
+            step.send(i, tag, route.sent_digest, sview, sbase, 0, 0)
     for peer, _, span in sends:
         i = at[peer]
         tag = ledgers[i].tag(_TAG + route.base)
@@ -164,39 +257,88 @@ def _ahead(
 
 
 def _on_channels(
+    engine: RingEngine,
     route: Route,
+    peers: Sequence[int],
     send: torch.Tensor,
     recv: torch.Tensor,
     sends: Sequence[_Piece],
     recvs: Sequence[_Piece],
     ahead: tuple[dict[int, list[object]], dict[int, list[object]]] | None,
+    *,
+    gated: bool,
 ) -> None:
     """The exchange on failover channels, one per (peer, rail) with a piece
-    (``ahead``: what a stopped C step moved, on rail 0)."""
+    (``ahead``: what a stopped C step moved, on rail 0); ``gated``: every peer's
+    gate frame first (rail 0), and no data receive posted before all came.
+
+    Raises:
+        DigestMismatch: a peer's gate frame refuses the call (the channels let go).
+    """
     sockets = route.links.sockets and send.device.type == "cpu"
     # Socket links take slices of one byte view (no tensor view per message).
     sview = bytes_of(send) if sockets else send
     rview = bytes_of(recv) if sockets else recv
+    rx_of: dict[tuple[int, int], Rx] = {}
+    tx_of: dict[tuple[int, int], Tx] = {}
+
+    def channel(kind: type[_C], of: dict[tuple[int, int], _C], peer: int, rail: int) -> _C:
+        one = of.get((peer, rail))
+        if one is None:
+            one = of[(peer, rail)] = kind(route, peer, rail)
+            if ahead is not None:
+                one.ahead.extend(ahead[0 if kind is Tx else 1].get(peer, ()))
+        return one
+
     rxs: list[tuple[Rx, int, int]] = []
-    for peer, rail, span in recvs:
-        rx = Rx(route, peer, rail)
-        if ahead is not None:
-            rx.ahead.extend(ahead[1].get(peer, ()))
-        rxs.append((rx, rx.post(rview[span.start : span.stop], _TAG), span.size))
+
+    def post_recvs() -> None:
+        for peer, rail, span in recvs:
+            rx = channel(Rx, rx_of, peer, rail)
+            rxs.append((rx, rx.post(rview[span.start : span.stop], _TAG), span.size))
+
+    gates = [channel(Rx, rx_of, p, 0) for p in peers] if gated else []
+    gate_idx = [rx.post(rview[0:0], _GATE) for rx in gates]
+    if not gated:  # every receive before any send: an early message is copied twice
+        post_recvs()
     txs: list[tuple[Tx, int, int]] = []
+    for peer in peers if gated else ():
+        tx = channel(Tx, tx_of, peer, 0)
+        txs.append((tx, tx.post(sview[0:0], _GATE), 0))
     for peer, rail, span in sends:
-        tx = Tx(route, peer, rail)
-        if ahead is not None:
-            tx.ahead.extend(ahead[0].get(peer, ()))
+        tx = channel(Tx, tx_of, peer, rail)
         txs.append((tx, tx.post(sview[span.start : span.stop], _TAG), span.size))
+    if gated:
+        _gate(engine, list(zip(gates, gate_idx, strict=True)), [*tx_of.values(), *rx_of.values()])
+        post_recvs()
     for rx, idx, nbytes in rxs:
         rx.wait(idx, nbytes)
     for tx, idx, nbytes in txs:
         tx.wait(idx, nbytes)
     # Acknowledgements are posted before anyone waits for one (see failover).
-    for rx, _, _ in rxs:
+    for rx in rx_of.values():
         rx.ack()
-    for tx, _, _ in txs:
+    for tx in tx_of.values():
         tx.finish()
-    for rx, _, _ in rxs:
+    for rx in rx_of.values():
         rx.finish()
+
+
+def _gate(engine: RingEngine, gates: Sequence[tuple[Rx, int]], channels: Sequence[Tx | Rx]) -> None:
+    """Wait for every peer's gate frame (its digest is the peer's call's). On a
+    refused one every channel lets go, so no failover of this call starts later.
+
+    Raises:
+        DigestMismatch: a peer's call differs.
+    """
+    began = time.monotonic()
+    try:
+        for rx, i in gates:
+            rx.wait(i, 0)
+            engine.gate_news = engine.gate_news or rx.news(i)
+    except DigestMismatch:
+        for ch in channels:
+            ch.release()
+        raise
+    finally:
+        engine.gate_waited_s += time.monotonic() - began

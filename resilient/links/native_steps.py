@@ -175,12 +175,13 @@ class Step:
         *,
         fold: int = 0,
         kind: int = 0,
+        after_recv: int = -1,
     ) -> int:
         """Add a receive; its index. ``fold``, ``kind``: add the message into that
         address once whole (see FOLDS), in C, while the rest of the step still
-        moves."""
-        if kind:
-            self.recvs.append((i, tag, digest, base + off, n, fold, kind))
+        moves. ``after_recv``: it starts once that receive (an index) is whole."""
+        if kind or after_recv >= 0:
+            self.recvs.append((i, tag, digest, base + off, n, fold, kind, after_recv, -1))
         else:
             self.recvs.append((i, tag, digest, base + off, n))
         self.recv_at.append((view, off))

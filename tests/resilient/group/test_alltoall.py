@@ -1,6 +1,7 @@
 """all_to_all and all_to_all_single on real processes (socket links), against
 references computed here: equal and uneven splits (zero-size ones included), every
-dtype, non-contiguous tensors, two rails, checks off, disagreeing splits, and
+dtype, non-contiguous tensors, two rails, checks off, disagreeing splits, equal-split
+calls run elided (and refused at their gate when a peer's call differs), and
 through torch's public API against gloo.
 
 Rank ``i``'s block for rank ``j`` holds values made from (i, j) alone, so every
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from resilient.errors import CollectiveMismatch
 from tests._dist import run_dist, run_world
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
@@ -151,6 +153,105 @@ def test_disagreeing_splits_fail_on_every_rank_and_the_group_goes_on(checks: boo
         assert "TypeError" in msgs[3] and "share a dtype" in msgs[3], msgs
         assert "ValueError" in msgs[4] and "need 3 inputs" in msgs[4], msgs
         assert msgs[5] == str([3.0, 3.0])
+
+
+# -- equal-split calls run elided ---------------------------------------------------
+def _equal(pg: Any, rank: int, world: int, rows: int = 2) -> None:
+    """An equal-split call (``rows`` rows of COLS per rank), checked."""
+    inp = torch.cat([_block(rank, j, rows, torch.float32) for j in range(world)])
+    out = torch.zeros((world * rows, COLS))
+    pg.alltoall_base(out, inp, [], []).wait()
+    want = torch.cat([_block(i, rank, rows, torch.float32) for i in range(world)])
+    assert torch.equal(out, want), rows
+
+
+def _elided_calls(pg: Any, rank: int, world: int) -> tuple[int, int, int]:
+    ch = pg.epochs.checks
+    _equal(pg, rank, world)  # call 1: the full exchange, which finds the group quiet
+    for rows in (2, 2, 5, 2, 2, 0, 2, 2):  # explicit equal splits elide alike
+        _equal(pg, rank, world, rows)
+    inp = torch.ones((world * 3, COLS)) * rank
+    out = torch.zeros_like(inp)
+    pg.alltoall_base(out, inp, [3] * world, [3] * world).wait()
+    assert torch.equal(out[:, 0], torch.arange(world).repeat_interleave(3).float())
+    return ch.exchanges, ch.elided, ch.fallbacks
+
+
+@pytest.mark.timeout(120)
+def test_equal_split_calls_skip_their_exchange() -> None:
+    for exchanges, elided_calls, fallbacks in run_world(
+        _elided_calls, 4, config={"elide_every": 4}
+    ):
+        assert exchanges + elided_calls == 10
+        # Calls 1, 4 and 8 exchange; the others elide while the group is quiet (a
+        # straggler confirmed on a loaded host may cost a few), and never fall back.
+        assert elided_calls > 0 and exchanges >= 3, (exchanges, elided_calls)
+        assert fallbacks == 0
+
+
+def _odd_calls(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    def single(out: torch.Tensor, inp: torch.Tensor, so: list[int], si: list[int]) -> Any:
+        return pg.alltoall_base(out, inp, so, si)
+
+    ones = torch.ones((world, 4))
+    cases = {
+        # Rank 1 expects 2 rows from rank 0, which sends it 1.
+        "splits": lambda out: single(out, ones, [2, 1, 1, 1] if rank == 1 else [1] * 4, [1] * 4),
+        "block": lambda out: (
+            single(out, torch.ones((2 * world, 4)), [], [])
+            if rank == 2
+            else single(out, ones, [], [])
+        ),
+        "dtype": lambda out: (
+            single(out.double(), ones.double(), [], []) if rank == 3 else single(out, ones, [], [])
+        ),
+        "collective": lambda out: pg.allreduce([out]) if rank == 0 else single(out, ones, [], []),
+    }
+    seen: dict[str, Any] = {}
+    ch = pg.epochs.checks
+    refusals = []  # per odd call: (ran elided, fell back)
+    _equal(pg, rank, world)  # call 1: the full exchange
+    for name, call in cases.items():
+        rows = {("splits", 1): world + 1, ("block", 2): 2 * world}.get((name, rank), world)
+        out = torch.zeros((rows, 4))
+        before = (ch.elided, ch.fallbacks)
+        try:
+            call(out).wait()
+            seen[name] = "no error"
+        except ValueError as exc:
+            seen[name] = str(exc)
+        except CollectiveMismatch as exc:
+            seen[name] = exc.fields
+        refusals.append((ch.elided - before[0], ch.fallbacks - before[1]))
+        assert not out.any(), f"{name}: data moved although the calls differed"
+        _equal(pg, rank, world)  # the group still works (checked: the quiet ended)
+        _equal(pg, rank, world)  # and elides again
+    # A legitimate mix of equal and uneven splits (no digest on rank 0 and 1): rank 0
+    # sends rank 1 one row more, and itself one less.
+    send = [0, 2, 1, 1] if rank == 0 else [1] * world
+    recv = {0: [0, 1, 1, 1], 1: [2, 1, 1, 1]}.get(rank, [1] * world)
+    out = torch.zeros((sum(recv), 4))
+    single(out, torch.full((sum(send), 4), float(rank)), recv, send).wait()
+    assert out[:, 0].tolist() == [float(i) for i in range(world) for _ in range(recv[i])]
+    seen["counts"] = (ch.exchanges, ch.elided, refusals)
+    return seen
+
+
+@pytest.mark.timeout(150)
+def test_a_refused_elided_call_raises_everywhere_and_writes_nothing() -> None:
+    results = run_world(_odd_calls, 4, config={"elide_every": 1000})
+    first = results[0]
+    assert "rank 0 sends 4 to rank 1, which expects 8 from it" in first["splits"], first
+    assert "rank 2 sends 8 to rank 0, which expects 4 from it" in first["block"], first
+    assert "dtype" in first["dtype"] and "op" in first["collective"], first
+    for seen in results:
+        for name in ("splits", "block", "dtype", "collective"):
+            assert seen[name] == first[name], (name, seen[name])  # alike on every rank
+        # Every odd call that ran elided fell back (none may elide while the group
+        # has confirmed a straggler, as it may on a loaded host).
+        _, _, refusals = seen["counts"]
+        assert all(fell == ran for ran, fell in refusals), refusals
+        assert any(ran for ran, _ in refusals), refusals
 
 
 # -- through torch's public API, against gloo -----------------------------------------
