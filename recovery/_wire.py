@@ -11,6 +11,12 @@ waiting, in case it became the donor) and deserializing it on the receiver.
 
 Dict subclasses keep their type and attributes (``state_dict()``'s
 ``_metadata``, which ``load_state_dict`` reads).
+
+A DTensor (FSDP2/HSDP) travels as its local shard, in a marker dict that keeps
+its placements, global shape and stride and its mesh's ranks; :func:`unpack`
+makes it a DTensor again on the receiver's mesh of the same ranks (found in the
+receiver's own state). The donor must hold the receiver's shards
+(:mod:`recovery.replicas`).
 """
 
 from __future__ import annotations
@@ -69,13 +75,50 @@ def size_of(state: Any) -> int:
     return sum(sizes)
 
 
+_DTENSOR = "__dtensor__"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _placement(p: Any) -> list[Any]:
+    if p.is_shard():
+        return ["S", int(p.dim)]
+    if p.is_replicate():
+        return ["R"]
+    raise RecoveryError(f"a state's DTensor has placement {p} (only Shard and Replicate travel)")
+
+
+def _marker(t: Any, local: torch.Tensor) -> dict[str, Any]:
+    """What stands for DTensor ``t`` in a header: its local shard (a meta tensor)
+    and what rebuilds it (plain values: the header loads with ``weights_only``)."""
+    mesh = t.device_mesh.mesh
+    return {
+        _DTENSOR: local,
+        "placements": [_placement(p) for p in t.placements],
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "mesh": [list(mesh.shape), [int(r) for r in mesh.flatten()]],
+    }
+
+
 def pack(state: Any) -> Packed:
     """Split ``state`` into a header and its tensors (CUDA or non-contiguous ones
     are copied into contiguous CPU tensors; the rest are sent from where they are,
-    so ``state`` must not change until they are sent)."""
+    so ``state`` must not change until they are sent). DTensors send their local
+    shard.
+
+    Raises:
+        RecoveryError: a DTensor placement other than Shard or Replicate.
+    """
     tensors: list[torch.Tensor] = []
 
-    def take(t: torch.Tensor) -> torch.Tensor:
+    def take(t: torch.Tensor) -> Any:
+        if _is_dtensor(t):
+            local = t.to_local().detach()  # type: ignore[attr-defined]
+            tensors.append(local.cpu().contiguous())
+            return _marker(t, local.to("meta"))
         plain = t.detach()
         tensors.append(plain.cpu().contiguous())
         return plain.to("meta")
@@ -88,7 +131,9 @@ def pack(state: Any) -> Packed:
 
 def _walk(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
     """``(path, tensor)`` for every tensor of ``obj``, in :func:`_map`'s order."""
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and _is_dtensor(obj):
+        yield (*path, _DTENSOR), obj.to_local()  # type: ignore[attr-defined]
+    elif isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, dict):
         for key, value in obj.items():
@@ -128,8 +173,11 @@ def unpack(
     fails leaves it partly written: use it only where the old state is given up
     anyway (a rank behind loads the donor's or stops).
 
+    DTensors are rebuilt on the mesh of the same ranks that ``like`` holds.
+
     Raises:
-        RecoveryError: ``header`` is not one :func:`pack` wrote.
+        RecoveryError: ``header`` is not one :func:`pack` wrote, or it holds a
+            DTensor on a mesh ``like`` has none of.
     """
     try:
         skeleton = torch.load(io.BytesIO(header), weights_only=True)
@@ -145,4 +193,51 @@ def unpack(
         into.append(mine if mine is not None else torch.empty(t.shape, dtype=t.dtype))
         return into[-1]
 
-    return _map(skeleton, make), into
+    return _rebuild(_map(skeleton, make), _meshes(like)), into
+
+
+def _meshes(like: Any) -> dict[tuple[tuple[int, ...], tuple[int, ...]], Any]:
+    """The device meshes of ``like``'s DTensors, by (shape, ranks)."""
+    found = {}
+    stack = [like]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if _is_dtensor(obj):
+                mesh = obj.device_mesh  # type: ignore[attr-defined]
+                key = (tuple(mesh.mesh.shape), tuple(int(r) for r in mesh.mesh.flatten()))
+                found[key] = mesh
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            stack.extend(obj)
+    return found
+
+
+def _rebuild(obj: Any, meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any]) -> Any:
+    """``obj`` with every DTensor marker made a DTensor again (see :func:`_marker`)."""
+    if isinstance(obj, dict) and _DTENSOR in obj:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape, ranks = obj["mesh"]
+        mesh = meshes.get((tuple(shape), tuple(ranks)))
+        if mesh is None:
+            raise RecoveryError(
+                f"a state's DTensor lives on a mesh of ranks {ranks} (shape {shape}) that "
+                "the receiving rank's own state does not use"
+            )
+        placements = [Shard(p[1]) if p[0] == "S" else Replicate() for p in obj["placements"]]
+        return DTensor.from_local(
+            obj[_DTENSOR], mesh, placements, run_check=False,
+            shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]),
+        )  # fmt: skip
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _rebuild(value, meshes)
+        return out
+    if isinstance(obj, list):
+        return [_rebuild(v, meshes) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, meshes) for v in obj)
+    return obj

@@ -38,7 +38,9 @@ furthest ahead are ranked by the health of their links: the most rails up, then
 the fastest measured rails, then the lowest rank (the joiner has no links yet to
 compare). Replacements are given the best ranked donors, then the survivors that
 are behind (a kill between two ranks' commits of a step); each donor serves its
-own receivers, so two receivers are served at once when two ranks are ahead.
+own receivers, so two receivers are served at once when two ranks are ahead. With
+sharded state (HSDP) a donor must hold the receiver's shards: records carry a
+replica key (:mod:`recovery.replicas`) and donors are picked among equal keys.
 """
 
 from __future__ import annotations
@@ -89,11 +91,15 @@ class Record:
     # measured rate of its rails together (bytes/s; 0 = not measured).
     rails_up: int = 0
     rate: float = 0.0
+    # Which shards this rank's state holds (recovery.replicas.replica_key): only
+    # a rank with the same key can be its donor. "": the whole state (DDP).
+    replica: str = ""
 
     def to_json(self) -> str:
         return json.dumps(
             {"rank": self.rank, "incarnation": self.incarnation, "step": self.step,
-             "data": self.data, "ctl": self.ctl, "rails_up": self.rails_up, "rate": self.rate}
+             "data": self.data, "ctl": self.ctl, "rails_up": self.rails_up, "rate": self.rate,
+             "replica": self.replica}
         )  # fmt: skip
 
     @classmethod
@@ -108,6 +114,7 @@ class Record:
             ctl=None if ctl is None else [_counter(c) for c in ctl],
             rails_up=int(d.get("rails_up", 0)),
             rate=float(d.get("rate", 0.0)),
+            replica=str(d.get("replica", "")),
         )
 
 
@@ -188,12 +195,37 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
         members=tuple(sorted(records)),
         step=step,
         donor=ranked[0],
-        donors={r.rank: ranked[i % len(ranked)] for i, r in enumerate(behind)},
+        donors=_pick_donors(epoch, records, ranked, behind),
         receivers=tuple(sorted(r.rank for r in behind)),
         joined=tuple(sorted(r.rank for r in records.values() if r.step == NO_STATE)),
         keep_data={r: keep or [] for r, keep in data.items()},
         keep_ctl=ctl,
     )
+
+
+def _pick_donors(
+    epoch: int, records: Mapping[int, Record], ranked: list[int], behind: list[Record]
+) -> dict[int, int]:
+    """Receiver -> donor: each receiver in turn gets the next best ranked donor that
+    holds the same shards (the same ``replica`` key; all alike without sharding).
+
+    Raises:
+        RecoveryError: no rank ahead holds a receiver's shards (every replica of
+            them was lost at once).
+    """
+    served: dict[str, int] = {}
+    donors = {}
+    for rec in behind:
+        pool = [d for d in ranked if records[d].replica == rec.replica]
+        if not pool:
+            raise RecoveryError(
+                f"epoch {epoch}: no rank ahead holds the shards of rank {rec.rank} "
+                f"(replica key {rec.replica!r}); every replica of them was lost"
+            )
+        turn = served.get(rec.replica, 0)
+        donors[rec.rank] = pool[turn % len(pool)]
+        served[rec.replica] = turn + 1
+    return donors
 
 
 def request_join(store: Store, epoch: int, rank: int) -> None:

@@ -53,12 +53,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from membership.epoch import current_epoch
 from recovery import subgroups
 from recovery._resize import Resizing, link_rate
-from recovery._wire import Packed, pack, size_of, unpack
+from recovery._wire import Packed, pack, size_of
 from recovery.agree import (
     NO_STATE,
     Plan,
@@ -67,13 +65,16 @@ from recovery.agree import (
     request_join,
 )
 from recovery.policy import Policy
+from recovery.replicas import check_replicas, replica_key
+from recovery.restore import transfer_state
 from recovery.shards import Piece, pieces
 from recovery.state import (
     StateHook,
     TrainState,
     average_over_members,
     cut_forward,
-    refuse_sharded,
+    fsdp_root,
+    reset_fsdp,
     reset_reducer,
 )
 from resilient import events
@@ -87,7 +88,6 @@ __all__ = ["Session", "StateHook", "TrainState"]
 logger = logging.getLogger(__name__)
 
 _WARMUP_PASSES = 2
-_RESTORED_POLL_S = 0.005
 _RECENT_STEPS = 64
 
 
@@ -112,13 +112,15 @@ class Session(Resizing):
         from resilient.process_group import ResilientProcessGroup
 
         self.pg = pg if isinstance(pg, ResilientProcessGroup) else None
-        if self.pg is not None:
-            refuse_sharded(state)
-            self.pg.subgroups_follow = True  # recovery.subgroups
         self.state = state
         self._commit = commit or getattr(state, "commit", None)
         self._warmup = warmup
         self.config = config or RecoveryConfig.from_env()
+        self._replica = ""  # which shards this rank holds (recovery.replicas)
+        self._fsdp = fsdp_root(state)
+        if self.pg is not None:
+            self._replica = self._sharding(state, int(pg.rank()), int(pg.size()))
+            self.pg.subgroups_follow = True  # recovery.subgroups
         self.committed = -1  # the last step committed here; -1: the starting state
         self._next = 0
         self._primed = False  # the warm-up passes before the first step ran
@@ -145,6 +147,25 @@ class Session(Resizing):
             if self._cut_backward:
                 cut_forward(ddp, self.pg)  # the forward pass too
         self._ddp = ddp
+
+    def _sharding(self, state: StateHook, rank: int, world: int) -> str:
+        """This rank's replica key; sharded state (FSDP2/HSDP) is restored from a
+        replica of the same shards, so every rank must have one.
+
+        Raises:
+            RecoveryError: a rank's shards have no replica (plain FSDP), or the job
+                may shrink (a shrink would need the shards laid out anew).
+        """
+        current = state.state_dict()
+        check_replicas(current, world)
+        key = replica_key(current, rank)
+        if key and self.config.shrink_after_s is not None:
+            raise RecoveryError(
+                "recovery.Session: the state is sharded (DTensors), and a shrink would need "
+                "its shards laid out anew over fewer ranks: unset shrink_after_s "
+                "(RESILIENT_SHRINK_AFTER_S) so a lost rank is replaced"
+            )
+        return key
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -322,7 +343,10 @@ class Session(Resizing):
         assert self.pg is not None
         pg = self.pg
         deadline = time.monotonic() + self.config.replace_timeout_s
-        record = Record(rank=self._rank, incarnation=pg.incarnation, step=NO_STATE, data=[], ctl=[])
+        record = Record(
+            rank=self._rank, incarnation=pg.incarnation, step=NO_STATE, data=[], ctl=[],
+            replica=self._replica,
+        )  # fmt: skip
         while True:
             epoch = current_epoch(pg.store)
             left = deadline - time.monotonic()
@@ -356,7 +380,7 @@ class Session(Resizing):
         record = Record(
             rank=self._rank, incarnation=pg.incarnation, step=self.committed,
             data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
-            rate=link_rate(pg, default=0.0),
+            rate=link_rate(pg, default=0.0), replica=self._replica,
         )  # fmt: skip
         return record, quiesced
 
@@ -382,7 +406,8 @@ class Session(Resizing):
             min_ranks=self.config.min_ranks,
             give_up=give_up,
         )
-        before = plan.members if self.pg.joining else self.pg.members
+        joining = self.pg.joining
+        before = plan.members if joining else self.pg.members
         kept = plan.keep_data[self._rank]
         dropped = self.pg.enter_epoch(
             plan.epoch, keep_data=kept, keep_ctl=plan.keep_ctl[self._rank], members=plan.members
@@ -390,6 +415,8 @@ class Session(Resizing):
         subgroups.follow(plan, before, self._rank, self.config.quiesce_timeout_s)
         if self._cut_backward:
             reset_reducer(self._ddp)
+        if self._fsdp is not None and not joining:  # a replacement has no step to undo
+            reset_fsdp(self._fsdp)
         events.emit(
             "epoch.changed", epoch=plan.epoch, reason=_why(before, plan),
             action=f"kept {len(kept)} data link(s), dropped {dropped}",
@@ -402,76 +429,16 @@ class Session(Resizing):
         return plan
 
     def _restore(self, plan: Plan) -> None:
-        """Each donor sends its state to the ranks behind it the plan gives it
-        (two donors serve two receivers at once); those load it."""
+        """Send, receive or await the plan's state (recovery.restore); the step
+        after the plan's is next."""
         assert self.pg is not None
-        mine = [peer for peer in plan.receivers if plan.donors.get(peer) == self._rank]
-        receiving = self._rank in plan.receivers
-        # The links the replayed step needs are built in the background, during
-        # the transfer: its own link first (ResilientProcessGroup.prebuild_links).
-        self.pg.prebuild_links(transfers=mine or ([plan.donors[self._rank]] if receiving else []))
-        if not mine and not receiving:
-            self._await_restored(plan)
-        if mine:
-            sent = self._payload or self._pack()
-            for peer in mine:
-                self.pg.send_state(peer, sent.header, sent.tensors)
-        elif receiving:
-            donor = plan.donors[self._rank]
-            began = time.monotonic()
-            got: dict[str, Any] = {}
-
-            def allocate(header: bytearray) -> list[torch.Tensor]:
-                # Into this rank's own tensors where they fit: its state is given
-                # up either way (it loads the donor's, or a failed transfer raises).
-                state, into = unpack(header, like={"state": self.state.state_dict()})
-                got.update(state)
-                return into
-
-            nbytes = self.pg.recv_state(donor, allocate)
-            if int(got["step"]) != plan.step:
-                raise RecoveryError(
-                    f"rank {self._rank}: donor {donor} sent step {got['step']}, planned {plan.step}"
-                )
-            self.state.load_state_dict(got["state"])
-            self.pg.store.set(_restored_key(plan.epoch, self._rank), "1")
-            events.emit(
-                "state.restored", epoch=plan.epoch, step=plan.step,
-                duration_ms=(time.monotonic() - began) * 1e3,
-                reason=f"{nbytes} B from rank {donor}",
-                donor=donor,
-                action=f"loaded step {plan.step}",
-            )  # fmt: skip
+        transfer_state(
+            self.pg, self.state, plan,
+            payload=lambda: self._payload or self._pack(), wait_s=self.config.replace_timeout_s,
+        )  # fmt: skip
         self._payload = None
         self.committed = plan.step
         self._next = plan.step + 1
-
-    def _await_restored(self, plan: Plan) -> None:
-        """Wait until every receiver of ``plan`` loaded its state, a peer is lost,
-        or ``replace_timeout_s`` passed (then the replayed step's calls see what
-        went wrong).
-
-        The replayed step cannot end before the receivers' does, so a rank with no
-        part in the transfer gains nothing by starting it earlier; where ranks
-        share cores, its forward pass only slowed the transfer (the 100 MB
-        warm-spare benchmark, 4 ranks on 2 cores: the receiver's restore took
-        360-466 ms with the other two survivors computing, 234-324 ms with them
-        waiting here).
-        """
-        pg = self.pg
-        assert pg is not None
-        keys = [_restored_key(plan.epoch, r) for r in plan.receivers]
-        end = time.monotonic() + self.config.replace_timeout_s
-        while keys and pg.lost is None and time.monotonic() < end:
-            keys = [k for k in keys if not pg.store.check([k])]
-            if keys:
-                time.sleep(_RESTORED_POLL_S)
-        if keys:
-            logger.warning(
-                "rank %d (epoch %d, step %d): %s not restored (%s); replaying anyway",
-                self._rank, plan.epoch, plan.step + 1, keys,
-                "a peer was lost" if pg.lost is not None else "timed out",
-            )  # fmt: skip
 
     def _state_bytes(self) -> int:
         """What a rank behind would receive (for the policy's cost estimates)."""
@@ -483,10 +450,6 @@ class Session(Resizing):
         """This rank's committed step and state, as a donor sends them: a small
         header and the state's own tensors (not copied; see recovery._wire)."""
         return pack({"step": self.committed, "state": self.state.state_dict()})
-
-
-def _restored_key(epoch: int, rank: int) -> str:
-    return f"recovery/e{epoch}/restored/r{rank}"
 
 
 def _why(before: tuple[int, ...], plan: Plan) -> str:

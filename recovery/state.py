@@ -8,14 +8,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from resilient.errors import PeerLost, RecoveryError
+from resilient.errors import PeerLost
 
 __all__ = [
     "StateHook",
     "TrainState",
     "average_over_members",
     "cut_forward",
-    "refuse_sharded",
+    "fsdp_root",
+    "reset_fsdp",
     "reset_reducer",
 ]
 
@@ -66,38 +67,33 @@ class TrainState:
         self.optimizer.step()
 
 
-def _sharded(obj: Any, path: str = "") -> str | None:
-    """The path of the first sharded tensor (a DTensor) in ``obj``, or None."""
-    if isinstance(obj, torch.Tensor):
-        return path if type(obj).__name__ == "DTensor" else None
-    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(
-        obj, list | tuple
-    ) else ()  # fmt: skip
-    for key, value in items:
-        found = _sharded(value, f"{path}/{key}")
-        if found is not None:
-            return found
-    return None
+def fsdp_root(state: StateHook) -> Any:
+    """The FSDP2 root module of a :class:`TrainState`, or None (not FSDP2)."""
+    model = getattr(state, "model", None)
+    return model if model is not None and hasattr(model, "reset_iter_state") else None
 
 
-def refuse_sharded(state: StateHook) -> None:
-    """Refuse a state holding sharded tensors (FSDP2/HSDP parameters, DTensors).
+def reset_fsdp(root: Any) -> None:
+    """Bring FSDP2 modules out of a step a lost peer ended mid-way, so the next
+    forward starts clean (``FSDPModule.reset_iter_state``: reshard, drop the
+    iteration's gradient reductions).
 
-    A replacement gets its state from one donor, whole: with sharded parameters that
-    would load the donor's shards in place of its own, silently wrong. Restoring a
-    shard from its replica (HSDP) is not built yet.
-
-    Raises:
-        RecoveryError: ``state`` holds a DTensor (names where).
+    ``reset_iter_state`` waits on a pending all-gather's Work; a Work that failed
+    (the lost peer) raises on every wait, so those are dropped first: their
+    result is given up with the step anyway. That reads FSDP2's param groups
+    (``_get_fsdp_state``, ``_fsdp_param_groups``, ``_all_gather_result``): there
+    is no public way to discard a failed prefetch (torch 2.13).
     """
-    where = _sharded(state.state_dict())
-    if where is not None:
-        raise RecoveryError(
-            f"recovery.Session: the state holds a sharded tensor at {where} (FSDP2/HSDP): "
-            "a replacement would get another rank's shards; restoring shards from "
-            "their replicas is not supported yet. Save DCP checkpoints instead "
-            "(examples/train_fsdp.py) and let a lost rank end the job"
-        )
+    for module in root.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in getattr(get_state(), "_fsdp_param_groups", ()):
+            result = getattr(group, "_all_gather_result", None)
+            work = getattr(result, "all_gather_work", None)
+            if work is not None and work.is_completed() and not work.is_success():
+                group._all_gather_result = None
+    root.reset_iter_state()
 
 
 def average_over_members(ddp: Any, pg: Any, *, cut_backward: bool = False) -> None:

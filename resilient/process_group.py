@@ -17,10 +17,8 @@ digest was seen.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,10 +37,12 @@ from resilient.detect.nic import NicMonitor
 from resilient.detect.peer_watch import PeerWatch
 from resilient.detect.stragglers import Verdicts
 from resilient.errors import PeerLost
+from resilient.group import live_groups
 from resilient.group.alltoall import AllToAllCalls
 from resilient.group.calls import CallRunner
 from resilient.group.epoch_control import EpochControl
 from resilient.group.gathers import GatherCalls
+from resilient.group.live_groups import fail_subgroups, tell_world
 from resilient.group.p2p import PointToPoint
 from resilient.group.reductions import ReduceCalls
 from resilient.group.rooted import RootedCalls
@@ -57,38 +57,9 @@ __all__ = ["ResilientProcessGroup", "ResilientWork", "live_subgroups"]
 logger = logging.getLogger(__name__)
 
 
-_LIVE: weakref.WeakSet[ResilientProcessGroup] = weakref.WeakSet()
-
-
-@atexit.register
-def _shutdown_live_groups() -> None:
-    # A gloo group still alive while the interpreter tears down can abort the
-    # process; close whatever the program did not destroy itself.
-    for pg in list(_LIVE):
-        try:
-            pg.shutdown()
-        except Exception:  # exiting anyway; never mask the program's own exit status
-            logger.debug("shutdown at exit failed", exc_info=True)
-
-
-def _fail_subgroups(lost: PeerLost) -> None:
-    """The world group lost ``lost.peer``: every subgroup of this process holding
-    that rank gives its calls up at once, instead of each finding out for itself
-    at its next call's deadline. When recovery drives the job
-    (:attr:`ResilientProcessGroup.subgroups_follow`), every other subgroup gives
-    its calls up too: the step is replayed on every group."""
-    world = [pg for pg in list(_LIVE) if not pg.is_subgroup]
-    follow = any(pg.subgroups_follow for pg in world)
-    for pg in live_subgroups():
-        if lost.peer in pg.job_ranks:
-            pg.declare_lost(pg.job_ranks.index(lost.peer), f"the world group lost it ({lost})")
-        elif follow:
-            pg.epochs.peer_loss.abandon(f"the world group lost rank {lost.peer}; recovering")
-
-
 def live_subgroups() -> list[ResilientProcessGroup]:
     """This process's subgroups (new_group, DeviceMesh dimensions) not shut down."""
-    return [pg for pg in list(_LIVE) if pg.is_subgroup and not pg.closed]
+    return [pg for pg in live_groups.live_subgroups() if isinstance(pg, ResilientProcessGroup)]
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
@@ -168,9 +139,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
             rank=rank, size=world_size, epochs=self.epochs, submit=self._calls.submit
         )  # fmt: skip
         self.p2p = PointToPoint(rank=rank, size=world_size, epochs=self.epochs)
-        if job_ranks is None:  # the world group: its losses are every subgroup's
-            self.epochs.peer_loss.on_declared = _fail_subgroups
-        _LIVE.add(self)
+        # The world group's losses are every subgroup's; a subgroup's are the world's.
+        loss = self.epochs.peer_loss
+        loss.on_declared = fail_subgroups if job_ranks is None else tell_world(self.job_ranks)
+        live_groups.add(self)
 
     def _start_health(self, rank: int, joining: bool) -> None:
         """Start watching the NICs (not yet for a replacement) and the GPU."""

@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import multiprocessing as mp
 import os
-import queue
 import signal
-import time
 from typing import Any
 
 import pytest
 
-from resilient.procs import free_port
+from tests._replace import NEVER, run_with_replacement
 
 WORLD = 3
 STEPS = 12
 VICTIM = 2
 KILL_AT = 6
-NEVER = -(10**9)
 
 
 def _worker(
@@ -103,38 +99,9 @@ def _worker(
 def _run(kill_at: int, *, with_ddp: bool = False) -> dict[tuple[int, int], Any]:
     """``with_ddp``: the session is given the DDP module (its comm hook, and its
     reducer reset on entering an epoch)."""
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = {
-        r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results, with_ddp))
-        for r in range(WORLD)
-    }
-    for p in procs.values():
-        p.start()
-    out: dict[tuple[int, int], Any] = {}
-    replacement = None
-    try:
-        deadline = time.monotonic() + 150
-        while len(out) < WORLD and time.monotonic() < deadline:
-            if replacement is None and procs[VICTIM].exitcode == -signal.SIGKILL:
-                args = (VICTIM, port, 1, NEVER, results, with_ddp)
-                replacement = ctx.Process(target=_worker, args=args)
-                replacement.start()
-            try:
-                rank, inc, *rest = results.get(timeout=0.2)
-                out[(rank, inc)] = rest
-            except queue.Empty:
-                continue
-        for p in [*procs.values(), replacement]:
-            if p is not None:
-                p.join(timeout=30)
-    finally:
-        for p in [*procs.values(), replacement]:
-            if p is not None and p.is_alive():
-                p.kill()
-                p.join(5)
-    return out
+    return run_with_replacement(
+        _worker, world=WORLD, victim=VICTIM, kill_at=kill_at, extra=(with_ddp,), timeout_s=150
+    )
 
 
 @pytest.fixture(scope="module")

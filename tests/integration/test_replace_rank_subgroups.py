@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import multiprocessing as mp
 import os
-import queue
 import signal
-import time
 from typing import Any
 
 import pytest
 
-from resilient.procs import free_port
+from tests._replace import NEVER, run_with_replacement
 
 WORLD = 4
 STEPS = 8
 VICTIM = 3
 KILL_AT = 4
-NEVER = -(10**9)
 
 
 def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) -> None:
@@ -95,36 +91,7 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
 
 
 def _run(kill_at: int) -> dict[tuple[int, int], Any]:
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
-    procs = {
-        r: ctx.Process(target=_worker, args=(r, port, 0, kill_at, results)) for r in range(WORLD)
-    }
-    for p in procs.values():
-        p.start()
-    out: dict[tuple[int, int], Any] = {}
-    replacement = None
-    try:
-        deadline = time.monotonic() + 200
-        while len(out) < WORLD and time.monotonic() < deadline:
-            if replacement is None and procs[VICTIM].exitcode == -signal.SIGKILL:
-                replacement = ctx.Process(target=_worker, args=(VICTIM, port, 1, NEVER, results))
-                replacement.start()
-            try:
-                rank, inc, *rest = results.get(timeout=0.2)
-                out[(rank, inc)] = rest
-            except queue.Empty:
-                continue
-        for p in [*procs.values(), replacement]:
-            if p is not None:
-                p.join(timeout=30)
-    finally:
-        for p in [*procs.values(), replacement]:
-            if p is not None and p.is_alive():
-                p.kill()
-                p.join(5)
-    return out
+    return run_with_replacement(_worker, world=WORLD, victim=VICTIM, kill_at=kill_at)
 
 
 @pytest.mark.timeout(420)

@@ -51,6 +51,31 @@ def test_the_plan_keeps_links_held_at_both_ends_that_nobody_is_blocked_on() -> N
     assert plan.keep_data == {0: [(1, 0), (1, 2)], 1: [(0, 0), (0, 2)], 2: []}
 
 
+def test_a_rank_holding_shards_is_served_by_a_replica_of_them() -> None:
+    # HSDP 2 x 2: ranks 0 and 2 hold shard column 0, ranks 1 and 3 column 1. Rank 0
+    # is best placed (most rails up) but holds the other shards: rank 1 serves 3.
+    col = {0: "[[0]]", 1: "[[1]]", 2: "[[0]]", 3: "[[1]]"}
+    recs = {
+        r: Record(rank=r, incarnation=0, step=5, rails_up=2 if r == 0 else 1, replica=col[r])
+        for r in (0, 1, 2)
+    }
+    recs[3] = Record(rank=3, incarnation=1, step=NO_STATE, replica=col[3])
+    plan = make_plan(0, recs)
+    assert plan.donor == 0 and dict(plan.donors) == {3: 1}
+    # Through the store as JSON, the key survives.
+    assert Record.from_json(recs[3].to_json()).replica == "[[1]]"
+
+
+def test_a_rank_whose_every_replica_was_lost_is_a_recovery_error() -> None:
+    recs = {
+        0: Record(rank=0, incarnation=0, step=5, replica="[[0]]"),
+        1: Record(rank=1, incarnation=1, step=NO_STATE, replica="[[1]]"),
+        3: Record(rank=3, incarnation=1, step=NO_STATE, replica="[[1]]"),
+    }
+    with pytest.raises(RecoveryError, match=r"no rank ahead holds the shards of rank 1"):
+        make_plan(0, recs)
+
+
 def test_a_link_with_leftovers_under_the_next_epochs_salt_is_not_kept() -> None:
     # Rank 0's rail-2 link has ops pending from an epoch with salt 3, which epoch
     # 19 (19 % 16 == 3) would use again.

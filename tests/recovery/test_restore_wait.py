@@ -1,5 +1,5 @@
 """A rank with no part in a state transfer waits for the receivers to load it
-before it replays the step (real etcd store; the session's own wait)."""
+before it replays the step (real etcd store; recovery.restore's wait)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from recovery.agree import Plan
-from recovery.session import Session, _restored_key
-from resilient.config import RecoveryConfig
+from recovery.restore import await_restored, restored_key
 from resilient.errors import PeerLost
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,13 +24,9 @@ def _plan(receivers: tuple[int, ...]) -> Plan:
     )  # fmt: skip
 
 
-def _bystander(store: Any, *, wait_s: float = 20.0) -> Session:
-    """Rank 1's session with only what the wait reads."""
-    s = Session.__new__(Session)
-    s.pg = SimpleNamespace(store=store, lost=None)  # type: ignore[assignment]
-    s.config = RecoveryConfig(replace_timeout_s=wait_s)
-    s._rank = 1
-    return s
+def _pg(store: Any) -> Any:
+    """Rank 1's group with only what the wait reads."""
+    return SimpleNamespace(store=store, lost=None)
 
 
 def _later(delay_s: float, fn: Any) -> threading.Thread:
@@ -41,27 +36,26 @@ def _later(delay_s: float, fn: Any) -> threading.Thread:
 
 
 def test_it_replays_once_every_receiver_restored(etcd_store: Any) -> None:
-    session, plan = _bystander(etcd_store), _plan((2, 3))
-    _later(0.3, lambda: etcd_store.set(_restored_key(3, 2), "1"))
-    _later(0.6, lambda: etcd_store.set(_restored_key(3, 3), "1"))
+    pg, plan = _pg(etcd_store), _plan((2, 3))
+    _later(0.3, lambda: etcd_store.set(restored_key(3, 2), "1"))
+    _later(0.6, lambda: etcd_store.set(restored_key(3, 3), "1"))
     began = time.monotonic()
-    session._await_restored(plan)
+    await_restored(pg, plan, 1, 20.0)
     took = time.monotonic() - began
     assert 0.55 < took < 5.0, took  # the second receiver's word, not before
 
 
 def test_a_key_of_another_epoch_does_not_count(etcd_store: Any) -> None:
-    etcd_store.set(_restored_key(2, 2), "1")  # the last recovery's
-    session = _bystander(etcd_store, wait_s=0.5)
+    etcd_store.set(restored_key(2, 2), "1")  # the last recovery's
     began = time.monotonic()
-    session._await_restored(_plan((2,)))
+    await_restored(_pg(etcd_store), _plan((2,)), 1, 0.5)
     assert time.monotonic() - began >= 0.5  # waited to its bound
 
 
 def test_a_loss_ends_the_wait(etcd_store: Any) -> None:
-    session = _bystander(etcd_store)
+    pg = _pg(etcd_store)
     lost = PeerLost("rank 2 gone", peer=2, epoch=3)
-    _later(0.3, lambda: setattr(session.pg, "lost", lost))
+    _later(0.3, lambda: setattr(pg, "lost", lost))
     began = time.monotonic()
-    session._await_restored(_plan((2,)))
+    await_restored(pg, _plan((2,)), 1, 20.0)
     assert time.monotonic() - began < 5.0
