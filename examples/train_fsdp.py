@@ -10,13 +10,17 @@ rank draws its own synthetic batch per step (seeded by seed, rank and step). Ran
 prints the loss per step (averaged over ranks); every rank prints a SHA-256 of the
 full parameters at the end, so runs on two backends can be compared.
 
+Steps run under ``recovery.Session``: on the resilient backend a lost rank is
+replaced in place (``resilient run --max-restarts 1``), its shards and optimizer
+state restored from its replica (the rank of the same shard column in the other
+replicate row), and the interrupted step replayed, with every mesh dimension
+following the recovery (``examples/scenarios/kill-rank-hsdp.toml``). Plain FSDP
+(``--replicas 1``) has no replica to restore from: it runs without Session, and
+a lost rank ends the job.
+
 ``--checkpoint-dir DIR`` with ``--checkpoint-every N`` saves a distributed
 checkpoint (torch.distributed.checkpoint, every rank writes its shards) every N
 steps, and a run started with the same DIR resumes from the latest one.
-
-What this job does not do yet on the resilient backend: recover a lost rank in
-place. Subgroups (the mesh dimensions) do not follow recovery, so a lost rank ends
-the job, which then resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -125,41 +129,62 @@ def save(directory: str, model: nn.Module, opt: torch.optim.Optimizer, step: int
         os.replace(tmp, os.path.join(directory, "latest"))
 
 
+def params_stats(model: nn.Module) -> list[float]:
+    """Per parameter, L1 and L2 norms of the full tensor in float64 (the chaos
+    report compares runs whose summation order differs on these)."""
+    out: list[float] = []
+    for v in model.state_dict().values():
+        wide = v.full_tensor().detach().to(torch.float64)
+        out += [float(wide.abs().sum()), float(wide.norm())]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     dist.init_process_group(args.backend)  # "resilient" is registered by torch's autoload
     rank, world = dist.get_rank(), dist.get_world_size()
+    from recovery.session import Session, TrainState
+    from resilient.progress import StepReporter
+
+    # Publishes each finished step to etcd (no-op without RESILIENT_ETCD): the chaos
+    # CLI keys faults on it and measures step times from it.
+    reporter = StepReporter.from_env()
     model = build_model(args.width, args.seed)
     shard(model, args.replicas)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # opt.step() runs when a step's block ends without an error (the commit).
+    state = TrainState(model, opt)
+    # Without a replica (plain FSDP) there is nothing to restore from: no Session
+    # group, so steps just commit and a lost rank ends the job.
+    session = Session(dist.group.WORLD if args.replicas > 1 else None, state)
     first = resume(args.checkpoint_dir, model, opt)
     losses: list[float] = []
-    for step in range(first, args.steps):
-        start = time.perf_counter()
-        x, y = batch(args.seed, rank, step, args.width, args.batch)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # SUM: gloo has no AVG
-        losses.append(float(mean) / world)
-        if rank == 0 and not args.quiet:
+    for step in session.steps(args.steps, start=first):
+        with session.step(step):
+            start = time.perf_counter()
+            x, y = batch(args.seed, rank, step, args.width, args.batch)
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # SUM: gloo has no AVG
+            losses.append(float(mean) / world)
             ms = (time.perf_counter() - start) * 1e3
-            print(f"step {step:4d} loss {losses[-1]:.6f} ({ms:.1f} ms)", flush=True)
-        if (
-            args.checkpoint_dir
-            and args.checkpoint_every
-            and (step + 1) % args.checkpoint_every == 0
-        ):
+            reporter.step(step, loss=losses[-1], step_ms=round(ms, 3))
+            if rank == 0 and not args.quiet:
+                print(f"step {step:4d} loss {losses[-1]:.6f} ({ms:.1f} ms)", flush=True)
+        every = args.checkpoint_every
+        if args.checkpoint_dir and every and session.committed == step and (step + 1) % every == 0:
             save(args.checkpoint_dir, model, opt, step)
     digest = full_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
+    reporter.finish(params_sha256=digest, params_stats=params_stats(model), steps=args.steps)
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"backend": args.backend, "world": world, "losses": losses,
                        "params_sha256": digest}, f)  # fmt: skip
+    del session, state
     dist.barrier()
     dist.destroy_process_group()
     return 0
