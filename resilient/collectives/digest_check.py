@@ -9,10 +9,12 @@ every rank agrees without a word. In an elided call:
 * every data message carries the call's **digest** (a hash of its signature) in
   its socket frame header, and tags numbered by the call (``CALL_SHIFT``), so no
   message of one call ever meets a receive of another;
-* the mesh all-reduce, the one schedule elided (socket data links built to every
-  peer, one rail, every chunk non-empty, no slow rank), sends each peer its
-  contribution first, so every rank hears from every peer before it folds
-  anything (the *gate*). A receive that meets another digest fails with
+* the mesh all-reduce (socket data links built to every peer, one rail, every
+  chunk non-empty, no slow rank) sends each peer its contribution first, so every
+  rank hears from every peer before it folds anything (the *gate*); an
+  all_to_all_single of equal splits on one rail sends each peer a digest frame
+  first and reads no data until every peer's came (resilient.group.alltoall). A
+  receive that meets another digest fails with
   :class:`~resilient.links.socket_frames.DigestMismatch`;
 * any other call (another op, a payload, a barrier, a tensor too large for the
   mesh) sends every peer on every rail a header-only **hello** under the same tag
