@@ -67,18 +67,10 @@ def run_world(
 
     Raises AssertionError with every failing rank's traceback; always reaps the processes.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(target, r, world, rails, port, results, args, config or {}),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    out = _collect(procs, results, world, timeout_s, dead)
+    out, procs = _spawn(
+        _entry, world, timeout_s, dead,
+        lambda r, port, q: (target, r, world, rails, port, q, args, config or {}),
+    )  # fmt: skip
     for r in dead:
         out[r] = procs[r].exitcode
     return out
@@ -147,18 +139,29 @@ def run_dist(
 
     Raises AssertionError with every failing rank's traceback; always reaps the processes.
     """
+    out, _ = _spawn(
+        _dist_entry, world, timeout_s, dead,
+        lambda r, port, q: (target, backend, r, world, port, q, args, env or {}),
+    )  # fmt: skip
+    return out
+
+
+def _spawn(
+    entry: Callable[..., None],
+    world: int,
+    timeout_s: float,
+    dead: frozenset[int],
+    args_of: Callable[[int, int, Any], tuple[Any, ...]],
+) -> tuple[list[Any], list[Any]]:
+    """Start ``entry(*args_of(rank, port, results))`` on ``world`` spawned processes
+    sharing a free port and a result queue; their results by rank, and the processes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(
-            target=_dist_entry,
-            args=(target, backend, r, world, port, results, args, env or {}),
-            daemon=True,
-        )
-        for r in range(world)
+        ctx.Process(target=entry, args=args_of(r, port, results), daemon=True) for r in range(world)
     ]
-    return _collect(procs, results, world, timeout_s, dead)
+    return _collect(procs, results, world, timeout_s, dead), procs
 
 
 def _collect(
