@@ -37,7 +37,14 @@ Semantics:
   :class:`~resilient.errors.LinkError` after ``op_timeout_floor_s`` plus the bytes at
   ``expected_link_bytes_per_s``; that link is cut and built again on the pair's
   next call (within ``connect_timeout_s``).
-* ``recv`` from any source is not supported (``NotImplementedError``).
+* **Any source.** ``recv_anysource`` (``dist.recv``/``irecv`` without ``src``)
+  takes the first send of its tag that any other member offers (every peer is told
+  with a READY flagged "any"; a send that meets one offers itself and writes its
+  bytes only once the receive took it, else it waits for the next READY of its tag,
+  still ahead of its later sends). The work's ``_source_rank()`` names the sender.
+  A mismatch with the send taken fails both ends as above; with no send within the
+  receive's deadline it fails with :class:`~resilient.errors.LinkError` and the
+  links stay up (a later send to it is declined, and waits for another receive).
 
 After a shrink, peers are named by rank and numbered inside the epoch
 (``EpochControl.position``); a new epoch's calls build new links.
@@ -50,7 +57,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Final
+from typing import Final
 
 import torch
 from torch.futures import Future
@@ -58,7 +65,7 @@ from torch.futures import Future
 from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.group.epoch_control import EpochControl
 from resilient.group.p2p_channel import Channel
-from resilient.group.p2p_wire import Message
+from resilient.group.p2p_wire import AnyRecv, Message
 from resilient.group.work import ResilientWork
 
 __all__ = ["PointToPoint"]
@@ -89,6 +96,20 @@ class _P2PWork(ResilientWork):
             secs = timeout.total_seconds() if timeout is not None else 0.0
             self._chan.wait_for(self._msg, time.monotonic() + secs if secs > 0 else None)
         return super().wait(timeout)
+
+
+class _AnyWork(ResilientWork):
+    """A receive from any source's work: ``_source_rank()`` names the sender (torch's
+    ``dist.recv`` returns it; ``irecv``'s caller asks the work)."""
+
+    def __init__(self, any_: AnyRecv) -> None:
+        super().__init__(any_.msg.fut, "recv")
+        self._any = any_
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, or -1 while none has (or if the receive failed)."""
+        owner = self._any.owner
+        return owner if owner is not None and owner >= 0 and self.is_success() else -1
 
 
 class PointToPoint:
@@ -136,17 +157,38 @@ class PointToPoint:
         chan.recv(msg)
         return _P2PWork(msg, chan)
 
-    def recv_anysource(self, tensors: Any, tag: int) -> ResilientWork:
-        """Raises NotImplementedError: a receive must name its peer."""
-        raise NotImplementedError("resilient process group: recv from any source is not supported")
+    def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int) -> ResilientWork:
+        """Receive into ``tensors[0]`` from whichever rank's send of tag ``tag`` comes
+        first; the work's ``_source_rank()`` is that rank once it completed.
 
-    def _check(self, op: str, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> torch.Tensor:
-        """The one tensor of a p2p call, checked (see :meth:`send` for what raises)."""
+        Raises:
+            ValueError: no other rank in the group, not one tensor, or a tag outside
+                32 bits.
+            TypeError, NotImplementedError, RuntimeError: as :meth:`send`.
+            The work's ``wait``: CollectiveMismatch (the first send offered differs),
+                LinkError (no send within the deadline, or every peer's link failed).
+        """
+        t = self._check("recv", tensors, None, tag)
+        peers = [p for p in self._epochs.members if p != self._rank]
+        if not peers:
+            raise ValueError(f"resilient recv: rank {self._rank} has no other rank to receive from")
+        into = t.detach()
+        buf = into.view(-1) if into.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype)
+        any_ = AnyRecv(Message("recv", tag, -1, buf, t, Future()), len(peers))
+        for peer in peers:  # announced to every peer: the first send to offer takes it
+            self._channel(peer, "recv").recv(any_.msg, any_)
+        return _AnyWork(any_)
+
+    def _check(
+        self, op: str, tensors: Sequence[torch.Tensor], peer: int | None, tag: int
+    ) -> torch.Tensor:
+        """The one tensor of a p2p call, checked (see :meth:`send` for what raises);
+        ``peer`` None: from any source."""
         if self._closed:
             raise RuntimeError(f"resilient process group is shut down; cannot run {op}")
-        if isinstance(peer, bool) or not isinstance(peer, int):
+        if peer is not None and (isinstance(peer, bool) or not isinstance(peer, int)):
             raise ValueError(f"resilient {op}: peer rank must be an int, got {peer!r}")
-        if not 0 <= peer < self._size or peer == self._rank:
+        if peer is not None and (not 0 <= peer < self._size or peer == self._rank):
             raise ValueError(
                 f"resilient {op}: rank {self._rank} cannot {op} {'to' if op == 'send' else 'from'} "
                 f"rank {peer} (the group's ranks are 0..{self._size - 1}, this one excluded)"

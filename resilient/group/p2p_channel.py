@@ -23,6 +23,18 @@ the frame's kind:
   empty DATA frame flagged NEWS instead: both ends raise
   :class:`~resilient.errors.CollectiveMismatch`, nothing lands, the link stays.
 
+A receive from any source (an :class:`~resilient.group.p2p_wire.AnyRecv`) is
+announced on every peer's channel: READY flagged NEWS. A send that meets such a
+READY sends OFFER (its dtype and count) and waits for REPLY: the first OFFER to
+come takes the receive (an empty REPLY; the bytes then come as DATA_ANY, so they
+never land in a named receive of the tag posted earlier), every later one is
+declined (REPLY flagged NEWS), and that send takes the next READY of its tag, still
+ahead of the tag's later sends, which wait meanwhile. A mismatch fails both ends
+once taken, with no further frame. The READYs left at other peers stay: the
+receiver's op there waits, with no deadline, to decline the OFFER that peer's next
+send of the tag makes (so nothing is withdrawn, and no send is misdelivered). The
+ops' steps are in :mod:`resilient.group.p2p_steps`.
+
 There is no acknowledgement: a send completes once its READY came and its bytes
 are in the socket, a receive once its bytes came. A receive usually posts its
 READY before the peer reaches the matching send (a ping-pong's reply is posted
@@ -47,9 +59,9 @@ next generation; both ends saw the same link break).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
@@ -57,10 +69,9 @@ from torch._C._distributed_c10d import Store
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 from resilient.group.handoff import WakePipe
-from resilient.group.p2p_wire import DATA, EMPTY, INFO, PAIR, READY, Message, mismatch, wire_tag
-from resilient.links.byte_views import bytes_of
+from resilient.group.p2p_steps import Steps, _Op, _Settled
+from resilient.group.p2p_wire import EMPTY, AnyRecv, Message
 from resilient.links.socket_engine import Engine, SocketWork
-from resilient.links.socket_frames import NEWS
 from resilient.links.table import Link, LinkTable
 
 __all__ = ["Channel"]
@@ -69,46 +80,34 @@ logger = logging.getLogger(__name__)
 
 _JOIN_S: Final = 5.0
 _QUIET_S: Final = 0.05  # after this long without an op ending, check the link (_ready_link)
-
-
-@dataclass(slots=True, eq=False)
-class _Op:
-    """A message's progress: posted on ``link`` (None: not yet), waiting for
-    ``work`` (a send: its READY, then its bytes' write; a receive: its bytes)
-    until ``deadline``, which is ``timeout_s`` after the wait began."""
-
-    msg: Message
-    link: Link | None = None
-    work: Any = None
-    deadline: float = 0.0
-    timeout_s: float = 0.0
-    ready: bytearray | None = None  # a send's READY frame, until it came
-
-
-# What an op ended with: True (done), or the exception its work raises.
-_Outcome = bool | BaseException
-_Settled = list[tuple[Message, _Outcome]]
+_PARK_S: Final = 30.0  # how long one engine wait lasts when no op has a deadline
 
 
 class _AnyOf(SocketWork):
     """What a thread waits for on the socket engine: any of ``works`` ending, or the
     channel having news since generation ``gen`` (ops came, or it closed)."""
 
-    __slots__ = ("_chan", "_gen", "_works")
+    __slots__ = ("_chan", "_gen", "_until", "_works")
 
-    def __init__(self, pair: Any, works: list[Any], chan: Channel, gen: int) -> None:
+    def __init__(
+        self, pair: Any, works: list[Any], chan: Channel, gen: int, until: float = math.inf
+    ) -> None:
         super().__init__(pair, EMPTY, sending=False)
-        self._works, self._chan, self._gen = works, chan, gen
+        self._works, self._chan, self._gen, self._until = works, chan, gen, until
 
     def is_completed(self) -> bool:
         # Runs under the engine's lock, many times a wait: reads only, no lock.
         chan = self._chan
         if chan.gen != self._gen or chan.closed:
             return True
-        return any(w.done or w.error is not None for w in self._works)
+        if any(w.done or w.error is not None for w in self._works):
+            return True
+        # Ops without a deadline (an any-source READY left at a peer) end the wait
+        # here before the engine's deadline, which would fail the pair.
+        return self._until < math.inf and time.monotonic() >= self._until
 
 
-class Channel:
+class Channel(Steps):
     """This rank's point-to-point traffic with one peer (see the module docstring).
 
     ``pos`` and ``peer`` number both ends inside ``epoch`` (after a shrink they
@@ -139,6 +138,8 @@ class Channel:
         self._link_lock = threading.Lock()
         self._lock = threading.Lock()  # the ops, their posting and progress
         self._ops: list[_Op] = []  # issued and not ended, in issue order
+        self._held: set[int] = set()  # tags whose sends wait behind an OFFER (_advance)
+        self._late: _Settled = []  # receives from any source given up by ops that stay
         self.closed = False
         self.gen = 0  # bumped when ops come: waits on the engine look again (_AnyOf)
         self._idle = False  # the pump sleeps on _wake
@@ -155,9 +156,10 @@ class Channel:
         """Issue a send of ``msg`` to the peer (completed here if its READY came)."""
         self._issue(_Op(msg))
 
-    def recv(self, msg: Message) -> None:
-        """Issue a receive of ``msg`` from the peer."""
-        self._issue(_Op(msg))
+    def recv(self, msg: Message, any_: AnyRecv | None = None) -> None:
+        """Issue a receive of ``msg`` from the peer; with ``any_``, its announcement to
+        this peer (a receive from any source, which another peer may take)."""
+        self._issue(_Op(msg, any=any_))
 
     def _issue(self, op: _Op) -> None:
         link = self._ready_link()
@@ -245,8 +247,12 @@ class Channel:
             link = self._link
             if link is not None and not link.broken and not link.check_closed():
                 return link
-            self._link = self._build(link)
-            return self._link
+            self._link = link = self._build(link)
+        engine_ = link.pg.engine if link.pg is not None else None
+        if engine_ is not None:  # shared by every channel's link: its driver may be
+            with engine_.lock:  # polling the sockets it had; it must watch this one too
+                engine_.ring()
+        return link
 
     def _build(self, old: Link | None) -> Link:
         table = self._table
@@ -283,7 +289,11 @@ class Channel:
         broken: tuple[Link, str] | None = None
         dead: Link | None = None
         now = time.monotonic()
+        if self._held:
+            self._held.clear()
         for op in self._ops:
+            if op.any is not None and op.link is None and not op.any.open:
+                continue  # taken elsewhere before it was announced here: nothing to say
             if broken is None and (op.link is not None or link is not None):
                 try:
                     if op.link is None:
@@ -298,21 +308,20 @@ class Channel:
                     outcome = self._step(op, now)
                 except LinkError as exc:
                     broken = (op.link or link, str(exc))  # type: ignore[assignment]
-                    settled.append((op.msg, exc))
+                    settled += self._failed(op, exc)
                     continue
+                if op.claim is not None:  # later sends of its tag wait for its REPLY
+                    self._held.add(op.msg.tag)
                 if outcome is not None:
-                    settled.append((op.msg, outcome))
+                    if outcome is not False:
+                        settled.append((op.msg, outcome))
                     continue
             kept.append(op)
         if broken is not None:
-            cut, why = broken
-            logger.warning("rank %d (epoch %d): point-to-point: %s", self.rank, self.epoch, why)
-            # Cut even when the failure already marked it broken: the peer's end must
-            # see the connection close (its next call then builds the link again too).
-            cut.abort(f"point-to-point op failed: {why}")
-            gone = [op for op in kept if op.link is cut]
-            kept = [op for op in kept if op.link is not cut]
-            settled += [(op.msg, LinkError(f"{op.msg.what}: link failed: {why}")) for op in gone]
+            kept = self._cut(kept, *broken, settled)
+        if self._late:
+            settled += self._late
+            self._late = []
         if settled:
             self._active = now
         if dead is not None and not dead.check_closed():
@@ -320,82 +329,17 @@ class Channel:
         self._ops = kept
         return settled
 
-    def _post(self, op: _Op, link: Link, now: float) -> None:
-        """Post ``op`` on ``link``: a send waits for its READY; a receive sends its
-        READY and posts the receive of its bytes.
-
-        Raises:
-            LinkError: the link failed.
-        """
-        msg = op.msg
-        op.link = link
-        if msg.op == "send":
-            op.ready = bytearray(PAIR.size)
-            op.work = link.irecv(memoryview(op.ready), wire_tag(msg.tag, READY))
-            op.timeout_s = self._floor_s
-        else:
-            ready = PAIR.pack(msg.code, msg.numel)
-            link.isend(memoryview(ready), wire_tag(msg.tag, READY))
-            op.work = link.irecv(bytes_of(msg.buf), wire_tag(msg.tag, DATA))
-            op.timeout_s = self._floor_s + msg.nbytes * self._per_byte_s
-        op.deadline = now + op.timeout_s
-
-    def _step(self, op: _Op, now: float) -> _Outcome | None:
-        """Move ``op`` on; its outcome once it ended, else None.
-
-        Raises:
-            LinkError: the link failed, or the op's deadline passed.
-        """
-        work, link = op.work, op.link
-        assert link is not None
-        if not work.done:
-            if work.error is not None:
-                raise LinkError(f"{link}: {op.msg.what} failed: {work.error}")
-            if link.pg is None:
-                raise LinkError(f"{link}: {op.msg.what}: the link was closed")
-            if now >= op.deadline:
-                raise LinkError(
-                    f"{link}: {op.msg.what} did not complete within its deadline of "
-                    f"{op.timeout_s:.1f} s"
-                )
-            return None
-        link.ledger.end_wait(work, finished=True)
-        if op.ready is not None:
-            return self._answer(op, link, now)
-        if op.msg.op == "recv" and work.news:
-            return self._refused(op, link)
-        return True
-
-    def _answer(self, op: _Op, link: Link, now: float) -> _Outcome | None:
-        """A send's READY came: write the bytes if the receive agrees, else tell it why
-        not (INFO, then an empty DATA flagged NEWS) and fail the send."""
-        msg = op.msg
-        assert op.ready is not None
-        code, numel = PAIR.unpack(op.ready)
-        op.ready = None
-        if code == msg.code and numel == msg.numel:
-            op.work = link.isend(bytes_of(msg.buf), wire_tag(msg.tag, DATA))
-            op.timeout_s = self._floor_s + msg.nbytes * self._per_byte_s
-            op.deadline = now + op.timeout_s
-            return self._step(op, now)
-        link.isend(memoryview(PAIR.pack(msg.code, msg.numel)), wire_tag(msg.tag, INFO))
-        link.isend(EMPTY, wire_tag(msg.tag, DATA), NEWS)
-        return mismatch(self.rank, msg, self.peer_rank, code, numel)
-
-    def _refused(self, op: _Op, link: Link) -> _Outcome:
-        """A receive's sender refused it (a mismatch): its INFO came ahead of the empty
-        DATA frame, so it is here already.
-
-        Raises:
-            LinkError: it is not (the peer broke the protocol).
-        """
-        msg = op.msg
-        info = bytearray(PAIR.size)
-        work = link.irecv(memoryview(info), wire_tag(msg.tag, INFO))
-        if not work.done:
-            raise LinkError(f"{link}: {msg.what}: a refusal without the sender's dtype and count")
-        link.ledger.end_wait(work, finished=True)
-        return mismatch(self.rank, msg, self.peer_rank, *PAIR.unpack(info))
+    def _cut(self, kept: list[_Op], cut: Link, why: str, settled: _Settled) -> list[_Op]:
+        """Cut the failed link ``cut``: the ops in ``kept`` posted on it fail (added to
+        ``settled``); returns the others."""
+        logger.warning("rank %d (epoch %d): point-to-point: %s", self.rank, self.epoch, why)
+        # Cut even when the failure already marked it broken: the peer's end must
+        # see the connection close (its next call then builds the link again too).
+        cut.abort(f"point-to-point op failed: {why}")
+        for op in kept:
+            if op.link is cut:
+                settled += self._failed(op, LinkError(f"{op.msg.what}: link failed: {why}"))
+        return [op for op in kept if op.link is not cut]
 
     @staticmethod
     def _settle(settled: _Settled) -> None:
@@ -415,12 +359,15 @@ class Channel:
                 logger.exception("rank %d: point-to-point pump failed", self.rank)
                 with self._lock:
                     ops, self._ops = self._ops, []
-                self._settle([(op.msg, exc) for op in ops])
+                    settled = [x for op in ops for x in self._failed(op, exc)]
+                self._settle(settled)
 
     def _pump_once(self) -> None:
         """Build the link if an op needs it, move the ops on, then wait for any of them;
         sleep while there are none, or while a caller waits for its own (wait_for)."""
         with self._lock:
+            # A receive from any source taken before its READY went out needs no link.
+            self._ops = [o for o in self._ops if o.link or o.any is None or o.any.open]
             unposted = any(op.link is None for op in self._ops)
             # Woken for ops a caller now waits for itself (wait_for): back to sleep.
             self._idle = idle = not self._ops or (self._drivers > 0 and not unposted)
@@ -455,8 +402,14 @@ class Channel:
         if pair is None:
             return  # closed: their ops fail in the next advance
         self._engine = pair.engine
-        deadline = min(op.deadline for op in posted)
-        pair.engine.wait(_AnyOf(pair, [op.work for op in posted], self, gen), deadline)
+        # A receive from any source waiting for an OFFER must not fail the pair at its
+        # deadline (_unclaimed): the wait ends there instead, as when there is none.
+        hard = min((op.deadline for op in posted if op.offer is None), default=math.inf)
+        until = min((op.deadline for op in posted if op.offer is not None), default=math.inf)
+        if hard == until == math.inf:
+            until = time.monotonic() + _PARK_S
+        works = [op.work for op in posted]
+        pair.engine.wait(_AnyOf(pair, works, self, gen, until), min(hard, until + 1))
 
     def _build_or_fail(self) -> Link | None:
         """Build the link; on failure fail the ops waiting to be posted."""
@@ -464,10 +417,10 @@ class Channel:
             return self._link_now()
         except LinkError as exc:
             with self._lock:
-                failed = [op for op in self._ops if op.link is None]
+                failed = [x for op in self._ops if op.link is None for x in self._failed(op, exc)]
                 self._ops = [op for op in self._ops if op.link is not None]
             logger.warning("rank %d: point-to-point link not built: %s", self.rank, exc)
-            self._settle([(op.msg, exc) for op in failed])
+            self._settle(failed)
             return None
 
     # -- shutdown -------------------------------------------------------------------------
@@ -476,9 +429,10 @@ class Channel:
         with self._lock:  # not the link's lock: a build holds it (table.close ends it)
             self.closed = True
             ops, self._ops = self._ops, []
+            failed = [x for op in ops for x in self._failed(op, self._closed_error())]
         self._table.close()  # pending waits fail at once; a build in progress gives up
         self._nudge(idle=True)
-        self._settle([(op.msg, self._closed_error()) for op in ops])
+        self._settle(failed)
         self._pump.join(_JOIN_S)
         if self._pump.is_alive():
             logger.warning(

@@ -1,10 +1,13 @@
-"""The frames of point-to-point messages and the message itself (see
-:mod:`resilient.group.p2p_channel` for the protocol: READY from the receiver, then
-DATA from the sender, or INFO and an empty DATA flagged NEWS on a mismatch)."""
+"""The frames of point-to-point messages, the message itself and a receive from any
+source's claim (see :mod:`resilient.group.p2p_channel` for the protocol: READY from
+the receiver, then DATA from the sender, or INFO and an empty DATA flagged NEWS on a
+mismatch; a READY flagged NEWS is a receive from any source's, answered by OFFER,
+then REPLY, then DATA_ANY)."""
 
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -15,7 +18,10 @@ from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.errors import CollectiveMismatch
 from resilient.group.work import Failed
 
-__all__ = ["DATA", "EMPTY", "INFO", "PAIR", "READY", "Message", "describe", "mismatch", "wire_tag"]
+__all__ = [
+    "DATA", "DATA_ANY", "EMPTY", "INFO", "OFFER", "PAIR", "READY", "REPLY",
+    "AnyRecv", "Message", "describe", "mismatch", "wire_tag",
+]  # fmt: skip
 
 # Frame kinds, in the low bits of a wire tag. The user's tag (32 bits) sits from
 # bit 28 up: bits 24-27 hold the epoch's salt (resilient.links.ledger), and the wire
@@ -23,6 +29,9 @@ __all__ = ["DATA", "EMPTY", "INFO", "PAIR", "READY", "Message", "describe", "mis
 READY: Final = 1
 DATA: Final = 2
 INFO: Final = 3
+OFFER: Final = 4  # sender -> receiver: a send met a READY from any source (its dtype, count)
+REPLY: Final = 5  # receiver -> sender: empty; taken, or declined when flagged NEWS
+DATA_ANY: Final = 6  # a send's bytes to a receive from any source that took it
 _TAG_SHIFT: Final = 28
 PAIR: Final = struct.Struct("<qq")  # a dtype number and an element count
 EMPTY: Final = memoryview(b"")
@@ -46,7 +55,7 @@ class Message:
 
     op: str  # "send" or "recv"
     tag: int
-    peer: int  # the peer's rank, for messages
+    peer: int  # the peer's rank, for messages (-1: a receive from any source)
     buf: torch.Tensor
     target: torch.Tensor
     fut: Future[Any]
@@ -55,7 +64,8 @@ class Message:
     def what(self) -> str:
         """What it is, for errors ("send of float32[10] (tag 3) to rank 1"); built only then."""
         side = "to" if self.op == "send" else "from"
-        return f"{self.op} of {self.desc} (tag {self.tag}) {side} rank {self.peer}"
+        peer = "any rank" if self.peer < 0 else f"rank {self.peer}"
+        return f"{self.op} of {self.desc} (tag {self.tag}) {side} {peer}"
 
     @property
     def desc(self) -> str:
@@ -99,3 +109,49 @@ def mismatch(rank: int, msg: Message, peer: int, code: int, numel: int) -> Colle
         calls={rank: msg.what, peer: theirs},
         fields=("dtype", "numel"),
     )
+
+
+_GIVEN_UP: Final = -2  # AnyRecv.owner once it failed without a sender
+
+
+class AnyRecv:
+    """A receive from any source (``msg``), announced to ``arms`` peers at once.
+
+    The first peer to :meth:`claim` it owns it (a send of that peer offered itself);
+    every later claim fails, so that peer's send waits for another READY. ``arms``
+    counts the peers still able to claim it; when the last one is lost (its link
+    failed) the receive fails.
+    """
+
+    __slots__ = ("_lock", "arms", "msg", "owner")
+
+    def __init__(self, msg: Message, arms: int) -> None:
+        self.msg, self.arms = msg, arms
+        self.owner: int | None = None  # the sender's rank once claimed
+        self._lock = threading.Lock()
+
+    @property
+    def open(self) -> bool:
+        return self.owner is None
+
+    def claim(self, peer: int) -> bool:
+        """Whether ``peer`` now owns the receive (False: taken, or it ended)."""
+        with self._lock:
+            if self.owner is not None:
+                return False
+            self.owner = peer
+            return True
+
+    def give_up(self) -> bool:
+        """End it without a sender (its deadline passed); False if it ended already."""
+        return self.claim(_GIVEN_UP)
+
+    def lost(self, peer: int) -> bool:
+        """``peer``'s arm is gone (its link failed); whether the receive fails with it
+        (that peer owned it, or no other peer can claim it any more)."""
+        with self._lock:
+            self.arms -= 1
+            if self.owner is None and self.arms <= 0:
+                self.owner = _GIVEN_UP
+                return True
+            return self.owner == peer

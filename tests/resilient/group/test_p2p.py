@@ -5,6 +5,8 @@ isend/irecv of 64 MiB both ways at once; tags taken in and out of order;
 ``batch_isend_irecv`` around a ring through torch's public API; and the bad inputs
 (a receive of another size or dtype, a peer that is no other rank of the group,
 a peer that never posts), each a typed error after which the group still works.
+Receives from any source: from several senders (the sender's rank returned, each
+sender's messages in order), a mismatch, none sent by the deadline.
 """
 
 from __future__ import annotations
@@ -187,8 +189,8 @@ def _bad_peers(pg: Any, rank: int, world: int) -> str:
         pg.send([t], 1 - rank, 1 << 40)
     with pytest.raises(TypeError, match="dtype"):
         pg.send([torch.zeros(2, dtype=torch.complex64)], 1 - rank, 0)
-    with pytest.raises(NotImplementedError, match="any source"):
-        pg.recv_anysource([t], 0)
+    with pytest.raises(ValueError, match="tag"):
+        pg.recv_anysource([t], 1 << 40)
     s = torch.ones(3)
     pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
     assert bool((s == world).all())
@@ -227,6 +229,113 @@ def _unmatched(pg: Any, rank: int, world: int) -> list[str]:
 def test_a_peer_that_never_posts_fails_the_op_at_its_deadline() -> None:
     results = run_world(_unmatched, 2, timeout_s=90.0, config={"op_timeout_floor_s": 1.5})
     assert results == [["timed out", "usable"], ["usable"]]
+
+
+def _any_source(rank: int, world: int) -> list[int]:
+    """torch's pattern (test_send_recv_any_source): each rank in turn receives from
+    any source, recv and irecv, while every other one sends it two messages, here
+    isend'ed together (the second must not overtake the first)."""
+    got: list[int] = []
+    for receiver in range(world):
+        if rank != receiver:
+            works = [dist.isend(torch.tensor([rank, k, 7.0]), receiver) for k in range(2)]
+            for w in works:
+                w.wait()
+            continue
+        seen: dict[int, int] = {}
+        for i in range(2 * (world - 1)):
+            t = torch.full((3,), -1.0)
+            if i % 2 == 0:
+                src = dist.recv(t)
+            else:
+                work = dist.irecv(t)
+                work.wait()
+                src = work._source_rank()
+            assert int(t[0]) == src and t[2] == 7.0, (src, t)
+            assert int(t[1]) == seen.get(src, 0), (src, t)  # each sender's in issue order
+            seen[src] = int(t[1]) + 1
+            got.append(src)
+    return sorted(got)
+
+
+def test_recv_from_any_source_names_each_sender() -> None:
+    world = 3
+    results = run_dist(_any_source, world, timeout_s=120.0)
+    for rank, got in enumerate(results):
+        assert got == sorted([r for r in range(world) if r != rank] * 2), (rank, got)
+
+
+def _any_mismatch(pg: Any, rank: int, world: int) -> list[str]:
+    out = []
+    if rank == 0:
+        with pytest.raises(CollectiveMismatch, match="from any rank met a send"):
+            pg.recv_anysource([t := torch.zeros(10)], 4).wait()
+        assert not t.any()  # nothing landed
+        out.append("mismatch")
+        pg.store.set("p2p-test/any-mismatch", "1")
+        # Rank 2's send met the first receive's READY too: declined, it takes this one.
+        work = pg.recv_anysource([t], 4)
+        work.wait()
+        assert (work._source_rank(), float(t[0])) == (2, 2.0)
+        pg.store.set("p2p-test/any-second", "1")
+        # Rank 1's next send meets the READY that the second receive left there first:
+        # declined, it takes this named receive's.
+        pg.recv([t], 1, 4).wait()
+        assert bool((t == 1.0).all())
+        out.append("usable")
+    elif rank == 1:
+        with pytest.raises(CollectiveMismatch, match="met a recv of float32"):
+            pg.send([torch.ones(12)], 0, 4).wait()
+        out.append("mismatch")
+        pg.store.wait(["p2p-test/any-second"])
+        pg.send([torch.full((10,), 1.0)], 0, 4).wait()
+    else:
+        pg.store.wait(["p2p-test/any-mismatch"])
+        pg.send([torch.full((10,), 2.0)], 0, 4).wait()
+    s = torch.ones(3)
+    pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
+    assert bool((s == world).all())
+    return out
+
+
+def test_recv_from_any_source_of_another_size_fails_both_ends_and_goes_on() -> None:
+    results = run_world(_any_mismatch, 3, timeout_s=90.0)
+    assert results == [["mismatch", "usable"], ["mismatch"], []]
+
+
+def _any_unmatched(pg: Any, rank: int, world: int) -> list[str]:
+    for peer in range(world):  # every pair's link up first (as a named receive's)
+        if peer != rank:
+            t = torch.zeros(1)
+            w = pg.send([t], peer, 0) if rank < peer else pg.recv([t], peer, 0)
+            w.wait()
+            w = pg.recv([t], peer, 0) if rank < peer else pg.send([t], peer, 0)
+            w.wait()
+    out = []
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(LinkError, match="no rank sent"):
+            pg.recv_anysource([torch.zeros(4)], 9).wait()
+        took = time.monotonic() - start
+        assert 1.0 < took < 10.0, took
+        out.append("timed out")
+        pg.store.set("p2p-test/any-timed-out", "1")
+        # Rank 1's late send is declined by the READY left over, and meets this one.
+        work = pg.recv_anysource([t := torch.zeros(4)], 9)
+        work.wait()
+        assert work._source_rank() == 1 and bool((t == 3.0).all())
+    elif rank == 1:
+        pg.store.wait(["p2p-test/any-timed-out"])
+        pg.send([torch.full((4,), 3.0)], 0, 9).wait()
+    s = torch.ones(3)
+    pg.allreduce([s], reduce_opts(dist.ReduceOp.SUM)).wait()
+    assert bool((s == world).all())
+    return [*out, "usable"]
+
+
+def test_recv_from_any_source_with_no_sender_fails_at_its_deadline() -> None:
+    results = run_world(_any_unmatched, 3, timeout_s=90.0, config={"op_timeout_floor_s": 1.5})
+    assert results == [["timed out", "usable"], ["usable"], ["usable"]]
 
 
 def _pipeline(backend: str) -> list[str]:
