@@ -46,20 +46,27 @@ class Packed:
         return len(self.header) + sum(t.nbytes for t in self.tensors)
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in it; containers are copied
-    (the same order on both ends: insertion order, then position)."""
+def _map(
+    obj: Any,
+    fn: Callable[[torch.Tensor], Any],
+    marker: Callable[[dict[str, Any]], Any] | None = None,
+) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (and ``marker`` to every
+    DTensor marker dict, when given); containers are copied (the same order on
+    both ends: insertion order, then position)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
+        if marker is not None and _DTENSOR in obj:
+            return marker(obj)
         out = copy.copy(obj)  # keeps the subclass and its attributes
         for key, value in obj.items():
-            out[key] = _map(value, fn)
+            out[key] = _map(value, fn, marker)
         return out
     if isinstance(obj, list):
-        return [_map(v, fn) for v in obj]
+        return [_map(v, fn, marker) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_map(v, fn) for v in obj)
+        return tuple(_map(v, fn, marker) for v in obj)
     return obj
 
 
@@ -216,28 +223,21 @@ def _meshes(like: Any) -> dict[tuple[tuple[int, ...], tuple[int, ...]], Any]:
 
 def _rebuild(obj: Any, meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], Any]) -> Any:
     """``obj`` with every DTensor marker made a DTensor again (see :func:`_marker`)."""
-    if isinstance(obj, dict) and _DTENSOR in obj:
+
+    def dtensor(found: dict[str, Any]) -> Any:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        shape, ranks = obj["mesh"]
+        shape, ranks = found["mesh"]
         mesh = meshes.get((tuple(shape), tuple(ranks)))
         if mesh is None:
             raise RecoveryError(
                 f"a state's DTensor lives on a mesh of ranks {ranks} (shape {shape}) that "
                 "the receiving rank's own state does not use"
             )
-        placements = [Shard(p[1]) if p[0] == "S" else Replicate() for p in obj["placements"]]
+        placements = [Shard(p[1]) if p[0] == "S" else Replicate() for p in found["placements"]]
         return DTensor.from_local(
-            obj[_DTENSOR], mesh, placements, run_check=False,
-            shape=torch.Size(obj["shape"]), stride=tuple(obj["stride"]),
+            found[_DTENSOR], mesh, placements, run_check=False,
+            shape=torch.Size(found["shape"]), stride=tuple(found["stride"]),
         )  # fmt: skip
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = _rebuild(value, meshes)
-        return out
-    if isinstance(obj, list):
-        return [_rebuild(v, meshes) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rebuild(v, meshes) for v in obj)
-    return obj
+
+    return _map(obj, lambda t: t, dtensor)

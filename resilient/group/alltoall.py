@@ -22,18 +22,18 @@ splits everywhere, a quiet group) lets the next calls elide.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from resilient.check.exchange import Payload
 from resilient.collectives.alltoall import all_to_all, sizes_of, sizes_payload, spans_of
 from resilient.collectives.digest_check import digest_of
 from resilient.collectives.engine import RingEngine
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.errors import RecoveryError
 from resilient.group.args import check_tensors
+from resilient.group.calls import Submit
 from resilient.group.epoch_control import EpochControl
 from resilient.group.work import ResilientWork
 
@@ -44,23 +44,6 @@ _NAMED = 6
 # Checked all_to_all_single calls kept (a job makes a few distinct ones; one whose
 # shapes vary every call gains nothing from the cache), and digests by (dtype, block).
 _KNOWN_CALLS = 64
-
-
-class Submit(Protocol):
-    """Queues a call on the group's communication thread (CallRunner.submit);
-    ``digest``: the call's when it may run elided."""
-
-    def __call__(
-        self,
-        op: str,
-        sig: Signature,
-        fn: Callable[[torch.Tensor | None], Any],
-        /,
-        *,
-        payload: Payload | None = None,
-        after_previous: bool = False,
-        digest: int = 0,
-    ) -> ResilientWork: ...
 
 
 def _flat_out(t: torch.Tensor) -> torch.Tensor:

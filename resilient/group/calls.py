@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
@@ -22,9 +22,26 @@ from resilient.group.epoch_control import EpochControl
 from resilient.group.handoff import Handoff
 from resilient.group.work import Failed, ResilientWork
 
-__all__ = ["CallRunner"]
+__all__ = ["CallRunner", "Submit"]
 
 logger = logging.getLogger(__name__)
+
+
+class Submit(Protocol):
+    """Queues a call on the group's communication thread (:meth:`CallRunner.submit`);
+    what the families of calls (rooted, all_to_all) are given."""
+
+    def __call__(
+        self,
+        op: str,
+        sig: Signature,
+        fn: Callable[[torch.Tensor | None], Any],
+        /,
+        *,
+        payload: Payload | None = None,
+        after_previous: bool = False,
+        digest: int = 0,
+    ) -> ResilientWork: ...
 
 
 class CallRunner:

@@ -14,36 +14,21 @@ inside the signature exchange instead and needs no data phase, as with all_reduc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from resilient.check.exchange import Payload
 from resilient.collectives.engine import fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.group.args import check_tensors, reduce_op
+from resilient.group.calls import Submit
 from resilient.group.epoch_control import EpochControl
 from resilient.group.reductions import inline_rows
 from resilient.group.work import ResilientWork, _packed
 
-__all__ = ["RootedCalls", "Submit"]
-
-
-class Submit(Protocol):
-    """Queues a call on the group's communication thread (CallRunner.submit)."""
-
-    def __call__(
-        self,
-        op: str,
-        sig: Signature,
-        fn: Callable[[torch.Tensor | None], Any],
-        /,
-        *,
-        payload: Payload | None = None,
-        after_previous: bool = False,
-    ) -> ResilientWork: ...
+__all__ = ["RootedCalls"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
