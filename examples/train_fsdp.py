@@ -15,8 +15,9 @@ replaced in place (``resilient run --max-restarts 1``), its shards and optimizer
 state restored from its replica (the rank of the same shard column in the other
 replicate row), and the interrupted step replayed, with every mesh dimension
 following the recovery (``examples/scenarios/kill-rank-hsdp.toml``). Plain FSDP
-(``--replicas 1``) has no replica to restore from: it runs without Session, and
-a lost rank ends the job.
+(``--replicas 1``) has no replica to restore from: with ``--checkpoint-dir`` every
+rank goes back to the last checkpoint and replays from there
+(``recovery.Rollback``); without, a lost rank ends the job.
 
 ``--checkpoint-dir DIR`` with ``--checkpoint-every N`` saves a distributed
 checkpoint (torch.distributed.checkpoint, every rank writes its shards) every N
@@ -100,19 +101,30 @@ def _checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"model": model_sd, "optim": opt_sd}
 
 
-def resume(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load the latest DCP checkpoint under ``directory``; the step to start from."""
+def latest_step(directory: str | None) -> int:
+    """The step of the latest complete checkpoint under ``directory`` (-1: none)."""
+    marker = os.path.join(directory, "latest") if directory else None
+    if marker is None or not os.path.exists(marker):
+        return -1
+    with open(marker) as f:
+        return int(f.read())
+
+
+def load(directory: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Load the checkpoint of ``step`` into the model and optimizer (every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    marker = os.path.join(directory, "latest") if directory else None
-    if marker is None or not os.path.exists(marker):
-        return 0
-    with open(marker) as f:
-        step = int(f.read())
     state = _checkpoint_state(model, opt)
-    dcp.load(state, checkpoint_id=os.path.join(directory or "", f"step-{step}"))
+    dcp.load(state, checkpoint_id=os.path.join(directory, f"step-{step}"))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def resume(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load the latest DCP checkpoint under ``directory``; the step to start from."""
+    step = latest_step(directory)
+    if step >= 0 and directory:
+        load(directory, model, opt, step)
     return step + 1
 
 
@@ -139,6 +151,16 @@ def params_stats(model: nn.Module) -> list[float]:
     return out
 
 
+def _rollback(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """What Session goes back to when no peer can restore the state (plain FSDP)."""
+    from recovery.session import Rollback
+
+    if not directory:
+        return None
+    return Rollback(latest=lambda: latest_step(directory),
+                    load=lambda step: load(directory, model, opt, step))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -155,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # opt.step() runs when a step's block ends without an error (the commit).
     state = TrainState(model, opt)
-    # Without a replica (plain FSDP) there is nothing to restore from: no Session
-    # group, so steps just commit and a lost rank ends the job.
-    session = Session(dist.group.WORLD if args.replicas > 1 else None, state)
-    first = resume(args.checkpoint_dir, model, opt)
+    # Without a replica (plain FSDP) no peer can restore a lost rank's shards: with
+    # checkpoints every rank goes back to the last one; without, steps just commit
+    # and a lost rank ends the job.
+    session = Session(dist.group.WORLD if args.replicas > 1 or args.checkpoint_dir else None,
+                      state, rollback=_rollback(args.checkpoint_dir, model, opt))  # fmt: skip
+    # A replacement gets the job's state when it is admitted, not from a checkpoint
+    # (loading one is a collective the running ranks are not in).
+    first = 0 if session.joining else resume(args.checkpoint_dir, model, opt)
     losses: list[float] = []
     for step in session.steps(args.steps, start=first):
         with session.step(step):

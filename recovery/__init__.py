@@ -22,13 +22,14 @@ __all__ = [
     "EventLog",
     "Piece",
     "Policy",
+    "Rollback",
     "Session",
     "StateHook",
     "TrainState",
     "read_events",
 ]
 
-_LAZY = {"Session", "StateHook", "TrainState"}
+_LAZY = {"Rollback", "Session", "StateHook", "TrainState"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,15 +1,19 @@
 """Moving the state after an epoch is agreed: each donor sends its state to the
 ranks behind it the plan gives it (two donors serve two receivers at once), each
-receiver loads it, and the ranks with no part in it wait until every receiver did."""
+receiver loads it, and the ranks with no part in it wait until every receiver did.
+Where no peer can restore it (plain FSDP), every rank goes back to the job's last
+checkpoint instead (:class:`Rollback`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from recovery._wire import Packed, unpack
 from recovery.agree import Plan
@@ -17,7 +21,7 @@ from recovery.state import StateHook
 from resilient import events
 from resilient.errors import RecoveryError
 
-__all__ = ["await_restored", "restored_key", "transfer_state"]
+__all__ = ["Rollback", "await_restored", "restored_key", "roll_back", "transfer_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +108,47 @@ def await_restored(pg: Any, plan: Plan, rank: int, wait_s: float) -> None:
 
 def restored_key(epoch: int, rank: int) -> str:
     return f"recovery/e{epoch}/restored/r{rank}"
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Where a job whose state no peer can restore (plain FSDP: no rank holds a
+    lost rank's shards) goes back to: its last checkpoint, on every rank.
+
+    ``latest()`` names the step of the newest checkpoint this rank can load (-1:
+    none); ``load(step)`` loads that checkpoint into the state on every rank (a
+    collective: DCP's load is one). :class:`~recovery.session.Session` calls both
+    after the next epoch is agreed, on every member, the replacement included.
+    """
+
+    latest: Callable[[], int]
+    load: Callable[[int], None]
+
+
+def roll_back(pg: Any, rollback: Rollback, plan: Plan) -> int:
+    """Every member loads the newest checkpoint all of them have; its step.
+
+    Raises:
+        RecoveryError: no checkpoint, and some rank had committed a step since
+            the start (the start cannot be restored).
+    """
+    began = time.monotonic()
+    mine = torch.tensor([rollback.latest()], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+    pg.allreduce([mine], opts).wait()  # a rank whose save did not end has an older one
+    step = int(mine)
+    if step < 0 and plan.step >= 0:
+        raise RecoveryError(
+            f"rank {pg.rank()} (epoch {plan.epoch}): the job's state cannot be restored from "
+            f"a peer and there is no checkpoint to go back to (step {plan.step} was committed)"
+        )
+    if step >= 0:
+        rollback.load(step)
+    events.emit(
+        "state.restored", epoch=plan.epoch, step=step,
+        duration_ms=(time.monotonic() - began) * 1e3,
+        reason=f"no peer holds every shard: checkpoint of step {step}",
+        action=f"every rank loaded step {step}",
+    )  # fmt: skip
+    return step

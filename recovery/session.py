@@ -66,7 +66,7 @@ from recovery.agree import (
 )
 from recovery.policy import Policy
 from recovery.replicas import check_replicas, replica_key
-from recovery.restore import transfer_state
+from recovery.restore import Rollback, roll_back, transfer_state
 from recovery.shards import Piece, pieces
 from recovery.state import (
     StateHook,
@@ -83,7 +83,7 @@ from resilient.config import RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError
 from resilient.launch import standby as standby
 
-__all__ = ["Session", "StateHook", "TrainState"]
+__all__ = ["Rollback", "Session", "StateHook", "TrainState"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ class Session(Resizing):
 
     ``pg`` may be any process group: without the resilient one (e.g. gloo) steps
     just commit, and errors propagate. ``commit`` defaults to ``state.commit`` when
-    the state has one.
+    the state has one. ``rollback``: where a state no peer can restore (plain
+    FSDP: no replica of a rank's shards) goes back to, every rank together
+    (:class:`~recovery.restore.Rollback`; without it such a state is refused).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Session(Resizing):
         warmup: Callable[[], Any] | None = None,
         config: RecoveryConfig | None = None,
         ddp: Any = None,
+        rollback: Rollback | None = None,
     ) -> None:
         from resilient.process_group import ResilientProcessGroup
 
@@ -117,6 +120,8 @@ class Session(Resizing):
         self._warmup = warmup
         self.config = config or RecoveryConfig.from_env()
         self._replica = ""  # which shards this rank holds (recovery.replicas)
+        self._rollback = rollback
+        self._rolls_back = False  # no peer can restore the state: go back to a checkpoint
         self._fsdp = fsdp_root(state)
         if self.pg is not None:
             self._replica = self._sharding(state, int(pg.rank()), int(pg.size()))
@@ -150,14 +155,15 @@ class Session(Resizing):
 
     def _sharding(self, state: StateHook, rank: int, world: int) -> str:
         """This rank's replica key; sharded state (FSDP2/HSDP) is restored from a
-        replica of the same shards, so every rank must have one.
+        replica of the same shards, so every rank must have one, or the job goes
+        back to its last checkpoint (``rollback``).
 
         Raises:
-            RecoveryError: a rank's shards have no replica (plain FSDP), or the job
-                may shrink (a shrink would need the shards laid out anew).
+            RecoveryError: a rank's shards have no replica (plain FSDP) and no
+                ``rollback`` was given, or the job may shrink (a shrink would need
+                the shards laid out anew).
         """
         current = state.state_dict()
-        check_replicas(current, world)
         key = replica_key(current, rank)
         if key and self.config.shrink_after_s is not None:
             raise RecoveryError(
@@ -165,7 +171,20 @@ class Session(Resizing):
                 "its shards laid out anew over fewer ranks: unset shrink_after_s "
                 "(RESILIENT_SHRINK_AFTER_S) so a lost rank is replaced"
             )
+        try:
+            check_replicas(current, world)
+        except RecoveryError:
+            if self._rollback is None:
+                raise
+            self._rolls_back = True  # every rank goes back to the last checkpoint
+            return ""
         return key
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process replaces a lost rank: its state comes from the job
+        when it is admitted (in :meth:`steps`), so it loads no checkpoint itself."""
+        return self.pg is not None and bool(self.pg.joining)
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -279,19 +298,19 @@ class Session(Resizing):
         lost = cause.peer if isinstance(cause, PeerLost) else None
         plan = self._enter(record, epoch, give_up=self._shrink_check(lost, n))
         agreed = time.monotonic()
-        self._restore(plan)
+        at = self._restore(plan)  # the plan's step, or the checkpoint's (a rollback)
         self.recoveries += 1
-        if n > plan.step:
-            self.replayed += n - plan.step
+        if n > at:
+            self.replayed += n - at
             events.emit(
-                "step.replayed", epoch=plan.epoch, step=plan.step + 1,
-                reason=f"step {n} was interrupted", action=f"replay from step {plan.step + 1}",
-                replayed=n - plan.step,
+                "step.replayed", epoch=plan.epoch, step=at + 1,
+                reason=f"step {n} was interrupted", action=f"replay from step {at + 1}",
+                replayed=n - at,
             )  # fmt: skip
         done = time.monotonic()
         events.emit(
-            "recovery.finished", epoch=plan.epoch, step=plan.step + 1,
-            duration_ms=(done - began) * 1e3, action=f"resume at step {plan.step + 1}",
+            "recovery.finished", epoch=plan.epoch, step=at + 1,
+            duration_ms=(done - began) * 1e3, action=f"resume at step {at + 1}",
             # Where the time went: finishing the failed calls, waiting for every
             # rank's record (the replacement's start, or the shrink delay) and
             # entering the epoch, sending or receiving the state.
@@ -324,11 +343,11 @@ class Session(Resizing):
             began = time.monotonic()
         pg.join_members()
         plan = self._admission()
-        self._restore(plan)
+        at = self._restore(plan)
         events.emit(
-            "rank.joined", epoch=plan.epoch, step=plan.step + 1,
+            "rank.joined", epoch=plan.epoch, step=at + 1,
             duration_ms=(time.monotonic() - began) * 1e3,
-            action=f"incarnation {pg.incarnation} admitted; trains from step {plan.step + 1}",
+            action=f"incarnation {pg.incarnation} admitted; trains from step {at + 1}",
             standby_s=ready_s,
         )  # fmt: skip
 
@@ -428,17 +447,23 @@ class Session(Resizing):
         )  # fmt: skip
         return plan
 
-    def _restore(self, plan: Plan) -> None:
-        """Send, receive or await the plan's state (recovery.restore); the step
-        after the plan's is next."""
+    def _restore(self, plan: Plan) -> int:
+        """Send, receive or await the plan's state (recovery.restore), or go back to
+        the last checkpoint (a rollback); the step restored, whose next is next."""
         assert self.pg is not None
-        transfer_state(
-            self.pg, self.state, plan,
-            payload=lambda: self._payload or self._pack(), wait_s=self.config.replace_timeout_s,
-        )  # fmt: skip
+        if self._rolls_back:
+            assert self._rollback is not None
+            step = roll_back(self.pg, self._rollback, plan)
+        else:
+            transfer_state(
+                self.pg, self.state, plan, payload=lambda: self._payload or self._pack(),
+                wait_s=self.config.replace_timeout_s,
+            )  # fmt: skip
+            step = plan.step
         self._payload = None
-        self.committed = plan.step
-        self._next = plan.step + 1
+        self.committed = step
+        self._next = step + 1
+        return step
 
     def _state_bytes(self) -> int:
         """What a rank behind would receive (for the policy's cost estimates)."""

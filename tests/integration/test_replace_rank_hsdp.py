@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,7 +57,47 @@ def _digest(model: Any, opt: Any) -> str:
     return h.hexdigest()
 
 
-def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) -> None:
+def _rollback(model: Any, opt: Any, directory: str) -> Any:
+    """Go back to the last DCP checkpoint under ``directory`` (its ``latest`` marker)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from recovery.session import Rollback
+
+    def latest() -> int:
+        marker = os.path.join(directory, "latest")
+        return int(open(marker).read()) if os.path.exists(marker) else -1
+
+    def load(step: int) -> None:
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": opt_sd}
+        dcp.load(state, checkpoint_id=os.path.join(directory, f"step-{step}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    return Rollback(latest=latest, load=load)
+
+
+def _save(model: Any, opt: Any, directory: str, step: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd},
+             checkpoint_id=os.path.join(directory, f"step-{step}"))  # fmt: skip
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, ".latest"), "w") as f:
+            f.write(str(step))
+        os.replace(os.path.join(directory, ".latest"), os.path.join(directory, "latest"))
+    dist.barrier()
+
+
+def _worker(
+    rank: int, port: int, incarnation: int, kill_at: int, results: Any, checkpoints: str = ""
+) -> None:
+    """HSDP on 2 x 2; with ``checkpoints`` (a directory), plain FSDP that saves a
+    DCP checkpoint after steps 2 and 5 and rolls back to the latest."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         RESILIENT_RAILS=f"127.0.1.{rank + 1}", RESILIENT_INCARNATION=str(incarnation),
@@ -71,7 +112,8 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
 
     torch.set_num_threads(1)
     pg = resilient.init()
-    model, opt = _build(rank, replicas=2)
+    model, opt = _build(rank, replicas=1 if checkpoints else 2)
+    rollback = _rollback(model, opt, checkpoints) if checkpoints else None
     at = {"step": -1}
 
     def die_in_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -85,7 +127,7 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
         out.register_hook(die_in_backward)
 
     model[1].register_forward_hook(watch)
-    session = Session(pg, TrainState(model, opt))
+    session = Session(pg, TrainState(model, opt), rollback=rollback)
     for step in session.steps(STEPS):
         with session.step(step):
             at["step"] = step
@@ -95,6 +137,8 @@ def _worker(rank: int, port: int, incarnation: int, kill_at: int, results: Any) 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             dist.all_reduce(loss.detach())
+        if checkpoints and session.committed == step and step % 3 == 2:
+            _save(model, opt, checkpoints, step)
     record = epoch_record(pg.store, 1) or {}
     donors = record.get("donors")
     results.put((rank, incarnation, _digest(model, opt), session.replayed, pg.epoch, donors))
@@ -115,6 +159,30 @@ def test_a_killed_hsdp_rank_gets_its_shards_from_its_replica() -> None:
         assert donors == {"3": 1}, donors  # rank 1 holds rank 3's shards; rank 0 does not
         if inc == 0:
             assert replayed == 1, rank
+
+
+@pytest.mark.timeout(480)
+def test_a_killed_plain_fsdp_rank_sends_every_rank_back_to_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # Plain FSDP: nobody holds rank 3's shards. A checkpoint after step 2; rank 3
+    # dies in step 4's backward (step 3 was committed): every rank loads step 2
+    # and replays 3 and 4.
+    runs = {}
+    for name, kill_at in (("clean", NEVER), ("faulty", KILL_AT)):
+        (tmp_path / name).mkdir()
+        extra = (str(tmp_path / name),)
+        runs[name] = run_with_replacement(
+            _worker, world=WORLD, victim=VICTIM, kill_at=kill_at, extra=extra
+        )
+    clean, faulty = runs["clean"], runs["faulty"]
+    assert sorted(clean) == [(r, 0) for r in range(WORLD)], clean
+    assert sorted(faulty) == [(0, 0), (1, 0), (2, 0), (3, 1)], faulty
+    for (rank, inc), (digest, replayed, epoch, _) in faulty.items():
+        assert digest == clean[(rank, 0)][0], f"rank {rank}.{inc}: shards differ from clean run"
+        assert epoch == 1, (rank, inc)
+        if inc == 0:
+            assert replayed == 2, rank  # steps 3 and 4 again, from the checkpoint of step 2
 
 
 def _plain_fsdp(rank: int, world: int) -> str:
