@@ -114,8 +114,9 @@ def check_replicas(state: Any, world: int) -> None:
             f"recovery.Session: rank {rank}'s shards (the DTensor at {sharded_at(state)} and "
             f"the rest; shard coordinates {key}) have no replica on another rank, as under "
             "plain FSDP: a lost rank could not be restored from a peer. Use HSDP (a "
-            "replicate mesh dimension of 2 or more), or run without Session and resume "
-            "from DCP checkpoints (examples/train_fsdp.py --checkpoint-dir)"
+            "replicate mesh dimension of 2 or more), or give Session a rollback= "
+            "(recovery.Rollback: every rank goes back to the last checkpoint; "
+            "examples/train_fsdp.py --checkpoint-dir)"
         )
 
 
