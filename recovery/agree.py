@@ -168,8 +168,10 @@ def _kept(
     return out
 
 
-def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
-    """The plan for leaving ``epoch``, from every rank's record.
+def make_plan(epoch: int, records: Mapping[int, Record], *, rollback: bool = False) -> Plan:
+    """The plan for leaving ``epoch``, from every rank's record. With ``rollback``
+    (every rank goes back to a checkpoint: no peer sends a state) it names no
+    receivers and no donors.
 
     Raises:
         RecoveryError: no rank holds a state to restore from (every record is a
@@ -184,11 +186,12 @@ def make_plan(epoch: int, records: Mapping[int, Record]) -> Plan:
     # the same from the same records).
     ahead = [r for r in survivors if r.step == step]
     ranked = [r.rank for r in sorted(ahead, key=lambda r: (-r.rails_up, -r.rate, r.rank))]
-    # Replacements first: they get the best donors.
-    behind = sorted(
+    # Replacements first: they get the best donors. In a rollback every rank loads
+    # the checkpoint: none is sent a state, so none needs a donor.
+    behind = [] if rollback else sorted(
         (r for r in records.values() if r.step < step),
         key=lambda r: (r.step != NO_STATE, r.rank),
-    )
+    )  # fmt: skip
     data, ctl = _kept(records, "data", epoch + 1), _kept(records, "ctl", epoch + 1)
     return Plan(
         epoch=epoch + 1,
@@ -250,6 +253,7 @@ def agree(
     shrink_after_s: float | None = None,
     min_ranks: int = 1,
     give_up: Callable[[], Collection[int]] | None = None,
+    rollback: bool = False,
 ) -> Plan:
     """Publish ``record`` for leaving ``epoch``, wait for the records of the ranks in
     ``expect`` (default: all ``world``; after ``shrink_after_s``, of those that
@@ -260,6 +264,7 @@ def agree(
     ``give_up`` (polled while waiting) names ranks not to wait for any longer (the
     policy found no replacement coming for them, or shrinking cheaper): once every
     other expected rank reported, the next epoch goes on without them.
+    ``rollback``: every rank goes back to a checkpoint (:func:`make_plan`).
 
     Raises:
         RecoveryError: ranks did not report within ``timeout_s`` (named), or the
@@ -279,7 +284,7 @@ def agree(
             f"(members {list(members)}): it reported after the group shrank"
         )
     records = {r: Record.from_json(bytes(store.get(f"{prefix}{r}"))) for r in members}
-    plan = make_plan(epoch, records)
+    plan = make_plan(epoch, records, rollback=rollback)
     history = {
         "from": epoch, "world": world, "members": list(plan.members),
         "joined": list(plan.joined), "step": plan.step,

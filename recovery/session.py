@@ -383,8 +383,8 @@ class Session(Resizing):
                 )  # fmt: skip
 
     def _stop_and_report(self) -> tuple[Record, float]:
-        """Finish the epoch's calls, serialize the state, and build this rank's
-        record for the next epoch; also returns when the calls had finished.
+        """Finish the epoch's calls, pack the state (a rollback sends none) and
+        build this rank's record; also returns when the calls had finished.
 
         Raises:
             RecoveryError: the calls did not finish within ``quiesce_timeout_s``.
@@ -395,7 +395,7 @@ class Session(Resizing):
         quiesced = time.monotonic()
         # Packed now (kilobytes: the tensors are sent from where they are), while a
         # replacement may still be starting: a donor sends once the epoch is agreed.
-        self._payload = self._pack()
+        self._payload = None if self._rolls_back else self._pack()
         record = Record(
             rank=self._rank, incarnation=pg.incarnation, step=self.committed,
             data=counters["data"] or [], ctl=counters["ctl"], rails_up=_rails_up(pg),
@@ -424,6 +424,7 @@ class Session(Resizing):
             shrink_after_s=self.config.shrink_after_s,
             min_ranks=self.config.min_ranks,
             give_up=give_up,
+            rollback=self._rolls_back,  # the same on every rank: the layout decides it
         )
         joining = self.pg.joining
         before = plan.members if joining else self.pg.members

@@ -76,6 +76,24 @@ def test_a_rank_whose_every_replica_was_lost_is_a_recovery_error() -> None:
         make_plan(0, recs)
 
 
+def test_a_rollback_plan_names_no_donors_and_no_receivers() -> None:
+    # Every rank goes back to a checkpoint: no state is sent, so no donor is picked,
+    # not even where picking one would fail (no rank ahead holds rank 1's shards).
+    recs = {
+        0: Record(rank=0, incarnation=0, step=5, replica="[[0]]"),
+        1: Record(rank=1, incarnation=1, step=NO_STATE, replica="[[1]]"),
+        2: Record(rank=2, incarnation=0, step=4, replica="[[0]]"),
+    }
+    plan = make_plan(0, recs, rollback=True)
+    assert (plan.donors, plan.receivers) == ({}, ())
+    assert (plan.epoch, plan.members, plan.step, plan.joined) == (1, (0, 1, 2), 5, (1,))
+    # Otherwise the same plan as a restore from a peer makes.
+    usual = make_plan(3, _records())
+    rolled = make_plan(3, _records(), rollback=True)
+    assert rolled.keep_data == usual.keep_data and rolled.keep_ctl == usual.keep_ctl
+    assert rolled.donor == usual.donor
+
+
 def test_a_link_with_leftovers_under_the_next_epochs_salt_is_not_kept() -> None:
     # Rank 0's rail-2 link has ops pending from an epoch with salt 3, which epoch
     # 19 (19 % 16 == 3) would use again.
@@ -134,6 +152,14 @@ def test_agree_moves_the_epoch_once_all_records_are_in() -> None:
     # A second rank agreeing on the same records finds the counter moved already.
     assert agree(store, epoch=0, world=2, record=_records()[0], timeout_s=5) == plan
     assert [(r["epoch"], r["from"], r["members"]) for r in epoch_history(store)] == [(1, 0, [0, 1])]
+
+
+def test_agree_passes_a_rollback_on_to_the_plan_and_its_history() -> None:
+    store = _store()
+    store.set("recovery/e0/r1", _records()[1].to_json())
+    plan = agree(store, epoch=0, world=2, record=_records()[0], timeout_s=5, rollback=True)
+    assert (plan.donors, plan.receivers) == ({}, ())
+    assert epoch_record(store, 1)["donors"] == {}  # type: ignore[index]
 
 
 def test_agree_names_the_ranks_that_never_reported() -> None:

@@ -167,3 +167,23 @@ def test_a_straggler_is_evicted_once_it_has_cost_what_its_replacement_would(
     session._rank = 1
     session._judge_stragglers(22)
     assert decisions[-1].action == "tolerate" and not left
+
+
+@pytest.mark.parametrize("rolls_back", [False, True])
+def test_a_rollback_packs_no_state_to_send(
+    monkeypatch: pytest.MonkeyPatch, rolls_back: bool
+) -> None:
+    # Every rank loads the checkpoint in a rollback: a packed state would be thrown away.
+    from types import SimpleNamespace
+
+    packed: list[int] = []
+    monkeypatch.setattr(Session, "_pack", lambda s: packed.append(s.committed) or "packed")
+    session = Session(None, _state())
+    session.pg = SimpleNamespace(
+        quiesce=lambda _t: {"data": [], "ctl": []}, incarnation=0, rails=["127.0.0.1"],
+        engine=SimpleNamespace(rail_rates=()),
+    )  # fmt: skip
+    session._rolls_back = rolls_back
+    record, _ = session._stop_and_report()
+    assert record.step == -1
+    assert (packed, session._payload) == (([], None) if rolls_back else ([-1], "packed"))
