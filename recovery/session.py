@@ -57,23 +57,18 @@ from membership.epoch import current_epoch
 from recovery import subgroups
 from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of
-from recovery.agree import (
-    NO_STATE,
-    Plan,
-    Record,
-    agree,
-    request_join,
-)
+from recovery.agree import NO_STATE, Plan, Record, agree, request_join
 from recovery.policy import Policy
 from recovery.replicas import check_replicas, replica_key
 from recovery.restore import Rollback, roll_back, transfer_state
 from recovery.shards import Piece, pieces
 from recovery.state import (
+    FsdpModules,
     StateHook,
     TrainState,
     average_over_members,
     cut_forward,
-    fsdp_root,
+    fsdp_roots,
     reset_fsdp,
     reset_reducer,
 )
@@ -99,6 +94,8 @@ class Session(Resizing):
     the state has one. ``rollback``: where a state no peer can restore (plain
     FSDP: no replica of a rank's shards) goes back to, every rank together
     (:class:`~recovery.restore.Rollback`; without it such a state is refused).
+    ``fsdp``: the FSDP2 module(s) to reset before a replayed step, where the state is
+    not a TrainState of a ``fully_shard``-ed model (:func:`~recovery.state.fsdp_roots`).
     """
 
     def __init__(
@@ -111,6 +108,7 @@ class Session(Resizing):
         config: RecoveryConfig | None = None,
         ddp: Any = None,
         rollback: Rollback | None = None,
+        fsdp: FsdpModules | None = None,
     ) -> None:
         from resilient.process_group import ResilientProcessGroup
 
@@ -122,7 +120,7 @@ class Session(Resizing):
         self._replica = ""  # which shards this rank holds (recovery.replicas)
         self._rollback = rollback
         self._rolls_back = False  # no peer can restore the state: go back to a checkpoint
-        self._fsdp = fsdp_root(state)
+        self._fsdp = fsdp_roots(state, fsdp)
         if self.pg is not None:
             self._replica = self._sharding(state, int(pg.rank()), int(pg.size()))
             self.pg.subgroups_follow = True  # recovery.subgroups
@@ -435,8 +433,8 @@ class Session(Resizing):
         subgroups.follow(plan, before, self._rank, self.config.quiesce_timeout_s)
         if self._cut_backward:
             reset_reducer(self._ddp)
-        if self._fsdp is not None and not joining:  # a replacement has no step to undo
-            reset_fsdp(self._fsdp)
+        for root in self._fsdp if not joining else ():  # a replacement has no step to undo
+            reset_fsdp(root)
         events.emit(
             "epoch.changed", epoch=plan.epoch, reason=_why(before, plan),
             action=f"kept {len(kept)} data link(s), dropped {dropped}",

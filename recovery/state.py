@@ -3,22 +3,27 @@ and the DDP comm hook that averages over the members of a shrunk group."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-from resilient.errors import PeerLost
+from resilient.errors import ConfigError, PeerLost
 
 __all__ = [
+    "FsdpModules",
     "StateHook",
     "TrainState",
     "average_over_members",
     "cut_forward",
-    "fsdp_root",
+    "fsdp_roots",
     "reset_fsdp",
     "reset_reducer",
 ]
+
+
+# What ``Session(fsdp=...)`` takes: the FSDP2 module(s) to reset (fsdp_roots).
+FsdpModules: TypeAlias = torch.nn.Module | Sequence[torch.nn.Module]
 
 
 @runtime_checkable
@@ -67,10 +72,47 @@ class TrainState:
         self.optimizer.step()
 
 
-def fsdp_root(state: StateHook) -> Any:
-    """The FSDP2 root module of a :class:`TrainState`, or None (not FSDP2)."""
-    model = getattr(state, "model", None)
-    return model if model is not None and hasattr(model, "reset_iter_state") else None
+def fsdp_roots(state: StateHook, fsdp: FsdpModules | None = None) -> list[torch.nn.Module]:
+    """The FSDP2 root modules a recovery resets (:func:`reset_fsdp`) before the
+    replayed step.
+
+    ``fsdp`` names where they are (``Session(fsdp=...)``), for a :class:`StateHook`
+    that is not a :class:`TrainState` or a model whose root is not ``fully_shard``-ed:
+    a module or a sequence of them, each standing for its outermost FSDP2 modules
+    (itself if ``fully_shard``-ed; else each FSDP2 submodule with no FSDP2 module
+    above it inside the named one: FSDP2 makes each of those a root). Name roots
+    or modules above them: ``reset_iter_state`` on a non-root FSDP2 module raises
+    (torch's RuntimeError). Without ``fsdp``: a TrainState's model if it is an FSDP2
+    module, else none.
+
+    Raises:
+        ConfigError: a named module holds no FSDP2 module (nothing would be reset:
+            most likely the wrong module was named).
+    """
+    if fsdp is None:
+        model = getattr(state, "model", None)
+        return [model] if model is not None and _is_fsdp(model) else []
+    roots: list[torch.nn.Module] = []
+    for named in [fsdp] if isinstance(fsdp, torch.nn.Module) else list(fsdp):
+        found = _outermost_fsdp(named)
+        if not found:
+            raise ConfigError(
+                f"recovery: fsdp= names a {type(named).__name__} that holds no FSDP2 module "
+                "(fully_shard): name the module(s) fully_shard was applied to"
+            )
+        roots += [m for m in found if all(m is not r for r in roots)]
+    return roots
+
+
+def _is_fsdp(module: Any) -> bool:
+    # FSDPModule's own method (fully_shard makes the module's class a subclass).
+    return hasattr(module, "reset_iter_state")
+
+
+def _outermost_fsdp(module: torch.nn.Module) -> list[torch.nn.Module]:
+    if _is_fsdp(module):
+        return [module]
+    return [m for child in module.children() for m in _outermost_fsdp(child)]
 
 
 def reset_fsdp(root: Any) -> None:
