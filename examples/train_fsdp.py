@@ -17,11 +17,12 @@ replicate row), and the interrupted step replayed, with every mesh dimension
 following the recovery (``examples/scenarios/kill-rank-hsdp.toml``). Plain FSDP
 (``--replicas 1``) has no replica to restore from: with ``--checkpoint-dir`` every
 rank goes back to the last checkpoint and replays from there
-(``recovery.Rollback``); without, a lost rank ends the job.
+(``recovery.DcpCheckpoints.rollback``); without, a lost rank ends the job.
 
 ``--checkpoint-dir DIR`` with ``--checkpoint-every N`` saves a distributed
 checkpoint (torch.distributed.checkpoint, every rank writes its shards) every N
-steps, and a run started with the same DIR resumes from the latest one.
+steps (``recovery.DcpCheckpoints``), and a run started with the same DIR resumes
+from the latest one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -94,53 +94,6 @@ def full_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _checkpoint_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, opt_sd = get_state_dict(model, opt)
-    return {"model": model_sd, "optim": opt_sd}
-
-
-def latest_step(directory: str | None) -> int:
-    """The step of the latest complete checkpoint under ``directory`` (-1: none)."""
-    marker = os.path.join(directory, "latest") if directory else None
-    if marker is None or not os.path.exists(marker):
-        return -1
-    with open(marker) as f:
-        return int(f.read())
-
-
-def load(directory: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    """Load the checkpoint of ``step`` into the model and optimizer (every rank)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _checkpoint_state(model, opt)
-    dcp.load(state, checkpoint_id=os.path.join(directory, f"step-{step}"))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-def resume(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load the latest DCP checkpoint under ``directory``; the step to start from."""
-    step = latest_step(directory)
-    if step >= 0 and directory:
-        load(directory, model, opt, step)
-    return step + 1
-
-
-def save(directory: str, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    """Every rank writes its shards; rank 0 moves the ``latest`` marker once all did."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_checkpoint_state(model, opt), checkpoint_id=os.path.join(directory, f"step-{step}"))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = os.path.join(directory, f".latest-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(str(step))
-        os.replace(tmp, os.path.join(directory, "latest"))
-
-
 def params_stats(model: nn.Module) -> list[float]:
     """Per parameter, L1 and L2 norms of the full tensor in float64 (the chaos
     report compares runs whose summation order differs on these)."""
@@ -151,22 +104,12 @@ def params_stats(model: nn.Module) -> list[float]:
     return out
 
 
-def _rollback(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
-    """What Session goes back to when no peer can restore the state (plain FSDP)."""
-    from recovery.session import Rollback
-
-    if not directory:
-        return None
-    return Rollback(latest=lambda: latest_step(directory),
-                    load=lambda step: load(directory, model, opt, step))  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     dist.init_process_group(args.backend)  # "resilient" is registered by torch's autoload
     rank, world = dist.get_rank(), dist.get_world_size()
-    from recovery.session import Session, TrainState
+    from recovery import DcpCheckpoints, ModelOptimizer, Session, TrainState
     from resilient.progress import StepReporter
 
     # Publishes each finished step to etcd (no-op without RESILIENT_ETCD): the chaos
@@ -177,14 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # opt.step() runs when a step's block ends without an error (the commit).
     state = TrainState(model, opt)
+    # Every rank writes its shards of the model and AdamW state (torch's
+    # get_state_dict: loadable into another sharding of the same model).
+    checkpoints = DcpCheckpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    saved = {"train": ModelOptimizer(model, opt)}
     # Without a replica (plain FSDP) no peer can restore a lost rank's shards: with
     # checkpoints every rank goes back to the last one; without, steps just commit
     # and a lost rank ends the job.
-    session = Session(dist.group.WORLD if args.replicas > 1 or args.checkpoint_dir else None,
-                      state, rollback=_rollback(args.checkpoint_dir, model, opt))  # fmt: skip
+    session = Session(dist.group.WORLD if args.replicas > 1 or checkpoints else None, state,
+                      rollback=checkpoints.rollback(saved) if checkpoints else None)  # fmt: skip
     # A replacement gets the job's state when it is admitted, not from a checkpoint
     # (loading one is a collective the running ranks are not in).
-    first = 0 if session.joining else resume(args.checkpoint_dir, model, opt)
+    first = 0 if session.joining or checkpoints is None else checkpoints.resume(saved)
     losses: list[float] = []
     for step in session.steps(args.steps, start=first):
         with session.step(step):
@@ -201,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0 and not args.quiet:
                 print(f"step {step:4d} loss {losses[-1]:.6f} ({ms:.1f} ms)", flush=True)
         every = args.checkpoint_every
-        if args.checkpoint_dir and every and session.committed == step and (step + 1) % every == 0:
-            save(args.checkpoint_dir, model, opt, step)
+        if checkpoints and every and session.committed == step and (step + 1) % every == 0:
+            checkpoints.save(step, saved)
     digest = full_sha256(model)
     print(f"rank {rank}: final params sha256 {digest}", flush=True)
     reporter.finish(params_sha256=digest, params_stats=params_stats(model), steps=args.steps)

@@ -6,7 +6,8 @@ writer under ``RUN_DIR/events/``); docs/EVENTS.md describes it.
 :mod:`recovery.session` holds :class:`Session` and :class:`TrainState` (importing
 it imports torch); :mod:`recovery.agree` the epoch agreement;
 :mod:`recovery.policy` picks a remedy by estimated cost and logs why;
-:mod:`recovery.shards` deals the data of ranks that left over the members.
+:mod:`recovery.shards` deals the data of ranks that left over the members;
+:mod:`recovery.checkpoints` keeps DCP checkpoints and the :class:`Rollback` to them.
 """
 
 from typing import Any
@@ -19,7 +20,9 @@ __all__ = [
     "EVENT_KINDS",
     "SCHEMA_VERSION",
     "Choice",
+    "DcpCheckpoints",
     "EventLog",
+    "ModelOptimizer",
     "Piece",
     "Policy",
     "Rollback",
@@ -29,13 +32,20 @@ __all__ = [
     "read_events",
 ]
 
-_LAZY = {"Rollback", "Session", "StateHook", "TrainState"}
+# Lazy: the events CLI must not import torch. Name -> the module that holds it.
+_LAZY = {
+    "DcpCheckpoints": "recovery.checkpoints",
+    "ModelOptimizer": "recovery.checkpoints",
+    "Rollback": "recovery.session",
+    "Session": "recovery.session",
+    "StateHook": "recovery.session",
+    "TrainState": "recovery.session",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the events CLI must not import torch.
     if name in _LAZY:
-        from recovery import session
+        import importlib
 
-        return getattr(session, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'recovery' has no attribute {name!r}")

@@ -8,7 +8,9 @@ on rank 1 (same shard coordinate, the other replica row), so only rank 1 may be
 its donor: the plan must say so, and the parameters and optimizer state after
 the replayed steps must equal a fault-free run's bit for bit.
 
-Plain FSDP (no replica) is refused at setup with a RecoveryError naming the rank.
+Plain FSDP (no replica) is refused at setup with a RecoveryError naming the rank;
+with ``rollback=`` (``recovery.DcpCheckpoints``) every rank goes back to the last
+checkpoint instead, and ends bitwise equal to a fault-free run too.
 """
 
 from __future__ import annotations
@@ -57,42 +59,6 @@ def _digest(model: Any, opt: Any) -> str:
     return h.hexdigest()
 
 
-def _rollback(model: Any, opt: Any, directory: str) -> Any:
-    """Go back to the last DCP checkpoint under ``directory`` (its ``latest`` marker)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from recovery.session import Rollback
-
-    def latest() -> int:
-        marker = os.path.join(directory, "latest")
-        return int(open(marker).read()) if os.path.exists(marker) else -1
-
-    def load(step: int) -> None:
-        model_sd, opt_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": opt_sd}
-        dcp.load(state, checkpoint_id=os.path.join(directory, f"step-{step}"))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-    return Rollback(latest=latest, load=load)
-
-
-def _save(model: Any, opt: Any, directory: str, step: int) -> None:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, opt_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": opt_sd},
-             checkpoint_id=os.path.join(directory, f"step-{step}"))  # fmt: skip
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(directory, ".latest"), "w") as f:
-            f.write(str(step))
-        os.replace(os.path.join(directory, ".latest"), os.path.join(directory, "latest"))
-    dist.barrier()
-
-
 def _worker(
     rank: int, port: int, incarnation: int, kill_at: int, results: Any, checkpoints: str = ""
 ) -> None:
@@ -108,12 +74,13 @@ def _worker(
 
     import resilient
     from membership.epoch import epoch_record
-    from recovery.session import Session, TrainState
+    from recovery import DcpCheckpoints, ModelOptimizer, Session, TrainState
 
     torch.set_num_threads(1)
     pg = resilient.init()
     model, opt = _build(rank, replicas=1 if checkpoints else 2)
-    rollback = _rollback(model, opt, checkpoints) if checkpoints else None
+    saved = {"train": ModelOptimizer(model, opt)}
+    ckpts = DcpCheckpoints(checkpoints) if checkpoints else None
     at = {"step": -1}
 
     def die_in_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -127,7 +94,7 @@ def _worker(
         out.register_hook(die_in_backward)
 
     model[1].register_forward_hook(watch)
-    session = Session(pg, TrainState(model, opt), rollback=rollback)
+    session = Session(pg, TrainState(model, opt), rollback=ckpts.rollback(saved) if ckpts else None)
     for step in session.steps(STEPS):
         with session.step(step):
             at["step"] = step
@@ -137,8 +104,8 @@ def _worker(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             dist.all_reduce(loss.detach())
-        if checkpoints and session.committed == step and step % 3 == 2:
-            _save(model, opt, checkpoints, step)
+        if ckpts and session.committed == step and step % 3 == 2:
+            ckpts.save(step, saved)
     record = epoch_record(pg.store, 1) or {}
     donors = record.get("donors")
     results.put((rank, incarnation, _digest(model, opt), session.replayed, pg.epoch, donors))
@@ -178,9 +145,10 @@ def test_a_killed_plain_fsdp_rank_sends_every_rank_back_to_the_last_checkpoint(
     clean, faulty = runs["clean"], runs["faulty"]
     assert sorted(clean) == [(r, 0) for r in range(WORLD)], clean
     assert sorted(faulty) == [(0, 0), (1, 0), (2, 0), (3, 1)], faulty
-    for (rank, inc), (digest, replayed, epoch, _) in faulty.items():
+    for (rank, inc), (digest, replayed, epoch, donors) in faulty.items():
         assert digest == clean[(rank, 0)][0], f"rank {rank}.{inc}: shards differ from clean run"
         assert epoch == 1, (rank, inc)
+        assert donors == {}, donors  # every rank loaded the checkpoint: no peer sent a state
         if inc == 0:
             assert replayed == 2, rank  # steps 3 and 4 again, from the checkpoint of step 2
 
