@@ -17,15 +17,19 @@ a replacement included (it builds the same model on the same mesh).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
 
+from recovery.state import StateHook, TrainState
 from resilient.errors import RecoveryError
 
 __all__ = [
-    "Layout", "check_replicas", "layout_key", "replica_key", "sharded_at", "unreplicated",
+    "Layout", "check_replicas", "layout_key", "may_hold_dtensors", "replica_key", "sharded_at",
+    "unreplicated",
 ]  # fmt: skip
 
 # A DTensor layout: (mesh shape, the mesh's ranks in row-major order, the Shard
@@ -51,6 +55,37 @@ def _tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
 def sharded_at(state: Any) -> str | None:
     """The path of the first DTensor in ``state`` (a ``state_dict()``), or None."""
     return next((path for path, t in _tensors(state) if _is_dtensor(t)), None)
+
+
+def may_hold_dtensors(state: StateHook) -> bool:
+    """Whether ``state.state_dict()`` may hold a DTensor, told without calling it
+    (a custom hook's may copy or gather; :class:`~recovery.session.Session` asks
+    at setup). False only where none can be: DTensor was never imported, or a
+    plain :class:`TrainState` whose model and optimizer hold none and have nothing
+    that could make its state dict differ from its tensors (state_dict hooks or
+    overrides: FSDP1's sharded state dicts are DTensors of plain parameters).
+    The optimizer's state is made per parameter, so it holds DTensors only for
+    DTensor parameters.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # no DTensor can exist (DDP's constructor imports it, though)
+    if type(state) is not TrainState:
+        return True  # only its own state_dict() can tell
+    base, opt = torch.nn.Module, state.optimizer
+    for m in state.model.modules():
+        if (
+            m._state_dict_hooks
+            or m._state_dict_pre_hooks
+            or any(
+                getattr(type(m), f) is not getattr(base, f)
+                for f in ("state_dict", "_save_to_state_dict", "get_extra_state")
+            )
+        ):
+            return True
+    params = chain(state.model.parameters(), state.model.buffers(),
+                   (p for group in opt.param_groups for p in group["params"]))  # fmt: skip
+    hooks = opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks
+    return bool(hooks) or any(_is_dtensor(t) for t in params) or sharded_at(state.extra) is not None
 
 
 def _layouts(state: Any) -> list[Layout]:

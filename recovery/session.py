@@ -59,7 +59,7 @@ from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of
 from recovery.agree import NO_STATE, Plan, Record, agree, request_join
 from recovery.policy import Policy
-from recovery.replicas import check_replicas, replica_key
+from recovery.replicas import check_replicas, may_hold_dtensors, replica_key
 from recovery.restore import Rollback, roll_back, transfer_state
 from recovery.shards import Piece, pieces
 from recovery.state import (
@@ -140,10 +140,9 @@ class Session(Resizing):
         # policy prices waiting for it against the step time without it.
         self._recent: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._last_commit: float | None = None
-        # A lost peer ends DDP's forward or backward early, and every member resets DDP's
-        # reducer on entering the next epoch; the reset rebuilds DDP's buckets
-        # with a broadcast from rank 0, so not in a job that may shrink (rank 0
-        # may be the one gone).
+        # A lost peer ends DDP's forward or backward early, and every member resets DDP's reducer
+        # on entering the next epoch; the reset rebuilds DDP's buckets with a broadcast from
+        # rank 0, so not in a job that may shrink (rank 0 may be the one gone).
         self._cut_backward = ddp is not None and self.config.shrink_after_s is None
         if ddp is not None and self.pg is not None:
             average_over_members(ddp, self.pg, cut_backward=self._cut_backward)
@@ -154,13 +153,17 @@ class Session(Resizing):
     def _sharding(self, state: StateHook, rank: int, world: int) -> str:
         """This rank's replica key; sharded state (FSDP2/HSDP) is restored from a
         replica of the same shards, so every rank must have one, or the job goes
-        back to its last checkpoint (``rollback``).
+        back to its last checkpoint (``rollback``). ``state_dict()`` is asked only
+        where a DTensor may be in it (:func:`~recovery.replicas.may_hold_dtensors`,
+        which errs towards yes): a custom hook's may copy or gather.
 
         Raises:
             RecoveryError: a rank's shards have no replica (plain FSDP) and no
                 ``rollback`` was given, or the job may shrink (a shrink would need
                 the shards laid out anew).
         """
+        if not may_hold_dtensors(state):
+            return ""  # whole on every rank: no key, no replica to check
         current = state.state_dict()
         key = replica_key(current, rank)
         if key and self.config.shrink_after_s is not None:

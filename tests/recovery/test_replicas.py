@@ -43,6 +43,64 @@ def test_every_layout_must_agree_and_a_rank_off_a_mesh_counts_apart() -> None:
     assert unreplicated([HSDP, other], 4) == (0, keys[0])
 
 
+def test_only_a_state_that_may_hold_dtensors_is_asked_for_its_state_dict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+    from typing import Any
+
+    import torch
+    import torch.distributed.tensor  # as DDP's constructor does: past the first check
+
+    from recovery.replicas import may_hold_dtensors
+    from recovery.session import Session
+    from recovery.state import TrainState
+
+    calls: list[int] = []
+
+    def plain() -> TrainState:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        state = TrainState(model, torch.optim.AdamW(model.parameters()))
+        original = state.state_dict
+        state.state_dict = lambda: calls.append(1) or original()  # type: ignore[method-assign]
+        return state
+
+    class Hook:
+        def state_dict(self) -> dict[str, Any]:
+            calls.append(1)
+            return {}
+
+        def load_state_dict(self, _: Any) -> None:
+            pass
+
+    state = plain()
+    assert not may_hold_dtensors(state) and may_hold_dtensors(Hook())
+    session = Session(None, state)
+    assert session._sharding(state, 0, 2) == "" and calls == []  # not even asked
+    assert session._sharding(Hook(), 0, 2) == "" and calls == [1]  # a custom hook is
+    # What could make a state dict other than the tensors: a hook, an override.
+    hooked = plain()
+    hooked.model[0]._register_state_dict_hook(lambda *_: None)
+    assert may_hold_dtensors(hooked)
+    hooked = plain()
+    hooked.optimizer.register_state_dict_post_hook(lambda _o, sd: sd)
+    assert may_hold_dtensors(hooked)
+
+    class Own(torch.nn.Linear):
+        def get_extra_state(self) -> Any:
+            return {}
+
+    own = Own(2, 2)
+    assert may_hold_dtensors(TrainState(own, torch.optim.SGD(own.parameters())))
+    sub = type("Sub", (TrainState,), {})  # a subclass's state_dict may add anything
+    lin = torch.nn.Linear(2, 2)
+    assert not may_hold_dtensors(TrainState(lin, torch.optim.SGD(lin.parameters())))
+    assert may_hold_dtensors(sub(lin, torch.optim.SGD(lin.parameters())))
+    # Never imported: no DTensor can exist, whatever the state.
+    monkeypatch.delitem(sys.modules, "torch.distributed.tensor")
+    assert not may_hold_dtensors(Hook())
+
+
 def _one_rank(_: int) -> list[str]:
     import torch
     import torch.distributed as dist
@@ -50,7 +108,7 @@ def _one_rank(_: int) -> list[str]:
     from torch.distributed.fsdp import fully_shard
 
     from recovery._wire import pack, unpack
-    from recovery.replicas import check_replicas, replica_key
+    from recovery.replicas import check_replicas, may_hold_dtensors, replica_key
     from recovery.state import TrainState
     from resilient.errors import RecoveryError
 
@@ -68,6 +126,7 @@ def _one_rank(_: int) -> list[str]:
         opt.step()  # AdamW's moments: DTensors too
         state = TrainState(model, opt).state_dict()
         out.append(f"key {replica_key(state, 0)}")
+        out.append(f"may hold {may_hold_dtensors(TrainState(model, opt))}")
         try:
             check_replicas(state, 1)
         except RecoveryError as exc:
@@ -107,6 +166,7 @@ def test_sharded_state_is_keyed_checked_and_travels_as_dtensors() -> None:
         out = pool.map(_one_rank, [0], chunksize=1)[0]
     assert out[0] == "replicated: accepted"
     assert out[1] == "key [[0]]"
+    assert out.pop(2) == "may hold True"
     assert out[2].startswith("sharded: recovery.Session: rank 0's shards (the DTensor at "
                              "/model/0.weight"), out[2]  # fmt: skip
     assert "have no replica" in out[2]
