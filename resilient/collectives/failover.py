@@ -48,7 +48,7 @@ from resilient.errors import LinkError
 from resilient.links.native_steps import DONE
 from resilient.links.table import Link
 
-__all__ = ["Rx", "Tx"]
+__all__ = ["Rx", "Tx", "ack_tag", "finished_receiving"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,21 @@ _NO_ACK: Final = torch.zeros(1, dtype=torch.int64)
 
 def _shift(tag: int, rail: int, gen: int) -> int:
     return tag if gen == 0 else tag + ((rail + 1) << 20) + (gen << 16)
+
+
+def ack_tag(route: Route, rail: int, gen: int = 0) -> int:
+    """The acknowledgement's tag of a channel of ``rail`` (before the link's salt)."""
+    return _ACK_TAG + ((route.seq % 256) << 8) + (rail << 4) + gen + route.base
+
+
+def finished_receiving(route: Route, peer: int, rail: int, link: Link, gen: int = 0) -> None:
+    """Every message from ``peer`` arrived and its acknowledgement went out on
+    ``link``: should the link break later, tell the peer's sender (it may still be
+    waiting for that acknowledgement) by the record of the next generation."""
+    key = route.key(peer, route.links.rank, rail, gen + 1)
+    link.finished.append((route.store, key))
+    if link.broken:  # broke between the acknowledgement and now
+        route.store.set(key, "done")
 
 
 class _Channel:
@@ -78,11 +93,14 @@ class _Channel:
         # order (resilient.links.native_steps): DONE (sent), a work to finish, or None (not
         # begun). Taken only on the link the step used (generation 0).
         self.ahead: collections.deque[Any] = collections.deque()
+        self.acked_in_c = False
 
     def _adopt(self, idx: int) -> bool:
         """Give message ``idx`` what the C step did of it; False: post it as usual."""
         ahead = self.ahead.popleft() if self.ahead else None
-        if ahead is None or self.gen:
+        # After a failover the messages are re-sent from the first unconsumed one,
+        # unless the C step acknowledged them all (then they stand: Rx._final).
+        if ahead is None or (self.gen and not self.acked_in_c):
             return False
         if ahead is not DONE:  # a work the pair finishes (or a finished receive)
             ledger = getattr(self.link, "ledger", None)  # generation 0: a Link's
@@ -96,8 +114,7 @@ class _Channel:
         return self.route.links.rank
 
     def _ack_tag(self) -> int:
-        route = self.route
-        return _ACK_TAG + ((route.seq % 256) << 8) + (self.rail << 4) + self.gen + route.base
+        return ack_tag(self.route, self.rail, self.gen)
 
     def _wire(self, tag: int) -> int:
         """``tag`` as this channel posts it now (rail, failover generation, call)."""
@@ -135,9 +152,12 @@ class Tx(_Channel):
     record, which must never hold up the thread that cuts links).
     """
 
-    def __init__(self, route: Route, peer: int, rail: int) -> None:
+    def __init__(self, route: Route, peer: int, rail: int, *, ack: Any = None) -> None:
+        """``ack``: what a stopped C step did of the acknowledgement's receive
+        (resilient.collectives.native_acks): a finished work, one to finish, or None."""
         super().__init__(route, peer, rail)
-        self._delivered = False  # the receiver said it had everything
+        # The receiver said it had everything (in a C step, perhaps).
+        self._delivered = ack is not None and ack.done
         self._lock = threading.RLock()
         # The acknowledgement's receive is posted up front: were it posted only at
         # the end, every rank could be waiting for its left neighbour to post it.
@@ -149,7 +169,10 @@ class Tx(_Channel):
         # the stale mark is acted on, and the backup must not be taken for it.
         link = self.link
         self._stale: Link | StoreLink | None = None if link.watch_sender(self) else link
-        if self._stale is None and self.acks:
+        if ack is not None and not self._delivered:
+            self._ack_work = ack  # half read by the C step: the pair reads the rest
+            link.ledger.posted(ack)  # type: ignore[union-attr]
+        elif self._stale is None and self.acks and not self._delivered:
             try:
                 self._ack_work = link.irecv(self._ack, self._ack_tag())
             except LinkError:
@@ -294,12 +317,21 @@ class Rx(_Channel):
     failover ran is waited for again on the new one (the bytes are the same).
     """
 
-    def __init__(self, route: Route, peer: int, rail: int) -> None:
+    def __init__(
+        self, route: Route, peer: int, rail: int, *, ack: Any = None, ahead: Any = ()
+    ) -> None:
+        """``ack``, ``ahead``: what a stopped C step did of the acknowledgement's send
+        (DONE, a work to finish, or None; resilient.collectives.native_acks) and of
+        each message (see ``_Channel.ahead``)."""
         super().__init__(route, peer, rail)
+        self.ahead.extend(ahead)
         self.consumed = 0
         self._ack = torch.ones(1, dtype=torch.int64) if self.acks else _NO_ACK
-        self._ack_sent: Any = None
-        self._final = self._done = False
+        self._ack_sent: Any = None if ack is DONE else ack
+        # Acknowledged in a C step: everything had arrived, so a failover now
+        # re-sends nothing (it publishes "done"), and the step's receives stand.
+        self._final = self.acked_in_c = ack is not None
+        self._done = False
         self._lock = threading.RLock()
         if not self.link.watch_receiver(self):
             self.failover(self.link)  # never blocks: it only publishes where to resume
@@ -348,6 +380,8 @@ class Rx(_Channel):
         if not self.acks:
             return
         with self._lock:
+            if self._final:  # a C step sent it (or is sending it: ``_ack_sent``)
+                return
             self._final = True
             if self._done:
                 return
@@ -376,11 +410,8 @@ class Rx(_Channel):
             self.link.unwatch_receiver(self)
             if self._done:
                 return
-            key = self.route.key(self.peer, self.me, self.rail, self.gen + 1)
-            self.link.finished.append((self.route.store, key))
-            broken = self.link.broken
-        if broken:  # broke between the ack and now: the sender may need it
-            self.route.store.set(key, "done")
+            link, gen = self.link, self.gen
+        finished_receiving(self.route, self.peer, self.rail, link, gen)  # type: ignore[arg-type]
 
     def news(self, idx: int) -> bool:
         """Whether message ``idx`` (waited for) came with the NEWS flag."""

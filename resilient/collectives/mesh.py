@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,9 @@ from resilient.collectives.route import Route
 from resilient.links import native_steps
 from resilient.links.byte_views import bytes_of
 from resilient.links.socket_frames import DigestMismatch
+
+if TYPE_CHECKING:
+    from resilient.collectives.native_acks import StepAcks
 
 __all__ = ["MeshPlan", "MeshRail", "mesh_plan"]
 
@@ -136,13 +140,16 @@ class MeshRail:
         self,
         tx_ahead: dict[int, list[object]] | None = None,
         rx_ahead: dict[int, list[object]] | None = None,
+        tx_acks: dict[int, Any] | None = None,
+        rx_acks: dict[int, Any] | None = None,
     ) -> None:
-        """Build the channels; ``*_ahead``: what a stopped C step moved (see Rx.ahead)."""
+        """Build the channels; ``*_ahead``, ``*_acks``: what a stopped C step moved
+        of the messages and of the acknowledgements (see Rx.ahead, native_acks)."""
         if self.tx:
             return
         for p in self.peers:
-            self.tx[p] = Tx(self.route, p, self.rail)
-            self.rx[p] = Rx(self.route, p, self.rail)
+            self.tx[p] = Tx(self.route, p, self.rail, ack=(tx_acks or {}).get(p))
+            self.rx[p] = Rx(self.route, p, self.rail, ack=(rx_acks or {}).get(p))
             self.tx[p].ahead.extend((tx_ahead or {}).get(p, ()))
             self.rx[p].ahead.extend((rx_ahead or {}).get(p, ()))
 
@@ -211,36 +218,69 @@ class MeshRail:
         contributions, then the results. False: the pairs are not quiet, nothing was
         moved. A step that stops hands its streams back, and the channels finish the
         call from there."""
-        if self._bytes is None or self.skip is not None:  # CUDA or gloo links; a slow rank
+        c = self._c_steps(pool)
+        if c is None:
+            native_steps.count_pass(in_c=False)
             return False
-        links = native_steps.quiet_links(self.route.links, self.peers, self.rail)
-        if links is None:
-            return False
-        c = MeshSteps(
-            links, self.route, self.rank, self.peers, self.subs, self.flat, self._bytes, pool
-        )
         one = c.contributions()
+        acks = None if then_gather else c.acks(one)
         began = time.monotonic()
         stopped = one.run()
         if self.gated:  # waiting for the peers' contributions, as at the Python gate
             self.gate_waited_s += time.monotonic() - began
         if stopped is not None:
-            self._channels(*c.ahead(one, stopped, None))
+            native_steps.count_pass(in_c=False)
+            self._handed_back(c, one, stopped, acks, None)
             self._python(reduce, pool, then_gather=then_gather, folded=False)
             return True
+        if acks is not None:
+            acks.ran_whole()
         self.gate_news = one.news
         for j in range(self.k):
             if c.own[j].size:
                 self._fold(j, reduce, c.scratch, {}, waited=True)
         if not then_gather:
+            native_steps.count_pass(in_c=True)
             return True
         two = c.results()
+        acks = c.acks(two)
         stopped = two.run()
         self.gate_news = self.gate_news or two.news
+        native_steps.count_pass(in_c=stopped is None)
         if stopped is not None:
-            self._channels(*c.ahead(two, stopped, one))
+            self._handed_back(c, two, stopped, acks, one)
             self._python(reduce, pool, then_gather=True, folded=True)
+        elif acks is not None:
+            acks.ran_whole()
         return True
+
+    def _handed_back(
+        self,
+        c: MeshSteps,
+        step: native_steps.Step,
+        stopped: tuple[list[Any], list[Any]],
+        acks: StepAcks | None,
+        before: native_steps.Step | None,
+    ) -> None:
+        """Build the channels from where a stopped C step left every stream."""
+        tx_acks: dict[int, Any] = {}
+        rx_acks: dict[int, Any] = {}
+        if acks is not None:
+            sent, got, tx_acks, rx_acks = acks.split(*stopped)
+            stopped = (sent, got)
+        self._channels(*c.ahead(step, stopped, before), tx_acks, rx_acks)
+
+    def _c_steps(self, pool: torch.Tensor) -> MeshSteps | None:
+        """The call's C steps, or None: CUDA or gloo links, a slow rank (the
+        straggler-aware schedule is the Python path's), or links not quiet."""
+        if self._bytes is None or self.skip is not None:
+            return None
+        links = native_steps.quiet_links(self.route.links, self.peers, self.rail)
+        if links is None:
+            return None
+        return MeshSteps(
+            links, self.route, self.rank, self.peers, self.subs, self.flat, self._bytes, pool
+        )
 
     def _python(
         self, reduce: Reducer, pool: torch.Tensor, *, then_gather: bool, folded: bool
@@ -422,7 +462,20 @@ class MeshRail:
         self._wait_all(self.ag_sends)
 
     def all_gather(self) -> None:
-        """Own chunk ``rank`` is filled; fill every other chunk from its owner."""
+        """Own chunk ``rank`` is filled; fill every other chunk from its owner (in
+        one C step while the links are quiet: the all-reduce's second step)."""
+        c = self._c_steps(self._scratch(0))
+        if c is not None:
+            two = c.results()
+            acks = c.acks(two)
+            stopped = two.run()
+            if stopped is None:
+                native_steps.count_pass(in_c=True)
+                if acks is not None:
+                    acks.ran_whole()
+                return
+            self._handed_back(c, two, stopped, acks, None)
+        native_steps.count_pass(in_c=False)
         self._channels()
         recvs = self._post_gathers()
         for j in range(self.k):

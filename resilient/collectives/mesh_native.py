@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from resilient.collectives.native_acks import StepAcks, acked
 from resilient.links import native_steps
 from resilient.links.byte_views import bytes_of
 
@@ -43,6 +44,7 @@ class MeshSteps:
         """``subs[chunk][j]``: the rail's sub-chunks (MeshPlan.subs); ``buf``: the
         byte view of ``flat`` its messages are posted from; ``pool``: scratch for
         the peers' contributions to this rank's chunk."""
+        self.links, self.rail = links, links[0].rail
         self.pairs = [link.pg for link in links]
         self.ledgers = [link.ledger for link in links]
         self.route, self.peers, self.subs, self.own = route, peers, subs, subs[rank]
@@ -124,8 +126,19 @@ class MeshSteps:
                 tx[peers[out[0]]].append(native_steps.DONE)
             for got in before.recvs:
                 rx[peers[got[0]]].append(native_steps.finished(before.pairs[got[0]], before.news))
-        for out, w in zip(step.sends, stopped[0], strict=True):
+        # Only the data's: a step's acknowledgements come after it (see acks).
+        for out, w in zip(step.sends[: len(stopped[0])], stopped[0], strict=True):
             tx[peers[out[0]]].append(w)
-        for got, w in zip(step.recvs, stopped[1], strict=True):
+        for got, w in zip(step.recvs[: len(stopped[1])], stopped[1], strict=True):
             rx[peers[got[0]]].append(w)
         return tx, rx
+
+    def acks(self, step: native_steps.Step) -> StepAcks | None:
+        """Add every pair's acknowledgements to the call's last step (several rails)."""
+        if not acked(self.route):
+            return None
+        acks = StepAcks(self.route, self.rail, len(self.peers))
+        for i, p in enumerate(self.peers):
+            acks.give(step, i, p, self.links[i])
+            acks.expect(step, i, p, self.links[i])
+        return acks

@@ -17,10 +17,11 @@ interpreter where the Python path's 2 x 8 messages per step cost milliseconds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from resilient.collectives.native_acks import StepAcks, acked
 from resilient.collectives.reduce_ops import REDUCERS, Reduce
 from resilient.collectives.ring_plan import (
     RingPass,
@@ -48,6 +49,9 @@ class Handback(NamedTuple):
 
     ahead: tuple[list[object], list[object]]  # every message's C step (see Rx.ahead)
     folded: frozenset[tuple[int, int]]  # the (step, sub-chunk) receives folded already
+    # What the last step did of the acknowledgements (several rails): the one
+    # received from the right (Tx's) and the one sent to the left (Rx's).
+    acks: tuple[Any, Any] = (None, None)
 
 
 def ring_in_c(
@@ -146,6 +150,15 @@ class Pass:
                     self.li, wire, route.digest, self.buf, self.base, r.start * e, r.size * e
                 )
 
+    def acks(self, one: native_steps.Step) -> StepAcks | None:
+        """Add the acknowledgements to the pass's last step (several rails)."""
+        if not acked(self.route):
+            return None
+        acks = StepAcks(self.route, self.plan.rail, 1)
+        acks.give(one, self.li, self.ring.left, self.left)
+        acks.expect(one, 0, self.ring.right, self.right)
+        return acks
+
     def run(self, op: Reduce, *, whole: bool) -> Handback | None:
         """The pass: one C step for all of it (``whole``: folds in C or none), else a
         C step per ring step with torch's folds after each. None: it ran whole."""
@@ -153,11 +166,12 @@ class Pass:
         groups = [list(range(plan.steps))] if whole else [[s] for s in range(plan.steps)]
         done: tuple[list[object], list[object]] = ([], [])  # what finished steps moved
         folded: set[tuple[int, int]] = set()
-        for steps in groups:
+        for n, steps in enumerate(groups):
             one = native_steps.Step(self.pairs, self.ledgers)
             got: dict[tuple[int, int], int] = {}
             for step in steps:
                 self.post(one, step, got)
+            acks = self.acks(one) if n == len(groups) - 1 else None
             stopped = one.run()
             if stopped is not None:
                 for (step, j), idx in got.items():  # those the C step completed, folded
@@ -167,8 +181,14 @@ class Pass:
                         and isinstance(stopped[1][idx], native_steps.Moved)
                     ):
                         folded.add((step, j))
-                ahead = (done[0] + stopped[0], done[1] + stopped[1])
-                return Handback(ahead, frozenset(folded))
+                sent, recvd, theirs = stopped[0], stopped[1], (None, None)
+                if acks is not None:
+                    sent, recvd, tx, rx = acks.split(sent, recvd)
+                    theirs = (tx[self.ring.right], rx[self.ring.left])
+                ahead = (done[0] + sent, done[1] + recvd)
+                return Handback(ahead, frozenset(folded), theirs)
+            if acks is not None:
+                acks.ran_whole()
             done[0].extend(native_steps.DONE for _ in one.sends)
             done[1].extend(native_steps.finished(self.pairs[m[0]], one.news) for m in one.recvs)
             for step, j in got:

@@ -28,6 +28,7 @@ from resilient.collectives.ring_plan import (
     sub_spans,
 )
 from resilient.collectives.route import Route
+from resilient.links import native_steps
 
 __all__ = ["chain", "ring_pass"]
 
@@ -43,6 +44,7 @@ def ring_pass(
     """One rail's ring pass over ``flat``, in place; in C while its links are quiet.
     ``scratch(rail, flat, numel)``: the receive buffers (RingEngine.scratch)."""
     moved = ring_in_c(ring, flat, plan, op, route, scratch)
+    native_steps.count_pass(in_c=moved is True)
     if moved is not True:
         handback = moved if isinstance(moved, Handback) else None
         _on_channels(ring, flat, plan, op, route, scratch, handback)
@@ -59,7 +61,9 @@ def _on_channels(
 ) -> None:
     """The pass on channels; ``handback``: what stopped C steps moved (see Rx.ahead)
     and the (step, sub-chunk) receives they folded already."""
-    tx, rx = Tx(route, ring.right, plan.rail), Rx(route, ring.left, plan.rail)
+    acks = handback.acks if handback is not None else (None, None)
+    tx = Tx(route, ring.right, plan.rail, ack=acks[0])
+    rx = Rx(route, ring.left, plan.rail, ack=acks[1])
     folded: frozenset[tuple[int, int]] = frozenset()
     if handback is not None:
         tx.ahead.extend(handback.ahead[0])
@@ -120,6 +124,7 @@ def chain(
     """One rail's part of a broadcast from the rank at ring position ``root_pos``:
     receive each sub-chunk of the rail's piece from the left, pass it on to the
     right (the chain ends left of the root)."""
+    native_steps.count_pass(in_c=False)
     pos = (ring.pos - root_pos) % ring.world
     elem = flat.element_size()
     tx = Tx(route, ring.right, rail) if pos < ring.world - 1 else None

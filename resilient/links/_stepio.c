@@ -10,8 +10,8 @@
  *
  * Nothing here decides what a failure means. The first thing that is not the
  * expected frame (another tag, size or digest), a socket error, the end of a
- * stream, the deadline, or a byte on wake_fd (another thread needs the pairs: it
- * is drained) stops the step, and the caller gets the exact place every
+ * stream, the deadline, or a byte on wake_fd (another thread needs the pairs; it
+ * is left there, for every step watching it) stops the step, and the caller gets the exact place every
  * stream stopped at, to hand it back to the Python socket pair, which knows what
  * to do (resilient.links.native_steps.hand_back).
  *
@@ -215,12 +215,9 @@ static int run(const int *fds, int nfd, int wake, const msg_t *sends, int ns,
             int rc = poll(pf, (nfds_t)(nfd + 1), (int)rem);
             if (rc < 0 && errno != EINTR) return BROKEN;
             if (rc <= 0) continue;
-            if (pf[nfd].revents) {  /* another thread needs the pairs (to fail one) */
-                char drain[64];
-                while (read(wake, drain, sizeof drain) > 0) {
-                }
-                return LATE;
-            }
+            /* Another thread needs the pairs (to fail one). The byte is left for the
+             * caller to drain: other steps (other rails) may be watching it too. */
+            if (pf[nfd].revents) return LATE;
         }
         first = 0;
         for (int f = 0; f < nfd; f++) {

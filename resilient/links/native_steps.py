@@ -49,6 +49,7 @@ __all__ = [
     "Moved",
     "Step",
     "available",
+    "count_pass",
     "finished",
     "hand_back",
     "quiet",
@@ -72,8 +73,15 @@ FOLDS: Final[dict[torch.dtype, int]] = {
     torch.int32: 3,
     torch.int64: 4,
 }
-# C steps run, and those that stopped and handed back (for tests and benchmarks).
-STATS: Final[dict[str, int]] = {"steps": 0, "stopped": 0}
+# C steps run, and those that stopped and handed back; a call's rail passes (a
+# ring pass, a mesh rail's share, a chain) moved whole in C, and those the Python
+# channels moved in whole or in part (for tests, benchmarks and the chaos report).
+STATS: Final[dict[str, int]] = {"steps": 0, "stopped": 0, "c_passes": 0, "python_passes": 0}
+
+
+def count_pass(*, in_c: bool) -> None:
+    """Count one rail pass of a call (see STATS)."""
+    STATS["c_passes" if in_c else "python_passes"] += 1
 
 
 class _Blocked:
@@ -94,15 +102,17 @@ def available() -> bool:
 
 def quiet_links(table: LinkTable, peers: Sequence[int], rail: int) -> list[Link] | None:
     """The links to ``peers`` on ``rail`` when C steps may move a call's bytes: the
-    module is built and on (``native_io``), one rail (no failover to another rail's
-    channel to keep up), socket links, no chaos hook (its faults act in the Python
-    path), and every pair healthy and :func:`quiet`. Else None."""
+    module is built and on (``native_io``), socket links, no injected fault active
+    (the chaos hook's faults act in the Python path; one that starts during a step
+    acts from the next), and every pair healthy and :func:`quiet`. Else None.
+    On several rails the caller adds the acknowledgements a failover needs
+    (resilient.collectives.native_acks)."""
+    chaos = fault_hook.hook()
     if (
         _stepio is None
-        or len(table.rails) != 1
         or not table.sockets
         or not table.config.native_io
-        or fault_hook.hook() is not None
+        or (chaos is not None and chaos.faults)
     ):
         return None
     links = [table.get(p, rail) for p in peers]
@@ -194,8 +204,8 @@ class Step:
     def run(self) -> tuple[list[Any], list[Any]] | None:
         """Move every frame; None when all moved, else the works to finish it with:
         per send DONE, per receive a finished work, a :class:`SocketWork` the pair
-        finishes, or None (not begun: post it as usual). Holds the engine's lock
-        meanwhile, so no Python driver touches these sockets."""
+        finishes, or None (not begun: post it as usual). Claims the pairs meanwhile
+        (:meth:`Engine.claim`), so no Python driver touches these sockets."""
         assert _stepio is not None
         engine = self.pairs[0].engine
         fds = [p.fileno for p in self.pairs]
@@ -209,24 +219,38 @@ class Step:
             if not ledger.begin_wait(blocked):
                 break
             entered.append(ledger)
+        claimed = False
         try:
             with engine.lock:
-                if (
-                    len(entered) < len(self.ledgers)
-                    or engine.driving
-                    or not all(quiet(p) for p in self.pairs)
+                # Pairs another step holds (another rail's, another group's) or that
+                # are mid-stream are left to the Python path, which waits its turn.
+                if len(entered) < len(self.ledgers) or not all(
+                    quiet(p) and not p.claimed for p in self.pairs
                 ):
                     return [None] * len(self.sends), [None] * len(self.recvs)
-                code, news, states = _stepio.exchange(
-                    fds, self.sends, self.recvs, int(self.slice_s() * 1000), engine.stop_r
-                )
-                self.news = self.news or bool(news)
-                STATS["steps"] += 1
-                if code == 0:
-                    return None
-                STATS["stopped"] += 1
-                return hand_back(self, states)
+                engine.claim(self.pairs)
+                claimed = True
+            # Without the lock: the rails' steps move their bytes at once, and a
+            # Python driver serves the other pairs meanwhile.
+            code, news, states = _stepio.exchange(
+                fds, self.sends, self.recvs, int(self.slice_s() * 1000), engine.stop_r
+            )
+            with engine.lock:
+                claimed = False
+                try:
+                    self.news = self.news or bool(news)
+                    STATS["steps"] += 1
+                    if code == 0:
+                        return None
+                    STATS["stopped"] += 1
+                    # Still claimed: no driver reads a stream before its state is back.
+                    return hand_back(self, states)
+                finally:
+                    engine.release(self.pairs)
         finally:
+            if claimed:  # the exchange raised
+                with engine.lock:
+                    engine.release(self.pairs)
             blocked.done = True
             for ledger in self.ledgers:
                 ledger.end_wait(blocked, finished=True)
@@ -258,6 +282,9 @@ def hand_back(
     for i, w in enumerate(got):
         if w is DONE:
             got[i] = finished(step.pairs[step.recvs[i][0]], step.news)
+    for pair in step.pairs:
+        if pair.error is not None:  # failed while the step ran: so are the works made here
+            pair.fail_locked(pair.error)
     return sent, got
 
 
@@ -277,7 +304,8 @@ def _half_sent(pair: SocketPair, step: Step, i: int, off: int) -> SocketWork:
     header = memoryview(HEADER.pack(tag, n, digest))
     bufs = [header[off:], payload] if off < _HDR else [payload[off - _HDR :]]
     work = SocketWork(pair, payload, sending=True)
-    pair._outq.append((bufs, work))
+    # First: its bytes are the stream's next, before anything queued during the step.
+    pair._outq.appendleft((bufs, work))
     return work
 
 

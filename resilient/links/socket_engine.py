@@ -44,6 +44,7 @@ class Pair(Protocol):
     fileno: int
     error: str | None
     engine: Engine
+    claimed: bool
 
     @property
     def parked(self) -> bool: ...
@@ -116,9 +117,12 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._rung = False
-        # A C step (resilient.links.native_steps) holds the lock for its whole step; a thread that
-        # needs it to fail a pair writes here first, which ends the step at once.
+        # C steps (resilient.links.native_steps) run without the lock on the pairs they
+        # claimed; a thread that needs such a pair (to fail or close it) writes here
+        # first, which ends every running step at once. The byte stays until no
+        # step runs: several steps (one per rail) may be watching it.
         self.stop_r, self._stop_w = os.pipe()
+        self._claims = 0
         os.set_blocking(self.stop_r, False)
         os.set_blocking(self._stop_w, False)
         # The process's engines live as long as it does; a test's die with it.
@@ -155,6 +159,41 @@ class Engine:
         which only hands its bytes to the Python path)."""
         with contextlib.suppress(OSError):  # full (steps are being stopped) or closed
             os.write(self._stop_w, b"x")
+
+    def claim(self, pairs: list[Pair]) -> None:
+        """Take ``pairs`` for a C step: the driver leaves their sockets alone until
+        :meth:`release` (holds the lock; the caller checked they are quiet)."""
+        if self._claims == 0:
+            self._drain_stop()  # a stop for steps that ended already
+        self._claims += 1
+        for pair in pairs:
+            pair.claimed = True
+
+    def release(self, pairs: list[Pair]) -> None:
+        """Give ``pairs`` back after their C step (holds the lock)."""
+        for pair in pairs:
+            pair.claimed = False
+        self._claims -= 1
+        if self._claims == 0:
+            self._drain_stop()
+        self.ring()  # anything posted on them meanwhile waits for the driver's poll
+        self._cond.notify_all()
+
+    def until_released(self, pair: Pair) -> None:
+        """Wait until no C step holds ``pair`` (holds the lock; the caller wrote
+        the stop byte, so the step ends within one poll)."""
+        while pair.claimed:
+            self._sleepers += 1
+            try:
+                self._cond.wait(0.05)
+            finally:
+                self._sleepers -= 1
+            if pair.claimed:
+                self.stop_c_step()
+
+    def _drain_stop(self) -> None:
+        with contextlib.suppress(OSError):  # empty (BlockingIOError) or closed
+            os.read(self.stop_r, 64)
 
     def handed_over(self) -> None:
         """Ops of sleeping threads may have completed (holds the lock)."""
@@ -206,7 +245,7 @@ class Engine:
         """Register every live pair's socket (and the wake-up pipe). Holds the lock."""
         watched = [(self._wake_r, select.POLLIN)]
         for fd, pair in self._pairs.items():
-            if pair.error is None:
+            if pair.error is None and not pair.claimed:
                 # A parked pair's socket stays readable: polled for input it would
                 # wake the driver at once, again and again. Hang-ups still show.
                 events = 0 if pair.parked else _IN
@@ -224,8 +263,8 @@ class Engine:
                 self._rung = False
                 continue
             pair = self._pairs.get(fd)
-            if pair is None or pair.error is not None:
-                continue
+            if pair is None or pair.error is not None or pair.claimed:
+                continue  # a C step took it since the poll began
             if events & select.POLLOUT:
                 pair.write_some()
             if events & _GONE:

@@ -73,6 +73,9 @@ class SocketPair:
         self.fileno = sock.fileno()
         self.engine = engine_ or engine("default")
         self.error: str | None = None
+        # A C step moves this socket's bytes now (resilient.links.native_steps): no
+        # other thread reads or writes it meanwhile; what they post waits in Python.
+        self.claimed = False
         # Sending: messages not fully written yet, in order.
         self._outq: collections.deque[tuple[list[memoryview], SocketWork]] = collections.deque()
         # Receiving: posted receives and stashed messages by tag.
@@ -118,7 +121,7 @@ class SocketPair:
                 work.error = self.error
                 return work
             self._outq.append((bufs, work))
-            if len(self._outq) == 1:
+            if len(self._outq) == 1 and not self.claimed:
                 self.write_some()
             if self._outq:
                 self.engine.ring()
@@ -162,7 +165,7 @@ class SocketPair:
             if self._parked:
                 self.unpark()
                 self.engine.ring()  # a driver polls the socket for input again
-            if first and not self.engine.driving:
+            if first and not self.engine.driving and not self.claimed:
                 self.read_some()
         return work
 
@@ -235,6 +238,9 @@ class SocketPair:
         """Close the connection; every pending op fails."""
         self.engine.stop_c_step()
         with self.engine.lock:
+            # A C step still on the socket would read or write a number the system
+            # may give to the next socket opened once this one is closed.
+            self.engine.until_released(self)
             with contextlib.suppress(OSError):  # already cut or reset
                 self._sock.shutdown(socket.SHUT_RDWR)
             self.fail_locked("socket pair closed")

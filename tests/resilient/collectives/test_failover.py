@@ -77,7 +77,14 @@ def test_a_rail_cut_mid_allreduce_fails_over_without_loss(
         4,
         rails=2,
         args=(n, 1, after),
-        config={"topology": topology, "single_rail_below_bytes": 0, "data_transport": transport},
+        # The cut is placed by a channel's message count: the Python path's (a C
+        # step's own cut is tests/resilient/links/test_native.py's).
+        config={
+            "topology": topology,
+            "single_rail_below_bytes": 0,
+            "data_transport": transport,
+            "native_io": False,
+        },
     )
     assert out[1]["fired"]
     for rank, res in enumerate(out):
@@ -110,7 +117,7 @@ def test_a_healthy_rail_with_no_share_is_still_the_backup() -> None:
         4,
         rails=2,
         args=(1 << 21,),
-        config={"topology": "ring", "single_rail_below_bytes": 0},
+        config={"topology": "ring", "single_rail_below_bytes": 0, "native_io": False},
     )
     assert out[1]["fired"]
     for rank, res in enumerate(out):
