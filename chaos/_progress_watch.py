@@ -17,12 +17,18 @@ from resilient.progress import progress_prefix
 logger = logging.getLogger(__name__)
 
 
+# One record's cumulative rail pass counts: (ts, incarnation, pid, c_passes, python_passes).
+PassSample = tuple[float, int, int, int, int]
+
+
 @dataclass(slots=True)
 class RankTrack:
-    """What one rank reported: samples ``(ts, step, incarnation)`` and its final record."""
+    """What one rank reported: samples ``(ts, step, incarnation)``, its final record,
+    and the records' rail pass counts where they carry them (``passes``)."""
 
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
+    passes: list[PassSample] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -80,7 +86,10 @@ class ProgressWatch:
 
     def snapshot(self) -> dict[int, RankTrack]:
         with self._lock:
-            return {r: RankTrack(list(t.samples), dict(t.last)) for r, t in self.ranks.items()}
+            return {
+                r: RankTrack(list(t.samples), dict(t.last), list(t.passes))
+                for r, t in self.ranks.items()
+            }
 
     def poll(self) -> None:
         try:
@@ -104,6 +113,9 @@ class ProgressWatch:
         track = self.ranks.setdefault(rank, RankTrack())
         if not track.samples or ts > track.samples[-1][0]:
             track.samples.append((ts, step, inc))
+            counts = _pass_counts(rec)
+            if counts is not None:
+                track.passes.append((ts, inc, *counts))
         track.last = rec
 
     def _run(self) -> None:
@@ -111,3 +123,11 @@ class ProgressWatch:
             start = time.monotonic()
             self.poll()
             self._halt.wait(max(0.0, self._interval - (time.monotonic() - start)))
+
+
+def _pass_counts(rec: dict[str, Any]) -> tuple[int, int, int] | None:
+    """A record's (pid, c_passes, python_passes), or None where it carries none."""
+    try:
+        return int(rec.get("pid", 0)), int(rec["c_passes"]), int(rec["python_passes"])
+    except (KeyError, ValueError, TypeError):
+        return None

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
+from chaos import _fast_path
 from chaos._progress_watch import RankTrack
 from chaos.scenario import Scenario
 
@@ -262,7 +263,22 @@ def _check(scenario: Scenario, facts: RunFacts, summary: dict[str, Any]) -> list
     if exp.params_close_fault_free is not None:
         rows.append(_close_row(exp.params_close_fault_free, facts, summary, left))
     rows.extend(_timing_rows(scenario, summary))
+    fast = summary["fast_path"]
+    passed, note = _fast_path.verdict(fast, exp.min_fast_path_share)
+    share = fast["outside_faults"]["share"]
+    rows.append(_row("min_fast_path_share", exp.min_fast_path_share, share, passed, note))
     return rows
+
+
+def _fault_windows(facts: RunFacts) -> list[tuple[float, float]]:
+    """Each fired fault's window in absolute time, from firing to :func:`_window_end`
+    (the end of the run where it has none)."""
+    out = []
+    for f in facts.faults:
+        if f.fired_s is not None:
+            end = _window_end(f, facts.faults)
+            out.append((facts.t0 + f.fired_s, facts.t0 + end if end is not None else float("inf")))
+    return out
 
 
 def _close_row(
@@ -360,6 +376,9 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
         "events": len(facts.events),
         "faults": faults,
         "straggler_confirmed_after_steps": _straggler_confirmed(facts),
+        "fast_path": _fast_path.fast_path(
+            facts.progress, _fault_windows(facts), rails=scenario.job.rails
+        ),
     }
     rows = _check(scenario, facts, summary)
     return {
@@ -378,6 +397,7 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
             "left_out": summary["left_out"],
         },
         "step_ms": summary["step_ms"],
+        "fast_path": summary["fast_path"],
         "params_sha256": summary["params_sha256"],
         "reference": facts.reference,
         "faults": faults,
@@ -433,6 +453,8 @@ def render(report: Mapping[str, Any]) -> str:
         f"ms/step before faults {_fmt(sm['before_ms'])}, during {_fmt(sm['during_ms'])}"
         f" (x{_fmt(sm['slowdown'])})"
     )
+    if fast := _fast_path.render_line(report.get("fast_path")):
+        lines.append(fast)
     lines.append("faults:")
     for f in report["faults"]:
         params = ", ".join(f"{k}={v}" for k, v in sorted(f["params"].items()))

@@ -104,6 +104,7 @@ _EXPECT_TYPES: dict[str, type] = {
     "max_detect_ms": float,
     "max_slowdown": float,
     "straggler_confirmed_within_steps": int,
+    "min_fast_path_share": float,
 }
 _JOB_TYPES: dict[str, type] = {
     "script": str,
@@ -174,6 +175,9 @@ class Expectations:
     max_detect_ms: float | None = None
     max_slowdown: float | None = None
     straggler_confirmed_within_steps: int | None = None
+    # Rail passes moved whole in C / all, outside every fault's window, summed over
+    # ranks: checked on 2+ rails where the C module is built; 0 only reports it.
+    min_fast_path_share: float = 0.9
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -298,6 +302,13 @@ def _parse_expect(source: str, raw: Any) -> Expectations:
     if tol is not None and not 0 < tol < 1:
         raise ScenarioError(
             source, "expect.params_close_fault_free", f"a relative tolerance in (0, 1), got {tol}"
+        )
+    share = values.get("min_fast_path_share")
+    if share is not None and not 0 <= share <= 1:
+        raise ScenarioError(
+            source,
+            "expect.min_fast_path_share",
+            f"a fraction in [0, 1] (0: report only), got {share}",
         )
     return Expectations(**values)
 

@@ -7,7 +7,11 @@ the latest record and a background thread writes it to
 newest record is written, so a slow etcd costs freshness, never training time;
 from the environment: ``RESILIENT_PROGRESS_INTERVAL_S``, 0.25 s by default).
 Records are JSON: ``rank, incarnation, pid, step, ts`` plus the caller's fields;
-the final one has ``"done": true``.
+the final one has ``"done": true``. Once the data plane is loaded in the process
+(``resilient.links.native_steps`` imported), every record also carries the rank's
+cumulative rail passes moved whole in C and by the Python path, ``c_passes`` and
+``python_passes``, and ``c_built`` (the C module is built): the chaos report's
+fast-path share (:func:`pass_counts`; torch is never imported for it).
 
 Without ``RESILIENT_ETCD`` (plain torchrun on gloo) :meth:`StepReporter.from_env`
 returns a reporter that does nothing, so scripts need no branches.
@@ -18,10 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from resilient.config import RankEnv
 from resilient.errors import ConfigError, MembershipError
@@ -29,9 +34,29 @@ from resilient.errors import ConfigError, MembershipError
 if TYPE_CHECKING:
     from membership.etcd_client import EtcdClient
 
-__all__ = ["StepReporter", "progress_prefix"]
+__all__ = ["StepReporter", "pass_counts", "progress_prefix"]
 
 logger = logging.getLogger(__name__)
+
+# Read from sys.modules, never imported here: it imports torch, and the CLI and
+# the chaos runner use this module without torch.
+_NATIVE_STEPS: Final = "resilient.links.native_steps"
+
+
+def pass_counts() -> dict[str, Any]:
+    """This process's rail passes so far, moved whole in C and by the Python path
+    (``resilient.links.native_steps.STATS``), and whether the C module is built;
+    empty where the data plane was never loaded (gloo, or no collective module)."""
+    module = sys.modules.get(_NATIVE_STEPS)
+    stats = getattr(module, "STATS", None)
+    available = getattr(module, "available", None)
+    if not isinstance(stats, dict) or available is None:
+        return {}  # not loaded, or still being imported by another thread
+    return {
+        "c_passes": int(stats.get("c_passes", 0)),
+        "python_passes": int(stats.get("python_passes", 0)),
+        "c_built": bool(available()),
+    }
 
 
 def progress_prefix(job: str) -> str:
@@ -96,7 +121,9 @@ class StepReporter:
         if self._client is None:
             return
         with self._lock:
-            self._last = {**self._stamp, **fields, "step": step, "ts": time.time()}
+            self._last = {
+                **self._stamp, **pass_counts(), **fields, "step": step, "ts": time.time()
+            }  # fmt: skip
             self._pending = self._last
         self._wake.set()
 
@@ -105,7 +132,10 @@ class StepReporter:
         if self._client is None or self._closed.is_set():
             return
         with self._lock:
-            self._pending = {**self._stamp, **self._last, **fields, "done": True, "ts": time.time()}
+            self._pending = {
+                **self._stamp, **self._last, **pass_counts(), **fields,
+                "done": True, "ts": time.time(),
+            }  # fmt: skip
         self.close(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -43,15 +43,18 @@ duration_s = 2.0
 
 
 def _track(ms_before: float, ms_during: float, *, fault_s: float, end_step: int) -> RankTrack:
-    """A rank that steps every ms_before until fault_s, then every ms_during until fault_s+2."""
+    """A rank that steps every ms_before until fault_s, then every ms_during until
+    fault_s+2; two rail passes per step, both moved in C."""
     samples, t, step = [], T0, 0
+    passes: list[tuple[float, int, int, int, int]] = []
     while step < end_step:
         in_fault = fault_s <= t - T0 < fault_s + 2.0
         t += (ms_during if in_fault else ms_before) / 1e3
         samples.append((t, step, 0))
+        passes.append((t, 0, 100, 2 * (step + 1), 0))
         step += 1
-    last = {"step": end_step - 1, "done": True, "params_sha256": "abc"}
-    return RankTrack(samples=samples, last=last)
+    last = {"step": end_step - 1, "done": True, "params_sha256": "abc", "c_built": True}
+    return RankTrack(samples=samples, last=last, passes=passes)
 
 
 def _facts(progress: dict[int, RankTrack], *, exit_code: int = 0, **kw: Any) -> RunFacts:
@@ -97,7 +100,11 @@ def test_a_failed_job_fails_completes_and_equality() -> None:
         _scenario("params_equal_across_ranks = true"), _facts(tracks, exit_code=1)
     )
     verdict = {r["name"]: r["passed"] for r in report["expectations"]}
-    assert verdict == {"completes": False, "params_equal_across_ranks": False}
+    assert verdict == {
+        "completes": False,
+        "params_equal_across_ranks": False,
+        "min_fast_path_share": True,  # every pass in C
+    }
 
 
 @pytest.mark.timeout(10)

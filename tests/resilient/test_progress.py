@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+import types
 
 import pytest
 
 from resilient.config import RankEnv
 from resilient.errors import ConfigError
-from resilient.progress import StepReporter
+from resilient.progress import StepReporter, pass_counts
 
 
 class _Client:
@@ -53,3 +55,26 @@ def test_the_interval_comes_from_the_environment() -> None:
     assert env.progress_interval_s == 0.02
     with pytest.raises(ConfigError):
         RankEnv.from_env({**base, "RESILIENT_PROGRESS_INTERVAL_S": "0"})
+
+
+@pytest.mark.timeout(20)
+def test_records_carry_the_rail_passes_once_the_data_plane_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not loaded (never imported here: it would import torch): no counts.
+    monkeypatch.delitem(sys.modules, "resilient.links.native_steps", raising=False)
+    assert pass_counts() == {}
+    stats = {"steps": 0, "stopped": 0, "c_passes": 5, "python_passes": 1}
+    fake = types.ModuleType("resilient.links.native_steps")
+    fake.STATS = stats  # type: ignore[attr-defined]
+    fake.available = lambda: True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "resilient.links.native_steps", fake)
+    client = _Client()
+    reporter = StepReporter(client, job="j", rank=0, min_interval_s=0.01)  # type: ignore[arg-type]
+    reporter.step(0)
+    time.sleep(0.1)
+    stats["c_passes"] += 4
+    reporter.finish(params_sha256="abc")
+    first, last = client.puts[0], client.puts[-1]
+    assert (first["c_passes"], first["python_passes"], first["c_built"]) == (5, 1, True)
+    assert (last["c_passes"], last["python_passes"], last["done"]) == (9, 1, True)
