@@ -133,6 +133,50 @@ def _last_line(tb: str) -> str:
     return (named or lines or [""])[-1]
 
 
+def known_skip(test: Any, world_size: int | None = None, backend: str | None = None) -> str:
+    """Why a test's ranks would skip here before they run anything ("" when they would
+    not): torch's ``skip_if_lt_x_gpu(x)`` and ``skip_if_no_gpu`` (GPUs missing),
+    ``skip_if_small_worldsize`` (fewer than 8 ranks) and ``skip_if_odd_worldsize``
+    decorators, read from the test's chain of wrappers. A spawned rank would only
+    import the suite and exit with that skip (tens of seconds a test on a loaded host);
+    the runner records it unspawned, with the decorator's message and " (not spawned)".
+    ``world_size`` and ``backend`` default to the WORLD_SIZE and BACKEND the ranks see."""
+    import torch
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.common_distributed import TEST_SKIPS
+
+    # HPU and XPU devices are counted by their own APIs: left to the ranks.
+    accelerators = common_utils.TEST_HPU or common_utils.TEST_XPU
+    devices = torch.cuda.device_count() if common_utils.TEST_CUDA else 0
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "2"))
+    if backend is None:
+        backend = os.environ.get("BACKEND", "")
+    fn = test
+    while fn is not None:
+        code = getattr(fn, "__code__", None)
+        qualname = getattr(code, "co_qualname", "")
+        cells = dict(zip(getattr(code, "co_freevars", ()), fn.__closure__ or (), strict=True))
+        needs = None
+        if qualname == "skip_if_lt_x_gpu.<locals>.decorator.<locals>.wrapper" and not accelerators:
+            x = cells["x"].cell_contents
+            allow_cpu = "allow_cpu" in cells and cells["allow_cpu"].cell_contents
+            if devices < x and not (allow_cpu and devices == 0):
+                needs = f"multi-gpu-{x}"
+        elif qualname == "skip_if_no_gpu.<locals>.wrapper" and not accelerators:
+            needs = "no_cuda" if devices == 0 else None
+            if devices and devices < world_size:
+                needs = f"multi-gpu-{world_size}"
+        elif qualname == "skip_if_small_worldsize.<locals>.wrapper":
+            needs = "small_worldsize" if backend != "mpi" and world_size < 8 else None
+        elif qualname == "skip_if_odd_worldsize.<locals>.wrapper":
+            needs = "odd_worldsize" if backend != "mpi" and world_size % 2 == 1 else None
+        if needs is not None:
+            return f"{TEST_SKIPS[needs].message} (not spawned)"
+        fn = getattr(fn, "__wrapped__", None)
+    return ""
+
+
 def _suite_class() -> type[unittest.TestCase]:
     """The spawn-based test class, as torch's test_distributed_spawn.py builds it."""
     from torch.testing._internal.distributed.distributed_test import (
@@ -142,7 +186,11 @@ def _suite_class() -> type[unittest.TestCase]:
 
     class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):  # type: ignore[misc,name-defined]
         def setUp(self) -> None:
-            super().setUp()
+            # Spawned ranks would only exit with this skip: say it without them.
+            known = known_skip(getattr(type(self), self._testMethodName))
+            if known:
+                self.skipTest(known)
+            super().setUp()  # type: ignore[no-untyped-call]
             self._spawn_processes()
 
     # Spawned ranks unpickle the class by its module and name: the module defines it
