@@ -230,7 +230,11 @@ def rank_main(rank: int, world: int, port: int, plan: Plan) -> dict[str, Any]:
         trainers = {n: Trainer(example, groups[n], plan, rank) for n in NAMES}
         before = dict(native_steps.STATS)
         times, cpu = train(trainers, groups["control"], plan)
-        c_steps = [native_steps.STATS[k] - before[k] for k in ("steps", "stopped")]
+        # C steps run and stopped; rail passes moved whole in C and by the Python path.
+        c_steps = [
+            native_steps.STATS[k] - before[k]
+            for k in ("steps", "stopped", "c_passes", "python_passes")
+        ]
         digests = {n: t.digest() for n, t in trainers.items()}
         diff = max(
             float((a.detach() - b.detach()).abs().max())
@@ -278,6 +282,7 @@ def summary_of(plan: Plan, results: list[dict[str, Any]], loads: list[str]) -> d
         "native_io": plan.native_io,
         # C mesh steps run on all ranks, and those that stopped and handed back.
         "c_steps": [sum(r["c_steps"][i] for r in results) for i in (0, 1)],
+        "rail_passes_c_python": [sum(r["c_steps"][i] for r in results) for i in (2, 3)],
         "resilient_step_ms": round(res, 2),
         "gloo_step_ms": round(gloo, 2),
         "overhead": round(res / gloo - 1, 4),
@@ -328,6 +333,9 @@ def combined(launches: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = round(statistics.median(s[key] for s in launches), 2)
     out["overhead"] = round(statistics.median(s["overhead"] for s in launches), 4)
     out["c_steps"] = [sum(s["c_steps"][i] for s in launches) for i in (0, 1)]
+    out["rail_passes_c_python"] = [
+        sum(s["rail_passes_c_python"][i] for s in launches) for i in (0, 1)
+    ]
     out["min_max_ms"] = {
         n: [
             min(s["min_max_ms"][n][0] for s in launches),

@@ -273,6 +273,12 @@ class RingEngine:
             return
         whole = [Span(0, flat.numel())]
         pieces = rail_pieces(whole, self._weights_for(flat))
+        # Built here, in one order on every rank: built by the rail threads as they
+        # come, two ranks could each wait in a rendezvous the other is not in yet
+        # (seen: a first call that is a broadcast on two rails hung to its deadline).
+        self.links.ensure(
+            (peer, rail) for rail in range(self.num_rails) for peer in (self.left, self.right)
+        )
         route = self.route()
 
         def run(rail: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from resilient.collectives.chain_native import ChainHandback, chain_in_c
 from resilient.collectives.failover import Rx, Tx
 from resilient.collectives.reduce_ops import REDUCERS, Reduce
 from resilient.collectives.ring_native import Handback, Scratch, ring_in_c
@@ -124,11 +125,21 @@ def chain(
     """One rail's part of a broadcast from the rank at ring position ``root_pos``:
     receive each sub-chunk of the rail's piece from the left, pass it on to the
     right (the chain ends left of the root)."""
-    native_steps.count_pass(in_c=False)
     pos = (ring.pos - root_pos) % ring.world
+    moved = chain_in_c(ring, flat, subs, rail, pos, route)
+    native_steps.count_pass(in_c=moved is True)
+    if moved is True:
+        return
+    back = moved if isinstance(moved, ChainHandback) else None
     elem = flat.element_size()
-    tx = Tx(route, ring.right, rail) if pos < ring.world - 1 else None
-    rx = Rx(route, ring.left, rail) if pos > 0 else None
+    acks = back.acks if back is not None else (None, None)
+    tx = Tx(route, ring.right, rail, ack=acks[0]) if pos < ring.world - 1 else None
+    rx = Rx(route, ring.left, rail, ack=acks[1]) if pos > 0 else None
+    if back is not None:  # what the stopped C step moved of each message
+        if tx is not None:
+            tx.ahead.extend(back.sent)
+        if rx is not None:
+            rx.ahead.extend(back.got)
     sends: list[tuple[int, int]] = []
     recvs = [
         (rx.post(flat[s.start : s.stop], j) if rx else None, j, s)

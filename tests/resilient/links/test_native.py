@@ -193,6 +193,28 @@ def test_another_frame_stops_the_step_and_reaches_the_python_reader(ends: Any) -
     assert bytes(early.numpy()) == b"early" and bytes(into.numpy()) == b"wanted"
 
 
+def test_a_hello_of_a_call_that_fell_back_is_skipped_one_of_this_call_stops_the_step(
+    ends: Any,
+) -> None:
+    pair, far = ends
+    # A header-only hello (digest FALLBACK, -1) of an earlier call, then the data.
+    far.sendall(_frame(7 << 32, -1, b"") + _frame(5, 0, b"wanted"))
+    into = torch.zeros(6, dtype=torch.uint8)
+    step = _step(pair)
+    _recv(step, 5, 0, into)
+    assert step.run() is None
+    assert bytes(into.numpy()) == b"wanted"
+    # Under the tag the step waits on it is this call's: the step stops, and the
+    # Python reader meets it (its digest fails the receive there, as refused).
+    far.sendall(_frame(5, -1, b""))
+    step = _step(pair)
+    _recv(step, 5, 0x1234, into)
+    stopped = step.run()
+    assert stopped is not None and stopped[1] == [None]
+    with pytest.raises(DigestMismatch):
+        pair.recv([into], 0, 5, 0x1234).wait(WAIT)
+
+
 def test_a_message_of_another_call_fails_its_receive_as_refused(ends: Any) -> None:
     pair, far = ends
     far.sendall(_frame(5, 0x1111, b"z" * (64 << 10)))
@@ -317,6 +339,43 @@ def test_fsdp_collectives_run_in_c_steps_on_two_rails_and_finish_when_handed_bac
     # passes finish on the Python path (seen once in a few runs beside a 4-rank job).
     assert all(c > 0 for _, c, _, _ in on), on
     assert sum(py for _, _, py, _ in on) * 4 <= sum(c for _, c, _, _ in on), on
+    assert sum(stopped for *_, stopped in stopping) > 0
+
+
+def _broadcast_many(
+    pg: Any, rank: int, world: int, slice_s: float = -1.0
+) -> tuple[bool, int, int, int]:
+    """Broadcasts from every root, checked here; rail passes in C and in Python."""
+    if slice_s >= 0:
+        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
+        native_steps.HEALTHY_BYTES_PER_S = float("inf")
+    before = dict(native_steps.STATS)
+    ok = True
+    for root in range(world):
+        for numel in (1 << 20, 777):
+            want = torch.randn(numel, generator=torch.Generator().manual_seed(root + numel))
+            t = want.clone() if rank == root else torch.zeros(numel)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root
+            pg.broadcast([t], opts).wait()
+            ok = ok and torch.equal(t, want)
+    return (
+        ok,
+        native_steps.STATS["c_passes"] - before["c_passes"],
+        native_steps.STATS["python_passes"] - before["python_passes"],
+        native_steps.STATS["stopped"] - before["stopped"],
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_broadcast_chain_runs_in_c_steps_and_finishes_when_handed_back() -> None:
+    on = run_world(_broadcast_many, 4, rails=2)
+    off = run_world(_broadcast_many, 4, rails=2, config={"native_io": False})
+    stopping = run_world(_broadcast_many, 4, rails=2, args=(0.002,))
+    assert all(ok for ok, *_ in on + off + stopping)
+    assert all(c > 0 for _, c, _, _ in on), on
+    assert sum(py for _, _, py, _ in on) * 4 <= sum(c for _, c, _, _ in on), on
+    assert all(c == 0 for _, c, _, _ in off), off
     assert sum(stopped for *_, stopped in stopping) > 0
 
 
