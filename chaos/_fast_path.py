@@ -9,9 +9,10 @@ them. A process's first record counts from the job's start when it is the
 track's first, else from the track's previous record (another process's: a
 replacement), so its warm-up never counts outside a fault that it followed.
 
-The scenario's ``expect.min_fast_path_share`` (default 0.9) bounds the share outside
-the fault windows, summed over ranks, where the job runs on 2+ rails and the C
-module is built; 0 only reports it.
+The scenario's ``expect.min_fast_path_share`` bounds the share outside the fault
+windows, summed over ranks, where the job runs on 2+ rails and the C module is
+built; 0, the default, only reports it (the straggler-aware schedule, which a
+degraded NIC or a loaded host brings on, still runs in Python).
 """
 
 from __future__ import annotations

@@ -177,7 +177,8 @@ class Expectations:
     straggler_confirmed_within_steps: int | None = None
     # Rail passes moved whole in C / all, outside every fault's window, summed over
     # ranks: checked on 2+ rails where the C module is built; 0 only reports it.
-    min_fast_path_share: float = 0.9
+    # 0: report only (the default while the straggler-aware schedule is Python's).
+    min_fast_path_share: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,7 +15,7 @@ T0 = 1_000.0
 INF = float("inf")
 
 
-def _scenario(expect: str = "", *, rails: int = 2) -> Any:
+def _scenario(expect: str = "min_fast_path_share = 0.9", *, rails: int = 2) -> Any:
     return parse(
         f"""
 [job]
@@ -172,6 +172,9 @@ def test_no_pass_counts_fail_on_two_rails_with_a_reason() -> None:
 
 @pytest.mark.timeout(10)
 def test_the_bound_is_a_fraction() -> None:
+    # Report only unless a scenario sets a bound (the straggler-aware schedule
+    # still runs in Python: a loaded host's 2-rail run stays below 0.9).
+    assert _scenario("").expect.min_fast_path_share == 0.0
     assert _scenario().expect.min_fast_path_share == 0.9
     assert _scenario("min_fast_path_share = 1").expect.min_fast_path_share == 1.0
     for bad, why in (("1.5", "a fraction in [0, 1]"), ("-0.1", "a fraction"), ('"x"', "float")):
