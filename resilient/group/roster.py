@@ -5,7 +5,8 @@ so ranks that make their subgroups in different orders give one name to differen
 rank sets, and their links would meet the wrong peers under one store prefix. Each
 member therefore claims its group rank in the group's store (first claim wins) and
 reads every member's claim: any disagreement is a :class:`CollectiveMismatch` on
-every member, within the connect timeout, before a link exists.
+every member, within the connect timeout, before a link exists. A group of one
+claims nothing: it has no link to misdirect.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def agree_roster(store: Store, rank: int, job_ranks: Sequence[int], timeout_s: f
             made the group with other ranks (names both sides).
         StoreTimeout: a member did not claim its rank within ``timeout_s``.
     """
+    if len(job_ranks) == 1:
+        # A group of one has no peer to meet: no link, no store key. Ranks that make
+        # groups in disjoint parts of the job at once (torch's new_subgroups(group=)
+        # with group_size=1) give one counter name to different one-rank groups.
+        return
     mine = _claim(rank, job_ranks)
     held = store.compare_set(_PREFIX + str(rank), "", mine).decode()
     if held != mine:
