@@ -10,9 +10,10 @@ A message is cut across the rails by the engine's agreed weights when it is larg
 (``single_rail_below_bytes`` and up, as the engine's other schedules), else it
 takes the heaviest rail; both ends cut it alike, from its size and the weights.
 
-* One rail with quiet socket links: one C step (:mod:`resilient.links.native_steps`)
-  moves every frame without the GIL. A step that stops hands its streams back and
-  the failover channels finish from there, as the mesh does
+* Quiet socket links: one C step (:mod:`resilient.links.native_steps`) moves every
+  frame of every rail without the GIL (on 2+ rails with the acknowledgements,
+  :mod:`resilient.collectives.native_acks`). A step that stops hands its streams
+  back and the failover channels finish from there, as the mesh does
   (:mod:`resilient.collectives.mesh_native`).
 * Otherwise: a :class:`~resilient.collectives.failover.Tx` / ``Rx`` per (peer, rail)
   with bytes to move, every receive posted before any send, on this one thread
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
 from resilient.collectives.digest_check import NotElided
 from resilient.collectives.engine import RingEngine
 from resilient.collectives.failover import Rx, Tx
+from resilient.collectives.native_acks import StepAcks, acked
 from resilient.collectives.ring_plan import Span, rail_sizes
 from resilient.collectives.route import Route
 from resilient.links import native_steps
@@ -174,6 +176,16 @@ def _check_elidable(engine: RingEngine, send: torch.Tensor, peers: Sequence[int]
     raise NotElided(f"rank {engine.rank}: this all_to_all does not run elided")
 
 
+class _Handback(NamedTuple):
+    """What a stopped C step leaves the channels, by (peer, rail): what it did of
+    each message (see Rx.ahead) and of each acknowledgement (native_acks)."""
+
+    tx: dict[tuple[int, int], list[object]]
+    rx: dict[tuple[int, int], list[object]]
+    tx_acks: dict[tuple[int, int], Any]
+    rx_acks: dict[tuple[int, int], Any]
+
+
 def _exchange(
     engine: RingEngine,
     route: Route,
@@ -187,24 +199,92 @@ def _exchange(
 ) -> None:
     """Move the pieces: one C step when it can, else (or from where it stopped)
     the failover channels."""
-    ahead: tuple[dict[int, list[object]], dict[int, list[object]]] | None = None
-    if engine.num_rails == 1 and send.device.type == "cpu":
-        links = native_steps.quiet_links(engine.links, peers, 0)
-        if links is not None:
-            step = _step(links, route, peers, send, recv, sends, recvs, gated=gated)
-            began = time.monotonic()
-            stopped = step.run()
-            if gated:  # the step's wait for its peers counts as the gate's (as the mesh's)
-                engine.gate_waited_s += time.monotonic() - began
-                engine.gate_news = engine.gate_news or step.news
-            if stopped is None:
-                return
-            ahead = _ahead(peers, step, stopped)
-    _on_channels(engine, route, peers, send, recv, sends, recvs, ahead, gated=gated)
+    back = None
+    if send.device.type == "cpu":
+        moved = _in_c(engine, route, peers, send, recv, sends, recvs, gated=gated)
+        if moved is True:
+            native_steps.count_pass(in_c=True)
+            return
+        back = moved or None
+    native_steps.count_pass(in_c=False)
+    _on_channels(engine, route, peers, send, recv, sends, recvs, back, gated=gated)
+
+
+def _in_c(
+    engine: RingEngine,
+    route: Route,
+    peers: Sequence[int],
+    send: torch.Tensor,
+    recv: torch.Tensor,
+    sends: Sequence[_Piece],
+    recvs: Sequence[_Piece],
+    *,
+    gated: bool,
+) -> bool | _Handback:
+    """The exchange as one C step over every rail it uses. True: it ran whole;
+    False: some link is not quiet, nothing moved; else what the channels finish."""
+    rails = sorted({r for _, r, _ in (*sends, *recvs)} | ({0} if gated else set()))
+    links: list[Link] = []
+    for rail in rails:
+        quiet = native_steps.quiet_links(engine.links, peers, rail)
+        if quiet is None:
+            return False
+        links.extend(quiet)
+    at = {(link.peer, link.rail): i for i, link in enumerate(links)}
+    step = _step(links, at, route, peers, send, recv, sends, recvs, gated=gated)
+    acks = [_acks(step, route, rail, at, links, sends, recvs) for rail in rails] if acked(
+        route
+    ) else []  # fmt: skip
+    began = time.monotonic()
+    stopped = step.run()
+    if gated:  # the step's wait for its peers counts as the gate's (as the mesh's)
+        engine.gate_waited_s += time.monotonic() - began
+        engine.gate_news = engine.gate_news or step.news
+    if stopped is None:
+        for one in acks:
+            one.ran_whole()
+        return True
+    sent, got = stopped
+    tx_acks: dict[tuple[int, int], Any] = {}
+    rx_acks: dict[tuple[int, int], Any] = {}
+    # No acknowledgements on one rail; on several, the last rail's come last.
+    for rail, one in reversed(list(zip(rails, acks, strict=False))):
+        sent, got, tx, rx = one.split(sent, got)
+        tx_acks.update({(p, rail): w for p, w in tx.items()})
+        rx_acks.update({(p, rail): w for p, w in rx.items()})
+    ahead_tx: dict[tuple[int, int], list[object]] = {}
+    ahead_rx: dict[tuple[int, int], list[object]] = {}
+    for out, w in zip(step.sends[: len(sent)], sent, strict=True):
+        ahead_tx.setdefault((links[out[0]].peer, links[out[0]].rail), []).append(w)
+    for into, w in zip(step.recvs[: len(got)], got, strict=True):
+        ahead_rx.setdefault((links[into[0]].peer, links[into[0]].rail), []).append(w)
+    return _Handback(ahead_tx, ahead_rx, tx_acks, rx_acks)
+
+
+def _acks(
+    step: native_steps.Step,
+    route: Route,
+    rail: int,
+    at: dict[tuple[int, int], int],
+    links: Sequence[Link],
+    sends: Sequence[_Piece],
+    recvs: Sequence[_Piece],
+) -> StepAcks:
+    """The acknowledgements of ``rail``'s channels: one per peer we receive from
+    there (sent), one per peer we send to there (received)."""
+    acks = StepAcks(route, rail, len(links))
+    for peer in dict.fromkeys(p for p, r, _ in recvs if r == rail):
+        i = at[(peer, rail)]
+        acks.give(step, i, peer, links[i])
+    for peer in dict.fromkeys(p for p, r, _ in sends if r == rail):
+        i = at[(peer, rail)]
+        acks.expect(step, i, peer, links[i])
+    return acks
 
 
 def _step(
     links: Sequence[Link],
+    at: dict[tuple[int, int], int],
     route: Route,
     peers: Sequence[int],
     send: torch.Tensor,
@@ -214,46 +294,34 @@ def _step(
     *,
     gated: bool,
 ) -> native_steps.Step:
-    """The whole exchange as one C step, posted (not run). ``gated``: each peer's
-    gate frame first, the gate receives chained one after the other and every data
-    receive after the last, so no data is read before every gate passed."""
-    pairs = [link.pg for link in links]
+    """The whole exchange as one C step, posted (not run); ``at``: the index of the
+    link of each (peer, rail). ``gated`` (one rail): each peer's gate frame first,
+    the gate receives chained one after the other and every data receive after the
+    last, so no data is read before every gate passed."""
     ledgers = [link.ledger for link in links]
-    at = {p: i for i, p in enumerate(peers)}
-    step = native_steps.Step(pairs, ledgers)
+    step = native_steps.Step([link.pg for link in links], ledgers)
     sview, sbase = bytes_of(send), send.data_ptr()
     rview, rbase = bytes_of(recv), recv.data_ptr()
     last = -1
     if gated:
-        for i in range(len(peers)):
+        for p in peers:
+            i = at[(p, 0)]
             tag = ledgers[i].tag(_GATE + route.base)
             last = step.recv(i, tag, route.digest, rview, rbase, 0, 0, after_recv=last)
-    for peer, _, span in recvs:
-        i = at[peer]
+    for peer, rail, span in recvs:
+        i = at[(peer, rail)]
         tag = ledgers[i].tag(_TAG + route.base)
         step.recv(i, tag, route.digest, rview, rbase, span.start, span.size, after_recv=last)
     if gated:
-        for i in range(len(peers)):
+        for p in peers:
+            i = at[(p, 0)]
             tag = ledgers[i].tag(_GATE + route.base)
             step.send(i, tag, route.sent_digest, sview, sbase, 0, 0)
-    for peer, _, span in sends:
-        i = at[peer]
+    for peer, rail, span in sends:
+        i = at[(peer, rail)]
         tag = ledgers[i].tag(_TAG + route.base)
         step.send(i, tag, route.sent_digest, sview, sbase, span.start, span.size)
     return step
-
-
-def _ahead(
-    peers: Sequence[int], step: native_steps.Step, stopped: tuple[list[object], list[object]]
-) -> tuple[dict[int, list[object]], dict[int, list[object]]]:
-    """Per peer, what the stopped C step did of its send and its receive."""
-    tx: dict[int, list[object]] = {p: [] for p in peers}
-    rx: dict[int, list[object]] = {p: [] for p in peers}
-    for out, w in zip(step.sends, stopped[0], strict=True):
-        tx[peers[out[0]]].append(w)
-    for got, w in zip(step.recvs, stopped[1], strict=True):
-        rx[peers[got[0]]].append(w)
-    return tx, rx
 
 
 def _on_channels(
@@ -264,13 +332,13 @@ def _on_channels(
     recv: torch.Tensor,
     sends: Sequence[_Piece],
     recvs: Sequence[_Piece],
-    ahead: tuple[dict[int, list[object]], dict[int, list[object]]] | None,
+    back: _Handback | None,
     *,
     gated: bool,
 ) -> None:
     """The exchange on failover channels, one per (peer, rail) with a piece
-    (``ahead``: what a stopped C step moved, on rail 0); ``gated``: every peer's
-    gate frame first (rail 0), and no data receive posted before all came.
+    (``back``: what a stopped C step moved); ``gated``: every peer's gate frame
+    first (rail 0), and no data receive posted before all came.
 
     Raises:
         DigestMismatch: a peer's gate frame refuses the call (the channels let go).
@@ -285,9 +353,11 @@ def _on_channels(
     def channel(kind: type[_C], of: dict[tuple[int, int], _C], peer: int, rail: int) -> _C:
         one = of.get((peer, rail))
         if one is None:
-            one = of[(peer, rail)] = kind(route, peer, rail)
-            if ahead is not None:
-                one.ahead.extend(ahead[0 if kind is Tx else 1].get(peer, ()))
+            tx = kind is Tx
+            ack = None if back is None else (back.tx_acks if tx else back.rx_acks).get((peer, rail))
+            one = of[(peer, rail)] = kind(route, peer, rail, ack=ack)
+            if back is not None:
+                one.ahead.extend((back.tx if tx else back.rx).get((peer, rail), ()))
         return one
 
     rxs: list[tuple[Rx, int, int]] = []

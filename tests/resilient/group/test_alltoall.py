@@ -86,24 +86,39 @@ def test_all_to_all_with_checks_off() -> None:
     assert results == [len(DTYPES)] * 3
 
 
-def _rail1_sends(pg: Any) -> int:
-    return sum(c[2] for c in pg.links.counters() if c[1] == 1)
+def _rail1_bytes(pg: Any) -> int:
+    """Bytes the kernel saw acknowledged on this rank's rail-1 links (C steps move
+    them past the links' op counters)."""
+    return sum(
+        (link.sent() or (0,))[0] for (_, rail), link in pg.links.links().items() if rail == 1
+    )
 
 
-def _two_rails(pg: Any, rank: int, world: int) -> int:
+def _two_rails(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tuple[int, int, int]:
+    from resilient.links import native_steps
+
+    if slice_s >= 0:  # C steps with no time to wait: they stop part-way
+        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
+        native_steps.HEALTHY_BYTES_PER_S = float("inf")
     pg.barrier().wait()  # builds the links: the count below is the exchanges' own
-    before = _rail1_sends(pg)
+    before, stats = _rail1_bytes(pg), dict(native_steps.STATS)
     # 2 MiB per message: above single_rail_below_bytes, so cut across both rails.
-    _single(pg, rank, world, torch.float32, lambda i, j: (2 << 20) // (4 * COLS))
-    _single(pg, rank, world, torch.int64, lambda i, j: _uneven(i, j, world) * 30_000)
-    return _rail1_sends(pg) - before
+    for _ in range(3):
+        _single(pg, rank, world, torch.float32, lambda i, j: (2 << 20) // (4 * COLS))
+        _single(pg, rank, world, torch.int64, lambda i, j: _uneven(i, j, world) * 30_000)
+    moved = {k: native_steps.STATS[k] - stats[k] for k in ("c_passes", "stopped")}
+    return _rail1_bytes(pg) - before, moved["c_passes"], moved["stopped"]
 
 
-@pytest.mark.timeout(240)
-def test_all_to_all_single_on_two_rails() -> None:
-    sent = run_world(_two_rails, 3, rails=2, timeout_s=200.0)
-    # Every rank sent a piece of each large message to each peer on rail 1.
-    assert all(n >= 2 for n in sent), sent
+@pytest.mark.timeout(300)
+def test_all_to_all_single_on_two_rails_in_c_steps_on_channels_and_handed_back() -> None:
+    on = run_world(_two_rails, 3, rails=2, timeout_s=200.0)
+    off = run_world(_two_rails, 3, rails=2, timeout_s=200.0, config={"native_io": False})
+    stopping = run_world(_two_rails, 3, rails=2, args=(0.002,), timeout_s=200.0)
+    # Every rank sent about half of 6 x 2 MiB to its peers on rail 1, however moved.
+    assert all(n >= 4 << 20 for n, _, _ in on + off + stopping), (on, off, stopping)
+    assert all(c > 0 for _, c, _ in on) and all(c == 0 for _, c, _ in off)
+    assert sum(stopped for *_, stopped in stopping) > 0
 
 
 def _bad_splits(pg: Any, rank: int, world: int) -> list[str]:
