@@ -24,7 +24,14 @@ from resilient.group.roster import agree_roster
 from resilient.links.rails import resolve_rails
 from resilient.process_group import ResilientProcessGroup
 
-__all__ = ["BACKEND_NAME", "create_backend", "create_group", "init", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "create_backend",
+    "create_group",
+    "init",
+    "register",
+    "warn_if_no_fast_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,8 @@ def create_backend(
     """
     env = RankEnv.from_env(rank=rank, world_size=world_size)
     config = DataPlaneConfig.from_env()
+    if job_ranks is None:
+        warn_if_no_fast_path(rank, config)
     if job_ranks is not None:
         return _subgroup(env, store, config, tuple(job_ranks), timeout)
     if env.fault_control:
@@ -128,6 +137,23 @@ def create_backend(
         env.job,
     )
     return pg
+
+
+def warn_if_no_fast_path(rank: int, config: DataPlaneConfig) -> bool:
+    """Say so, loudly, when the C steps are on but not built (the install found no
+    C compiler): every schedule then moves its bytes in Python, slower by several
+    tens of percent on two rails (docs/BENCHMARKS.md). True if it warned."""
+    from resilient.links import native_steps
+
+    if not config.native_io or native_steps.available():
+        return False
+    logger.warning(
+        "rank %d (epoch 0, step 0): the C fast path is OFF: resilient.links._stepio was not "
+        "built (no C compiler at install?); every collective moves its bytes in Python, "
+        "slower. Reinstall with a C compiler, or set RESILIENT_NATIVE_IO=0 to silence this",
+        rank,
+    )
+    return True
 
 
 def _subgroup(
