@@ -76,6 +76,19 @@ def run_world(
     return out
 
 
+def stop_c_steps_early(rank: int, slice_s: float) -> None:
+    """C steps with no time to wait (``slice_s`` < 0: leave them as they are), so
+    they stop part-way and the channels finish from wherever each stream was: even
+    ranks stop after one try at each socket; odd ranks wait ``slice_s``, so their
+    first steps often finish and their second ones stop."""
+    if slice_s < 0:
+        return
+    from resilient.links import native_steps
+
+    native_steps.SLICE_S = slice_s if rank % 2 else 0.0
+    native_steps.HEALTHY_BYTES_PER_S = float("inf")
+
+
 def reduce_opts(op: Any) -> Any:
     """``AllreduceOptions`` with ``reduceOp`` set (what a process group's call takes)."""
     import torch.distributed as dist

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from resilient.errors import CollectiveMismatch
-from tests._dist import run_dist, run_world
+from tests._dist import run_dist, run_world, stop_c_steps_early
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 COLS = 3
@@ -97,9 +97,7 @@ def _rail1_bytes(pg: Any) -> int:
 def _two_rails(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tuple[int, int, int]:
     from resilient.links import native_steps
 
-    if slice_s >= 0:  # C steps with no time to wait: they stop part-way
-        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
-        native_steps.HEALTHY_BYTES_PER_S = float("inf")
+    stop_c_steps_early(rank, slice_s)
     pg.barrier().wait()  # builds the links: the count below is the exchanges' own
     before, stats = _rail1_bytes(pg), dict(native_steps.STATS)
     # 2 MiB per message: above single_rail_below_bytes, so cut across both rails.

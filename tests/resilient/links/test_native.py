@@ -23,7 +23,7 @@ from resilient.links.socket_engine import Engine, SocketWork
 from resilient.links.socket_frames import HEADER as _HEADER
 from resilient.links.socket_frames import DigestMismatch
 from resilient.links.socket_pair import SocketPair
-from tests._dist import run_world
+from tests._dist import run_world, stop_c_steps_early
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -253,11 +253,7 @@ def test_a_given_up_epoch_keeps_the_step_out(ends: Any) -> None:
 
 
 def _allreduce_many(pg: Any, rank: int, world: int, slice_s: float = -1.0) -> tuple[str, int, int]:
-    if slice_s >= 0:
-        # 0 (even ranks): a step stops after one try at each socket; odd ranks wait a
-        # little, so their first steps often finish and their second ones stop.
-        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
-        native_steps.HEALTHY_BYTES_PER_S = float("inf")
+    stop_c_steps_early(rank, slice_s)
     digest = hashlib.sha256()
     before = dict(native_steps.STATS)
     for i, numel in enumerate([1 << 20, 3 << 16, 12345, 1 << 20]):
@@ -297,14 +293,22 @@ def test_all_reduce_is_bitwise_the_same_with_c_steps_without_and_handed_back(
     assert sum(stopped for _, _, stopped in stopping) > 0
 
 
+def _passes_since(before: dict[str, int]) -> tuple[int, int, int]:
+    """Rail passes in C, in Python, and C steps stopped, since ``before`` (STATS)."""
+    now = native_steps.STATS
+    return (
+        now["c_passes"] - before["c_passes"],
+        now["python_passes"] - before["python_passes"],
+        now["stopped"] - before["stopped"],
+    )
+
+
 def _gather_and_scatter(
     pg: Any, rank: int, world: int, slice_s: float = -1.0
 ) -> tuple[bool, int, int, int]:
     """FSDP2's two collectives (all_gather_into_tensor, reduce_scatter_tensor)
     against results computed here; how many rail passes went in C and in Python."""
-    if slice_s >= 0:
-        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
-        native_steps.HEALTHY_BYTES_PER_S = float("inf")
+    stop_c_steps_early(rank, slice_s)
     before = dict(native_steps.STATS)
     ok = True
     for numel in (1 << 18, 12345, 1 << 20):
@@ -320,12 +324,7 @@ def _gather_and_scatter(
         pg._reduce_scatter_base(part, full, opts).wait()
         want = (torch.arange(rank * numel, (rank + 1) * numel) % 1024).float() * 10
         ok = ok and torch.equal(part, want)
-    return (
-        ok,
-        native_steps.STATS["c_passes"] - before["c_passes"],
-        native_steps.STATS["python_passes"] - before["python_passes"],
-        native_steps.STATS["stopped"] - before["stopped"],
-    )
+    return (ok, *_passes_since(before))
 
 
 @pytest.mark.timeout(240)
@@ -346,9 +345,7 @@ def _broadcast_many(
     pg: Any, rank: int, world: int, slice_s: float = -1.0
 ) -> tuple[bool, int, int, int]:
     """Broadcasts from every root, checked here; rail passes in C and in Python."""
-    if slice_s >= 0:
-        native_steps.SLICE_S = slice_s if rank % 2 else 0.0
-        native_steps.HEALTHY_BYTES_PER_S = float("inf")
+    stop_c_steps_early(rank, slice_s)
     before = dict(native_steps.STATS)
     ok = True
     for root in range(world):
@@ -359,12 +356,7 @@ def _broadcast_many(
             opts.rootRank = root
             pg.broadcast([t], opts).wait()
             ok = ok and torch.equal(t, want)
-    return (
-        ok,
-        native_steps.STATS["c_passes"] - before["c_passes"],
-        native_steps.STATS["python_passes"] - before["python_passes"],
-        native_steps.STATS["stopped"] - before["stopped"],
-    )
+    return (ok, *_passes_since(before))
 
 
 @pytest.mark.timeout(240)
