@@ -57,7 +57,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch.futures import Future
@@ -65,6 +65,7 @@ from torch.futures import Future
 from resilient.collectives.signature import SUPPORTED_DTYPES
 from resilient.group.epoch_control import EpochControl
 from resilient.group.p2p_channel import Channel
+from resilient.group.p2p_late_wakes import LateWakes
 from resilient.group.p2p_wire import AnyRecv, Message
 from resilient.group.work import ResilientWork
 
@@ -97,6 +98,18 @@ class _P2PWork(ResilientWork):
             self._chan.wait_for(self._msg, time.monotonic() + secs if secs > 0 else None)
         return super().wait(timeout)
 
+    # A caller that polls, or waits on the future, does not drive the channel: its
+    # pump must not sleep through the grace of a deferred wake-up (p2p_late_wakes).
+    def is_completed(self) -> bool:
+        done = super().is_completed()
+        if not done:
+            self._chan.kick()
+        return done
+
+    def get_future(self) -> Future[Any]:
+        self._chan.kick()
+        return super().get_future()
+
 
 class _AnyWork(ResilientWork):
     """A receive from any source's work: ``_source_rank()`` names the sender (torch's
@@ -121,6 +134,7 @@ class PointToPoint:
         self._epoch = epochs.epoch
         self._lock = threading.Lock()
         self._closed = False
+        self._late_wakes = LateWakes()
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int) -> ResilientWork:
         """Send ``tensors[0]`` to rank ``dst``.
@@ -227,7 +241,7 @@ class PointToPoint:
             if chan is None:
                 chan = self._channels[peer] = Channel(
                     rank=self._rank, peer_rank=peer, pos=ep.pos, peer=pos, rails=ep.rails,
-                    store=ep.store, config=ep.config, epoch=ep.epoch,
+                    store=ep.store, config=ep.config, epoch=ep.epoch, late_wakes=self._late_wakes,
                 )  # fmt: skip
         for old in stale:  # its links rendezvoused under the last epoch's numbering
             old.close()
@@ -240,3 +254,4 @@ class PointToPoint:
             channels, self._channels = list(self._channels.values()), {}
         for chan in channels:
             chan.close()
+        self._late_wakes.close()

@@ -46,7 +46,10 @@ go on without waiting (a send whose READY is there is written and complete befor
 channel (the pump) builds the link and waits for the rest, on all of the
 channel's ops at once (sends waiting for READYs of any tags, in any order;
 receives for their bytes; large writes). Both post and advance in issue order
-under the channel's lock, so messages of one tag meet in issue order.
+under the channel's lock, so messages of one tag meet in issue order. A sleeping
+pump is not woken for an op issued on a built link: its issuer almost always waits
+for it, and moves it then; :mod:`resilient.group.p2p_late_wakes` wakes the pump
+when nobody did within a couple of milliseconds.
 
 Every op has the link's deadline from the moment it waits for the peer
 (``op_timeout_floor_s`` plus the bytes at ``expected_link_bytes_per_s``); a missed
@@ -69,6 +72,7 @@ from torch._C._distributed_c10d import Store
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 from resilient.group.handoff import WakePipe
+from resilient.group.p2p_late_wakes import LateWakes
 from resilient.group.p2p_steps import Steps, _Op, _Settled
 from resilient.group.p2p_wire import EMPTY, AnyRecv, Message
 from resilient.links.socket_engine import Engine, SocketWork
@@ -81,6 +85,8 @@ logger = logging.getLogger(__name__)
 _JOIN_S: Final = 5.0
 _QUIET_S: Final = 0.05  # after this long without an op ending, check the link (_ready_link)
 _PARK_S: Final = 30.0  # how long one engine wait lasts when no op has a deadline
+_YOUNG_S: Final = 0.001  # an op whose wait began this recently is not yet undriven (kick)
+_UNDEFERRED_OPS: Final = 64  # after an op nobody drove, issue this many with the pump woken
 
 
 class _AnyOf(SocketWork):
@@ -125,8 +131,10 @@ class Channel(Steps):
         store: Store,
         config: DataPlaneConfig,
         epoch: int,
+        late_wakes: LateWakes | None = None,
     ) -> None:
         self.rank, self.peer_rank, self.peer, self.epoch = rank, peer_rank, peer, epoch
+        self._late_wakes = late_wakes
         self._config = config
         self._floor_s = config.op_timeout_floor_s
         self._per_byte_s = 1.0 / config.expected_link_bytes_per_s
@@ -144,6 +152,8 @@ class Channel(Steps):
         self.gen = 0  # bumped when ops come: waits on the engine look again (_AnyOf)
         self._idle = False  # the pump sleeps on _wake
         self._drivers = 0  # callers waiting for their op (the pump leaves it to them)
+        self._deferred = False  # ops came that the sleeping pump was not woken for
+        self._undeferred = 0  # ops still to wake the pump at once for (kick)
         self._engine: Engine | None = None  # the link's socket engine, once built
         self._active = 0.0  # when an op last ended (monotonic)
         self._wake = WakePipe()
@@ -167,7 +177,7 @@ class Channel(Steps):
         with self._lock:
             if self.closed:
                 settled = [(op.msg, self._closed_error())]
-                pending = idle = False
+                pending = idle = defer = False
             else:
                 self._ops.append(op)
                 settled = self._advance(link)
@@ -175,9 +185,40 @@ class Channel(Steps):
                 idle = self._idle
                 if pending:
                     self.gen += 1  # a thread waiting on the engine must watch it too
+                # Its issuer will most likely wait for it, and drive it then: the
+                # pump is woken later, and only if nobody does (p2p_late_wakes).
+                defer = (
+                    pending and idle and op.any is None and op.link is not None
+                    and self._late_wakes is not None and not self._undeferred
+                )  # fmt: skip
+                self._undeferred = max(0, self._undeferred - 1)
+                self._deferred = self._deferred or defer
         self._settle(settled)
-        if pending:
+        if defer:
+            self._late_wakes.defer(self)  # type: ignore[union-attr]
+        elif pending:
             self._nudge(idle)
+
+    def kick(self) -> bool:
+        """Wake the pump for ops whose wake-up was deferred, unless a caller drives
+        the channel now (it hands them to the pump when it leaves); whether it woke
+        it. A channel whose ops go undriven stops deferring for a while."""
+        with self._lock:
+            if not self._deferred or self._drivers or not self._ops:
+                self._deferred = False
+                return False
+            # Issued a moment ago, its waiter most likely on the way: look again later.
+            began = max(op.deadline - op.timeout_s for op in self._ops)
+            young = began > time.monotonic() - _YOUNG_S
+            if not young:
+                self._deferred = False
+                self._undeferred = _UNDEFERRED_OPS
+                idle = self._idle
+        if young:
+            self._late_wakes.defer(self)  # type: ignore[union-attr]
+            return False
+        self._nudge(idle)
+        return True
 
     def _nudge(self, idle: bool) -> None:
         """Have the pump look at the ops again (after ``gen`` moved on): wake it, or
@@ -208,6 +249,8 @@ class Channel(Steps):
                 self._settle(settled)
                 if not mine or (limit is not None and limit < min(o.deadline for o in posted)):
                     return
+                if self._late_wakes is not None:  # ops on other channels must not wait for this
+                    self._late_wakes.flush(self)
                 self._wait_any(posted, gen)
         finally:
             with self._lock:
@@ -215,6 +258,8 @@ class Channel(Steps):
                 pending = bool(self._ops) and not self._drivers
                 if pending:
                     self.gen += 1
+                if pending or not self._ops:
+                    self._deferred = False
                 idle = self._idle
             if pending:
                 self._nudge(idle)  # the pump left them to this thread

@@ -363,3 +363,38 @@ def _pipeline(backend: str) -> list[str]:
 def test_the_pipeline_example_ends_as_on_gloo() -> None:
     resilient, gloo = _pipeline("resilient"), _pipeline("gloo")
     assert len(resilient) == 2 and resilient == gloo
+
+
+def _undriven(rank: int, world: int) -> list[Any]:
+    """Rank 0 isends to rank 1 before rank 1's READY can have come, then touches
+    neither the work nor the group for 4 s: its pump, whose wake-up was deferred
+    (p2p_late_wakes), must still write the bytes. Then both ranks go on; rank 2
+    meanwhile waits on a receive from rank 0 (another channel), which rank 0's
+    wait on it must not let starve the send to 1."""
+    # Build the 0-1 link first: an op issued before its link is built wakes the pump.
+    if rank == 0:
+        dist.send(torch.ones(1), 1)
+    elif rank == 1:
+        dist.recv(torch.ones(1), 0)
+    if rank == 0:
+        work = dist.isend(torch.full((16,), 3.0), 1, tag=4)
+        time.sleep(4.0)
+        dist.send(torch.ones(2), 2, tag=5)
+        work.wait()
+        return ["sent"]
+    if rank == 1:
+        time.sleep(0.3)  # rank 0's send was issued and its pump left asleep
+        got = torch.zeros(16)
+        began = time.monotonic()
+        dist.recv(got, 0, tag=4)
+        took = time.monotonic() - began
+        assert torch.equal(got, torch.full((16,), 3.0))
+        # Rank 0 sleeps 4 s: a bytes only its own wait would write came after it.
+        return ["received", took < 2.0]
+    got = torch.zeros(2)
+    dist.recv(got, 0, tag=5)
+    return [float(got.sum())]
+
+
+def test_an_isend_nobody_waits_for_still_reaches_its_peer() -> None:
+    assert run_dist(_undriven, 3, timeout_s=90.0) == [["sent"], ["received", True], [2.0]]
