@@ -170,7 +170,7 @@ class DataPlaneConfig:
     collective so that ranks calling different collectives all raise instead of hanging.
     ``topology``: "ring" (2(P-1) hops, links to neighbours only), "mesh" (2 hops, links
     to every peer) or "auto" (mesh up to ``mesh_max_world`` ranks for tensors under
-    ``mesh_below_bytes``, ring otherwise).
+    ``mesh_below_bytes`` that take one rail, ring otherwise).
     Collectives under ``single_rail_below_bytes`` use only the heaviest rail: below
     that, splitting costs more in per-op latency than it gains in bandwidth.
     ``learn_rail_weights``: with several rails, no explicit ``rail_weights`` and

@@ -86,6 +86,7 @@ class RingEngine:
         mesh: bool = False,
         mesh_below_bytes: int = 8 << 20,
         single_rail_below_bytes: int = 256 << 10,
+        mesh_split: bool = False,
     ) -> None:
         if sub_chunk_bytes < 1024:
             raise ConfigError(f"sub_chunk_bytes={sub_chunk_bytes}: must be >= 1024")
@@ -97,6 +98,7 @@ class RingEngine:
         self.sub_chunk_bytes = sub_chunk_bytes
         self.mesh = mesh and world > 2  # with two ranks a ring already is a mesh
         self.mesh_below_bytes = mesh_below_bytes
+        self.mesh_split = mesh_split  # the mesh also for calls cut across several rails
         self.single_rail_below_bytes = single_rail_below_bytes
         self._scratch: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
         self._plans: dict[tuple[int, int, tuple[float, ...], int | None], MeshPlan] = {}
@@ -338,9 +340,12 @@ class RingEngine:
 
         Every rank decides alike: the inputs are the same numel and dtype everywhere.
         Never while a ring order avoids a pair with no rail: a mesh needs every pair.
+        Nor, unless ``mesh_split``, for a call cut across several rails: there the ring
+        was faster at every size measured, 0.5 to 7 MiB (docs/BENCHMARKS.md).
         """
-        small = flat.numel() * flat.element_size() < self.mesh_below_bytes
-        return self.mesh and self.order is None and small
+        nbytes = flat.numel() * flat.element_size()
+        split = self._split_by_weights(nbytes) and not self.mesh_split
+        return self.mesh and self.order is None and nbytes < self.mesh_below_bytes and not split
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""

@@ -316,6 +316,7 @@ class EpochControl:
             # An explicit "mesh" means mesh for every size.
             mesh_below_bytes=1 << 62 if config.topology == "mesh" else config.mesh_below_bytes,
             single_rail_below_bytes=config.single_rail_below_bytes,
+            mesh_split=config.topology == "mesh",
         )
 
     def close(self) -> None:
