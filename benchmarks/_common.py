@@ -191,6 +191,11 @@ class TcShaper:
     and ``out`` (u32 match on source /32), so both directions of every link are shaped.
     Other traffic (the TCPStore, the control group on 127.0.0.1) goes to a fast default
     class.
+
+    The root qdisc has handle ``7273:`` and an owner record (:mod:`chaos.cleanup`), so
+    that a run killed outright leaves a qdisc the next run (or ``resilient chaos
+    --cleanup``) knows as ours and removes; a qdisc someone else put there is never
+    replaced or deleted.
     """
 
     def __init__(self, dev: str = "lo") -> None:
@@ -212,72 +217,53 @@ class TcShaper:
         if check and proc.returncode != 0:
             raise RuntimeError(f"tc {' '.join(args)} failed: {proc.stderr.strip()}")
 
-    def clear(self) -> None:
-        """Delete any root qdisc on the device (leftovers of a crashed run included)."""
-        self._tc("qdisc", "del", "dev", self.dev, "root", check=False)
-
     def install(self, rates_mbit: dict[str, float]) -> None:
-        """Shape each address in ``rates_mbit`` (both directions) at its rate."""
-        self.clear()
+        """Shape each address in ``rates_mbit`` (both directions) at its rate.
+
+        Leftovers of dead runs go first. Raises SystemExit when the device carries a
+        qdisc of a live run or of someone else, RuntimeError when tc fails.
+        """
+        from chaos.cleanup import QDISC_MAJOR, claim_qdisc
+        from resilient.errors import ChaosError
+
+        try:
+            claim_qdisc(self.dev)
+        except ChaosError as exc:
+            raise SystemExit(f"--rail-rate-mbit: {exc}") from exc
         self.installed = True
-        d = self.dev
-        self._tc("qdisc", "add", "dev", d, "root", "handle", "1:", "htb", "default", "1")
+        d, major = self.dev, QDISC_MAJOR
+        self._tc("qdisc", "add", "dev", d, "root", "handle", f"{major}:", "htb", "default", "1")
         self._class(1, "40gbit")
         for i, (addr, mbit) in enumerate(sorted(rates_mbit.items())):
             for side, (match, prio) in enumerate((("dst", "1"), ("src", "2"))):
                 minor = 16 + 2 * i + side
                 self._class(minor, f"{mbit}mbit")
                 self._tc(
-                    "filter",
-                    "add",
-                    "dev",
-                    d,
-                    "parent",
-                    "1:",
-                    "protocol",
-                    "ip",
-                    "prio",
-                    prio,
-                    "u32",
-                    "match",
-                    "ip",
-                    match,
-                    f"{addr}/32",
-                    "flowid",
-                    f"1:{minor:x}",
-                )
+                    "filter", "add", "dev", d, "parent", f"{major}:", "protocol", "ip",
+                    "prio", prio, "u32", "match", "ip", match, f"{addr}/32",
+                    "flowid", f"{major}:{minor:x}",
+                )  # fmt: skip
 
     def _class(self, minor: int, rate: str) -> None:
+        from chaos.cleanup import QDISC_MAJOR as major
+
         self._tc(
-            "class",
-            "add",
-            "dev",
-            self.dev,
-            "parent",
-            "1:",
-            "classid",
-            f"1:{minor:x}",
-            "htb",
-            "rate",
-            rate,
-            "ceil",
-            rate,
-            "burst",
-            "256k",
-            "cburst",
-            "256k",
-            "quantum",
-            "200000",
-        )
+            "class", "add", "dev", self.dev, "parent", f"{major}:", "classid",
+            f"{major}:{minor:x}", "htb", "rate", rate, "ceil", rate, "burst", "256k",
+            "cburst", "256k", "quantum", "200000",
+        )  # fmt: skip
 
     def remove(self) -> None:
-        """Remove the shaping (idempotent; safe from signal handlers and atexit)."""
+        """Remove the shaping and its owner record (idempotent; safe from signal
+        handlers and atexit). Deletes only our own qdisc."""
         if self.installed:
+            from chaos.cleanup import release_qdisc
+
             self.installed = False
-            self.clear()
+            release_qdisc(self.dev)
 
     def remove_on_exit(self) -> None:
-        """Remove the shaping at interpreter exit and on SIGINT/SIGTERM."""
+        """Remove the shaping at interpreter exit and on SIGINT/SIGTERM/SIGHUP."""
         atexit.register(self.remove)
 
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -287,8 +273,8 @@ class TcShaper:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
 
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, handler)
 
 
 # -- statistics and output --------------------------------------------------------------

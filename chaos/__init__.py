@@ -2,7 +2,8 @@
 
 Scenario files (:mod:`chaos.scenario`), the testbeds (:mod:`chaos.testbed`), the
 injectors (:mod:`chaos.injectors`), the runner and its report (:mod:`chaos.runner`,
-:mod:`chaos.report`) and the CLI (:mod:`chaos.cli`).
+:mod:`chaos.report`), the CLI (:mod:`chaos.cli`) and the removal of what runs leave
+in the kernel (:mod:`chaos.cleanup`).
 """
 
 from chaos.scenario import (

@@ -2,7 +2,9 @@
 
 Exit status: 0 when every expectation held, 1 when one failed (the report says
 which and what was measured), 2 for a bad scenario file or a testbed that could
-not be built, 130/143 when interrupted (everything is torn down first).
+not be built, 130/143/129 when interrupted by SIGINT/SIGTERM/SIGHUP (everything is
+torn down first). ``resilient chaos --cleanup [--force]`` removes the leftovers of
+dead runs instead (:func:`chaos.cleanup.remove_leftovers`) and exits 0.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -33,7 +36,17 @@ replayed and each expectation with its measured value."""
 
 EPILOG = """\
 exit status: 0 every expectation held, 1 one failed, 2 bad scenario or testbed error,
-130/143 interrupted.
+130/143/129 interrupted (SIGINT/SIGTERM/SIGHUP; the testbed is removed first).
+
+cleanup (--cleanup, as root): what chaos runs and benchmarks make in the kernel is
+removed when they exit, fail or get SIGINT/SIGTERM/SIGHUP; a run killed outright
+(SIGKILL, a crash) leaves it until the next run starts, or until --cleanup. That
+removes every object whose owner process is dead (see the owner records in
+$RESILIENT_CHAOS_STATE/resilient-chaos, default /tmp): network namespaces rsl-*,
+root veths rsl<id>m, htb qdiscs with handle 7273: (benchmarks' rate limits on lo)
+and root-namespace iptables rules commented rsl-<pid>. It prints one line per
+object removed and exits 0; with --force it also removes those of live runs.
+Nothing without these names, handle or comment is touched.
 
 files written to --out (default: a new directory under the system temp dir):
   report.json   the report printed at the end
@@ -57,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cmd.add_argument("scenario", help="scenario file (TOML); see examples/scenarios/")
+    cmd.add_argument("scenario", nargs="?", help="scenario file (TOML); see examples/scenarios/")
     cmd.add_argument("--out", default=None, help="directory for report.json and the logs")
     cmd.add_argument(
         "--json", action="store_true", help="print the report as JSON on the last line"
@@ -70,10 +83,69 @@ def add_parser(subparsers: Any) -> None:
     cmd.add_argument(
         "--quiet", action="store_true", help="no step progress (faults and notices still shown)"
     )
+    cmd.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="run no scenario: remove what dead chaos runs and benchmarks left in the "
+        "kernel (namespaces, veths, qdiscs, iptables rules), one line per object; root",
+    )
+    cmd.add_argument(
+        "--force",
+        action="store_true",
+        help="with --cleanup: also remove the objects of runs still going",
+    )
     cmd.set_defaults(handler=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
+    """Run the scenario (or ``--cleanup``); the exit status of the module docstring."""
+    if args.cleanup:
+        return _cleanup(force=args.force)
+    if args.scenario is None or args.force:
+        what = "--force needs --cleanup" if args.force else "a scenario file is needed"
+        print(f"resilient: error: {what} (see resilient chaos --help)", file=sys.stderr)
+        return _USAGE_ERROR
+    from chaos.signals import SignalGuard
+
+    # SIGTERM and SIGHUP raise too (not only SIGINT), so the testbed is always removed.
+    # (While ranks run, the launcher's own handlers stand in: it stops the ranks.)
+    guard = SignalGuard().install()
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("resilient: interrupted by SIGINT; everything torn down", file=sys.stderr)
+        return 130
+    except SystemExit as exc:
+        if not isinstance(exc.code, int) or exc.code - 128 not in (signal.SIGTERM, signal.SIGHUP):
+            raise
+        name = signal.Signals(exc.code - 128).name
+        print(f"resilient: interrupted by {name}; everything torn down", file=sys.stderr)
+        return exc.code
+    finally:
+        guard.uninstall()
+
+
+def _cleanup(*, force: bool) -> int:
+    from chaos import _sh
+    from chaos.cleanup import remove_leftovers
+    from resilient.errors import ChaosError
+
+    if not _sh.is_root():
+        print("resilient: error: --cleanup needs root (namespaces, tc, iptables)", file=sys.stderr)
+        return _USAGE_ERROR
+    try:
+        removed = remove_leftovers(force=force)
+    except ChaosError as exc:  # ip or tc missing, or a command that hung
+        print(f"resilient: error: {exc}", file=sys.stderr)
+        return _USAGE_ERROR
+    for item in removed:
+        print(f"removed {item}")
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     # The launcher forks ranks while our etcd clients run: gRPC's fork handlers only
     # warn then ("skipping fork() handlers"), and every child execs at once anyway.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

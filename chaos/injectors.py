@@ -18,6 +18,7 @@ flap        down/up every ``period_s`` (half each), ``count`` times or until sto
 throttle    tbf at ``rate_mbit`` on both directions of the host's rail J
 drop        iptables DROP of ``percent`` % of the packets in and out of rail J
 partition   iptables DROP between the rank and ``peer`` on rail J only
+            (both rules live in the host's namespace, tagged ``rsl-<pid>``)
 etcd-kill   SIGKILL one etcd member (``member``, default 0); restarted on stop
 =========== ===================================================================
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from chaos import _sh
+from chaos.cleanup import rule_comment
 from chaos.scenario import Fault
 from chaos.testbed import Host, Testbed
 from resilient.errors import ChaosError
@@ -310,7 +312,11 @@ class _Throttle(Injector):
 
 
 class _Iptables(Injector):
-    """Adds its rules in the host's namespace on start and deletes the same on stop."""
+    """Adds its rules in the host's namespace on start and deletes the same on stop.
+
+    Each rule carries the comment ``rsl-<pid>`` (:func:`chaos.cleanup.rule_comment`):
+    it goes with the namespace anyway, but ``iptables -S`` then says whose it is.
+    """
 
     def _rules(self) -> list[list[str]]:
         raise NotImplementedError
@@ -318,9 +324,9 @@ class _Iptables(Injector):
     def _apply(self, action: str) -> None:
         host = self._host()
         ipt = _sh.require_tool("iptables", _IPTABLES_HINT)
-        for rule in self._rules():
+        for chain, *rule in self._rules():
             _sh.run(
-                _sh.in_netns(host.netns, [ipt, "-w", "5", action, *rule]),
+                _sh.in_netns(host.netns, [ipt, "-w", "5", action, chain, *rule_comment(), *rule]),
                 check=action != "-D",
             )
 

@@ -6,8 +6,10 @@ network), runs the fault-free reference job when an expectation needs it (cached
 by scenario and code hash), then runs the job under the local launcher while a
 controller thread fires each fault at its time or step, undoes it after
 ``duration_s``, and draws progress. Everything is torn down afterwards, also on
-error or Ctrl-C. The result is the dict of :func:`chaos.report.build_report`,
-also written to ``OUT/report.json`` beside the ranks' logs (``OUT/logs``) and their
+error, Ctrl-C and (under a :class:`~chaos.signals.SignalGuard`, as ``resilient
+chaos`` installs) SIGTERM and SIGHUP; a signal during the reference run ends the
+scenario there. The result is the dict of :func:`chaos.report.build_report`, also
+written to ``OUT/report.json`` beside the ranks' logs (``OUT/logs``) and their
 event logs (``OUT/run``).
 """
 
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from chaos import signals
 from chaos._display import Display
 from chaos._progress_watch import ProgressWatch
 from chaos.injector_kinds import make_injector
@@ -378,6 +381,10 @@ def _reference(
             return ref
     display.notice("fault-free reference run")
     facts = _run_job(scenario, testbed, etcd, out / "reference", (), display, source)
+    if facts.exit_code in (130, 143) and not facts.timed_out:
+        # The launcher took the signal (its handlers stood in for ours meanwhile) and
+        # stopped the ranks: stop the scenario too, rather than start the faulty run.
+        raise signals.interrupt_for(facts.exit_code - 128)
     hashes = {t.last.get("params_sha256") for t in facts.progress.values() if t.done}
     ok = facts.exit_code == 0 and len(hashes) == 1 and len(facts.progress) == scenario.job.nproc
     first = facts.progress.get(0)
@@ -403,7 +410,8 @@ def _control_plane(scenario: Scenario, testbed: Testbed) -> Iterator[EtcdCluster
     try:
         yield etcd
     finally:
-        etcd.stop()
+        with signals.shielded():
+            etcd.stop()
 
 
 def run_scenario(
@@ -419,6 +427,8 @@ def run_scenario(
     Raises:
         ChaosError: the testbed could not be built or torn down.
         ResilientError: etcd or the launcher could not start.
+        KeyboardInterrupt, SystemExit: SIGINT, or SIGTERM/SIGHUP (SystemExit(128 + N)),
+            stopped the fault-free reference run; everything is torn down first.
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,9 @@ faults on the rails never touch the control plane::
 The bridges live in their own namespace so the host's firewall never sees rail
 traffic. Every name starts with ``rsl-<id>``; an owner file records the pid of the
 process that built it, and :func:`sweep_leftovers` (run before every build)
-deletes testbeds whose owner died, e.g. after a crash or SIGKILL.
+deletes testbeds whose owner died, e.g. after a crash or SIGKILL, and the other
+leftovers :mod:`chaos.cleanup` knows. ``down()`` holds SIGINT/SIGTERM/SIGHUP while
+it runs when a :class:`~chaos.signals.SignalGuard` is installed.
 
 :class:`LoopbackTestbed` needs no root: each host's rails are loopback aliases
 ``127.0.<rail+1>.<host+1>``, as ``resilient run`` gives them; only process faults
@@ -24,17 +26,22 @@ and etcd faults can be injected there.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from chaos import _sh
+from chaos import _sh, signals
+from chaos.cleanup import (
+    PREFIX,
+    delete_testbed,
+    list_netns,
+    owner_dir,
+    remove_leftovers,
+    write_record,
+)
 from resilient.errors import ChaosError
 from resilient.launch.launcher import loopback_rails
 
@@ -42,13 +49,12 @@ __all__ = ["Host", "LoopbackTestbed", "NetnsTestbed", "Testbed", "sweep_leftover
 
 logger = logging.getLogger(__name__)
 
-PREFIX: Final = "rsl-"
 _MAX_HOSTS: Final = 200
 _MAX_RAILS: Final = 8
 
 
-def _owner_dir() -> Path:
-    return Path(os.environ.get("RESILIENT_CHAOS_STATE", tempfile.gettempdir())) / "resilient-chaos"
+_owner_dir = owner_dir  # the name the tests know
+_list_netns = list_netns
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,12 +176,17 @@ class NetnsTestbed(Testbed):
         return self
 
     def down(self) -> None:
-        """Delete every namespace (their veths, qdiscs and rules go with them)."""
-        _delete_testbed(self._names, self._root_if)
-        self._names.clear()
-        self.hosts = ()
-        with contextlib.suppress(OSError):
-            self._owner.unlink()
+        """Delete every namespace (their veths, qdiscs and rules go with them).
+
+        Signals wait until it is done (see :mod:`chaos.signals`): cut short, it would
+        leave namespaces that only the next sweep removes.
+        """
+        with signals.shielded():
+            delete_testbed(self._names, self._root_if)
+            self._names.clear()
+            self.hosts = ()
+            with contextlib.suppress(OSError):
+                self._owner.unlink()
 
     def _set_id(self, testbed_id: str) -> None:
         self.id = testbed_id
@@ -191,20 +202,16 @@ class NetnsTestbed(Testbed):
         do collide), and then another id is drawn.
         """
         owners = _owner_dir()
-        owners.mkdir(parents=True, exist_ok=True)
         for _ in range(32):
             if not any(n.startswith(f"{PREFIX}{self.id}-") for n in _list_netns()):
                 names = [self.switch_netns, *(self.host_netns(i) for i in range(self.n_hosts))]
-                record = {"pid": os.getpid(), "netns": names, "root_if": self._root_if}
-                aside = owners / f".{self.id}.{os.getpid()}.tmp"
-                aside.write_text(json.dumps(record))
+                record = {"kind": "testbed", "pid": os.getpid(), "netns": names,
+                          "root_if": self._root_if}  # fmt: skip
                 try:
-                    os.link(aside, self._owner)
-                    return
-                except FileExistsError:
-                    pass
-                finally:
-                    aside.unlink(missing_ok=True)
+                    if write_record(self._owner, record):
+                        return
+                except OSError as exc:
+                    raise ChaosError(f"testbed: cannot write {self._owner}: {exc}") from exc
             self._set_id(secrets.token_hex(2))
         raise ChaosError(f"testbed: no free testbed id in {owners} (32 tries)")
 
@@ -263,63 +270,12 @@ def _free_mgmt_subnet() -> int:
     raise ChaosError("no free 10.213.X.0/24 management subnet (64 tries)")
 
 
-def _delete_testbed(names: list[str], root_if: str) -> None:
-    for name in reversed(names):
-        _sh.run(["ip", "netns", "delete", name], check=False)
-    # Deleting the switch namespace destroys the veth pair; this catches a half-built one.
-    _sh.run(["ip", "link", "delete", root_if], check=False)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_leftovers() -> int:
-    """Delete testbeds whose owner process is gone (a crashed or killed run).
+    """Delete testbeds whose owner process is gone (a crashed or killed run), and every
+    other leftover of the library (see :func:`chaos.cleanup.remove_leftovers`).
 
     Also removes ``rsl-*`` namespaces that no owner file claims. Returns how many
-    namespaces were deleted. Does nothing without root.
+    objects (namespaces, links, qdiscs, rules, owner records) were deleted. Does
+    nothing without root.
     """
-    if not _sh.is_root():
-        return 0
-    # Listed before the owner files are read: a testbed writes its owner file before
-    # it adds a namespace, so every namespace listed here is claimed by a file read
-    # below. (Listed after, a testbed being built meanwhile would look unclaimed.)
-    existing = _list_netns()
-    claimed: set[str] = set()
-    removed = 0
-    owners = _owner_dir()
-    for path in sorted(owners.glob("*.json")) if owners.is_dir() else []:
-        try:
-            record = json.loads(path.read_text())
-            pid, names, root_if = int(record["pid"]), list(record["netns"]), record["root_if"]
-        except (OSError, ValueError, KeyError, TypeError):
-            logger.warning("ignoring unreadable testbed owner file %s", path)
-            continue
-        if _pid_alive(pid):
-            claimed.update(names)
-            continue
-        removed += len([n for n in names if n in existing])
-        _delete_testbed(names, str(root_if))
-        claimed.update(names)  # deleted above already
-        with contextlib.suppress(OSError):
-            path.unlink()
-    still = set(_list_netns())  # a testbed may have been taken down meanwhile
-    for name in existing:
-        if name.startswith(PREFIX) and name not in claimed and name in still:
-            _sh.run(["ip", "netns", "delete", name], check=False)
-            removed += 1
-    if removed:
-        logger.warning("removed %d namespace(s) left by an earlier chaos run", removed)
-    return removed
-
-
-def _list_netns() -> list[str]:
-    out = _sh.run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
+    return len(remove_leftovers())

@@ -56,12 +56,12 @@ def test_ticks_back_off_while_nothing_needs_waking() -> None:
         quiet.kicked.clear()
         late.defer(quiet)
         assert quiet.kicked.wait(5.0)
-    assert late._period_s == 0.016  # noqa: SLF001 (backed off to the cap)
+    assert late._period_s == 0.016  # backed off to the cap
     woken = _Chan(wakes=True)
     late.defer(woken)
     assert woken.kicked.wait(5.0)
     time.sleep(0.05)
-    assert late._period_s == 0.002  # noqa: SLF001 (a kick that woke a pump: short again)
+    assert late._period_s == 0.002  # a kick that woke a pump: short again
     late.close()
 
 
