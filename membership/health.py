@@ -17,6 +17,7 @@ from typing import Any
 
 from membership.etcd_client import EtcdClient
 from resilient.errors import MembershipError
+from resilient.failures import FailureSite
 
 __all__ = ["HealthPublisher"]
 
@@ -45,6 +46,13 @@ class HealthPublisher:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.writes = 0
+        # One streak for all keys: an outage fails them all, and one warning per
+        # key per interval was a line a second per key for as long as it lasted.
+        self.failures = FailureSite(
+            "health record write",
+            action="dropped; the next record of that key is written",
+            log=logger,
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="health-publisher", daemon=True)
@@ -89,6 +97,8 @@ class HealthPublisher:
             self._client.put(key, json.dumps(body, sort_keys=True), lease=self._lease())
             self.writes += 1
         except MembershipError as exc:
-            logger.warning("health record %s not written: %s", key, exc)
+            self.failures.failed(exc, about=key)
+        else:
+            self.failures.succeeded()
         with self._lock:
             self._last_write[key] = time.monotonic()

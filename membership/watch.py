@@ -23,6 +23,7 @@ from pyetcd import exceptions as etcd_exc
 
 from membership.etcd_client import EtcdClient
 from resilient.errors import MembershipError
+from resilient.failures import FailureSite
 
 __all__ = ["PrefixWatch", "WatchEvent"]
 
@@ -79,6 +80,15 @@ class PrefixWatch:
         self._thread: threading.Thread | None = None
         self.reconnects = 0
         self.relists = 0
+        # An outage is retried forever and a failing callback on every event: these
+        # count them, warn at a bounded rate and emit an event when they persist.
+        self.subscribe_failures = FailureSite(
+            f"watch {self._name}: resubscribe", action="retrying with backoff up to 1 s",
+            log=logger,
+        )  # fmt: skip
+        self.callback_failures = FailureSite(
+            f"watch {self._name}: callback", action="delivering the next events", log=logger
+        )
 
     @property
     def revision(self) -> int:
@@ -146,12 +156,15 @@ class PrefixWatch:
                 self._subscribe_once()
                 self.reconnects += 1
                 logger.info("watch %s: resumed at revision %d", self._name, self._revision + 1)
+                self.subscribe_failures.succeeded()
                 return
             except etcd_exc.RevisionCompactedError:
                 compacted = True  # compacted again between re-list and subscribe
                 continue
-            except MembershipError as exc:
-                logger.warning("watch %s: etcd unavailable (%s); retrying", self._name, exc)
+            except MembershipError as exc:  # etcd unavailable
+                if self._stopped.is_set():
+                    return  # stop() raced the retry: no news
+                self.subscribe_failures.failed(exc)
             self._stopped.wait(delay)
             delay = min(delay * 2, 1.0)
 
@@ -226,7 +239,7 @@ class PrefixWatch:
     def _deliver(self, event: WatchEvent) -> None:
         try:
             self._callback(event)
-        except Exception:
-            logger.exception(
-                "watch %s: callback failed on %s %s", self._name, event.kind, event.key
-            )
+        except Exception as exc:
+            self.callback_failures.failed(exc, about=f"{event.kind} {event.key}")
+            return
+        self.callback_failures.succeeded()

@@ -69,6 +69,8 @@ EVENT_KINDS: Final = frozenset(
         "recovery.finished",
         "epoch.changed",
         "policy.decision",
+        "monitor.failing",
+        "monitor.recovered",
     }
 )
 _SUBDIR: Final = "events"

@@ -26,7 +26,16 @@ PACKAGES = ("resilient", "membership", "recovery", "chaos")
 # A name matches a module and everything under it; "resilient" alone is the
 # package's __init__ (the public face), matched exactly.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("resilient.errors", "resilient.config", "resilient.events", "resilient.procs")),
+    (
+        "base",
+        (
+            "resilient.errors",
+            "resilient.config",
+            "resilient.events",
+            "resilient.procs",
+            "resilient.failures",
+        ),
+    ),
     ("membership", ("membership",)),
     ("links", ("resilient.links",)),
     ("collectives", ("resilient.collectives",)),

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from resilient import events
+from resilient.failures import FailureSite
 
 __all__ = ["GpuHealth", "GpuState"]
 
 logger = logging.getLogger(__name__)
 
 PERIOD_S: Final = 1.0
+_NVML_ERROR_TIMEOUT: Final = 10  # pynvml.NVML_ERROR_TIMEOUT, for an NVML without it
 # Throttle reasons that slow the GPU down against the job's will (power caps and
 # idle clocks are normal operation).
 _SLOWDOWNS: Final = {
@@ -62,6 +64,16 @@ class GpuHealth:
         self._halt = threading.Event()
         self._events: Any = None
         self._thread: threading.Thread | None = None
+        # Failed readings are retried every period; these say so when they keep
+        # failing (health is then blind) instead of a debug line per period.
+        self.poll_failures = FailureSite(
+            f"GPU {index} NVML reading", rank=rank, epoch=epoch,
+            action=f"reading again every {PERIOD_S} s", log=logger,
+        )  # fmt: skip
+        self.xid_failures = FailureSite(
+            f"GPU {index} NVML Xid wait", rank=rank, epoch=epoch,
+            action=f"waiting again after {PERIOD_S} s", log=logger,
+        )  # fmt: skip
 
     @classmethod
     def open(cls, index: int, *, rank: int, epoch: int = 0, nvml: Any = None) -> GpuHealth | None:
@@ -104,16 +116,33 @@ class GpuHealth:
                 self._wait_xid()
             try:
                 self.poll()
-            except Exception:  # a failed read is retried next period
-                logger.debug("rank %d: NVML poll failed", self.rank, exc_info=True)
+            except Exception as exc:  # a failed read is retried next period
+                self.poll_failures.failed(exc, epoch=self.epoch)
+                continue
+            self.poll_failures.succeeded()
 
     def _wait_xid(self) -> None:
         """Wait up to PERIOD_S for an Xid error (the period of the other readings)."""
         try:
             data = self.nvml.nvmlEventSetWait_v2(self._events, int(PERIOD_S * 1000))
-        except Exception:  # NVMLError_Timeout: no error this period
-            return
-        self.xid(int(getattr(data, "eventData", 0)))
+        except Exception as exc:
+            if not self._timed_out(exc):
+                # A wait that fails at once (not NVML's timeout) would make this
+                # loop spin: keep the period instead.
+                self.xid_failures.failed(exc, epoch=self.epoch)
+                self._halt.wait(PERIOD_S)
+                return
+        else:
+            self.xid(int(getattr(data, "eventData", 0)))
+        self.xid_failures.succeeded()
+
+    def _timed_out(self, exc: Exception) -> bool:
+        """Whether ``exc`` is NVML's timeout: no Xid error this period."""
+        timeout = getattr(self.nvml, "NVMLError_Timeout", None)
+        if isinstance(timeout, type) and isinstance(exc, timeout):
+            return True
+        code = getattr(self.nvml, "NVML_ERROR_TIMEOUT", _NVML_ERROR_TIMEOUT)
+        return getattr(exc, "value", None) == code
 
     def xid(self, code: int) -> None:
         """Record and report Xid error ``code``."""

@@ -24,17 +24,22 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
 
 from resilient.detect.doorbell import Bell, open_bell
+from resilient.failures import FailureSite
 from resilient.links.repair import LinkRepair
 from resilient.links.table import Link, LinkTable
 
 __all__ = ["HealthBoard", "PeerState"]
 
 logger = logging.getLogger(__name__)
+
+# After a failed look the watcher waits this long: the store is gone (shutdown) or
+# busy, and the board must see peers' reports soon after it is back.
+RETRY_S: Final = 0.2
 
 
 @dataclass(slots=True)
@@ -89,6 +94,17 @@ class HealthBoard:
         self._thread: threading.Thread | None = None
         self._bell: Bell | None = None  # made by start(): rings only reach started boards
         self._rang_unstarted = False
+
+        # Each place that talks to the store counts its own failures (see
+        # resilient.failures): a board that cannot read or publish says so.
+        def site(name: str, action: str) -> FailureSite:
+            return FailureSite(name, rank=rank, epoch=epoch, action=action, log=logger)
+
+        self._watch_failures = site("health board watch", f"retrying every {RETRY_S} s")
+        self._bell_failures = site("health board doorbell wait", f"looking again in {RETRY_S} s")
+        self._publish_failures = site("health record publish", "peers learn at their deadline")
+        self._ring_failures = site("health board ring", "peers look at their safety interval")
+        self._read_failures = site("health record read", "judging by the links alone")
 
     # -- this rank ----------------------------------------------------------------
     def attach(self, table: LinkTable) -> None:
@@ -187,9 +203,10 @@ class HealthBoard:
             if not self._store.check([key]):
                 return None
             data: dict[str, Any] = json.loads(bytes(self._store.get(key)).decode())
-        except Exception:
-            logger.warning("rank %d: reading rank %d's health record failed", self.rank, peer)
+        except Exception as exc:
+            self._read_failures.failed(exc)
             return None
+        self._read_failures.succeeded()
         return data
 
     def mark_lost(self, peer: int) -> None:
@@ -231,9 +248,10 @@ class HealthBoard:
             with self._publishing:
                 self._store.set(f"{self._prefix}/r{self.rank}", self._record())
                 self._store.add(f"{self._prefix}/v", 1)
-        except Exception:  # the peers then learn at their own deadline
-            logger.warning("rank %d (epoch %d): publishing health failed", self.rank, self.epoch)
+        except Exception as exc:  # the peers then learn at their own deadline
+            self._publish_failures.failed(exc)
             return
+        self._publish_failures.succeeded()
         self._ring()
 
     def _ring(self) -> None:
@@ -243,25 +261,42 @@ class HealthBoard:
             return
         try:
             bell.ring(p for p in range(self.world) if p != self.rank)
-        except Exception:  # the peers then look at their safety interval or deadline
-            logger.warning("rank %d (epoch %d): ringing peers failed", self.rank, self.epoch)
+        except Exception as exc:  # the peers then look at their safety interval or deadline
+            self._ring_failures.failed(exc)
+            return
+        self._ring_failures.succeeded()
 
     # -- peers ----------------------------------------------------------------------
     def _run(self) -> None:
         bell = self._bell
         assert bell is not None
         while not self._halt.is_set():
+            # Looking and waiting fail apart (a bell's own connection may die while
+            # the store answers), so each has its own streak: one must not end the
+            # other's on every round.
             try:
                 # Look first: whatever was published before this thread started.
                 version = self._read_version()
                 if version != self._version:
                     self._version = version
                     self._refresh()
-                if not self._halt.is_set():
-                    bell.wait(bell.safety_s)
-            except Exception:  # store gone (shutdown) or busy: try again later
-                logger.debug("rank %d: health watch failed", self.rank, exc_info=True)
-                self._halt.wait(0.2)
+            except Exception as exc:  # store gone (shutdown) or busy: try again later
+                self._failed(self._watch_failures, exc)
+                continue
+            self._watch_failures.succeeded()
+            if self._halt.is_set():
+                break
+            try:
+                bell.wait(bell.safety_s)
+            except Exception as exc:  # a queue bell's server gone: look, then wait again
+                self._failed(self._bell_failures, exc)
+                continue
+            self._bell_failures.succeeded()
+
+    def _failed(self, site: FailureSite, exc: Exception) -> None:
+        if not self._halt.is_set():  # a failure because the board stopped is no news
+            site.failed(exc)
+        self._halt.wait(RETRY_S)
 
     def _read_version(self) -> int:
         # A read, not add(0): through etcd an add is a compare-and-swap write.

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Final
 
+from resilient.failures import FailureSite
 from resilient.links import stall
 from resilient.links.table import LinkTable
 
@@ -54,6 +55,11 @@ class PeerWatch:
         self._seen: set[int] = set()  # links already found closed (by id)
         self.cut = 0  # links cut as dead with no op waiting on them (for tests, events)
         self._thread = threading.Thread(target=self._run, name=f"peer-watch-{rank}", daemon=True)
+        # A scan that keeps failing is told at a bounded rate, not with a traceback
+        # every INTERVAL_S (resilient.failures).
+        self.failures = FailureSite(
+            "peer watch", rank=rank, action=f"scanning again every {INTERVAL_S} s", log=logger
+        )
 
     def start(self) -> PeerWatch:
         self._thread.start()
@@ -71,8 +77,10 @@ class PeerWatch:
             try:
                 if self._busy() and self.scan():
                     self._on_closed()
-            except Exception:  # a watch must never die; the op deadlines still hold
-                logger.exception("rank %d: peer watch failed", self.rank)
+            except Exception as exc:  # a watch must never die; the op deadlines still hold
+                self.failures.failed(exc)
+                continue
+            self.failures.succeeded()
 
     def scan(self) -> bool:
         """Mark links closed by their peer broken and cut links the kernel sees

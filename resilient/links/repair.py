@@ -43,6 +43,7 @@ from tenacity import RetryCallState, wait_exponential
 
 from resilient import events
 from resilient.errors import LinkError
+from resilient.failures import FailureSite
 from resilient.links.table import Link, LinkTable
 
 __all__ = [
@@ -137,6 +138,14 @@ class LinkRepair:
         self.rank, self.epoch, self.board = rank, epoch, board
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._backoff = wait_exponential(multiplier=backoff_s, max=max_backoff_s)
+        self._round_backoff_max_s = max(interval_s, max_backoff_s)
+        # A round that fails as a whole (the store unreachable, say) used to be
+        # retried every interval_s with a traceback each time: now counted, and
+        # retried after a backoff up to max_backoff_s (resilient.failures).
+        self._round_failures = FailureSite(
+            "link repair round", rank=rank, epoch=epoch,
+            action=f"retrying after {interval_s}-{max_backoff_s} s (doubling)", log=logger,
+        )  # fmt: skip
         self.tables: list[LinkTable] = []
         self.repaired: list[tuple[str, int, int, int]] = []  # (table, peer, rail, gen)
         self._failures: dict[tuple[str, int, int], int] = {}
@@ -167,13 +176,18 @@ class LinkRepair:
             strand(self._thread)
 
     def _run(self) -> None:
-        while not self._halt.wait(self.interval_s):
+        delay = self.interval_s
+        while not self._halt.wait(delay):
             try:
                 self._round()
-            except Exception:  # never let the thread die: a later round retries
-                logger.exception(
-                    "rank %d (epoch %d): link repair round failed", self.rank, self.epoch
-                )
+            except Exception as exc:  # never let the thread die: a later round retries
+                if self._halt.is_set():
+                    break  # failed because the repair stopped: no news
+                self._round_failures.failed(exc)
+                delay = self._round_failures.backoff_s(self.interval_s, self._round_backoff_max_s)
+                continue
+            self._round_failures.succeeded()
+            delay = self.interval_s
 
     def _round(self) -> None:
         # Nothing is repaired while a lost peer's epoch is given up: the links the

@@ -27,6 +27,7 @@ import time
 from typing import Final
 
 from resilient import events
+from resilient.failures import FailureSite
 
 __all__ = ["STALL_S", "WATCH", "StallWatch", "watch"]
 
@@ -58,6 +59,17 @@ class StallWatch:
         self._cut_tokens: set[int] = set()
         self.reported = 0
         self.cut = 0
+        # The watchdog retries every tick whatever failed; these say so when it
+        # keeps failing (resilient.failures) instead of a debug line per tick.
+        # One site for the checks of all links, judged per tick: a link whose
+        # check keeps failing is a failing streak even while others' succeed.
+        self.check_failures = FailureSite(
+            "stall check (network_stall)", action=f"checking again every {_TICK_S} s", log=logger
+        )
+        self._check_failed = False  # a check failed in the current tick
+        self.tick_failures = FailureSite(
+            "stall watchdog", action=f"retrying every {_TICK_S} s", log=logger
+        )
 
     def begin(
         self, link: tuple[int, int, int], owner: object, expected_s: float, *, report: bool = True
@@ -89,9 +101,15 @@ class StallWatch:
     def _run(self) -> None:
         while True:
             time.sleep(_TICK_S)
-            self._tick(time.monotonic())
+            try:
+                self._tick(time.monotonic())
+            except Exception as exc:  # the process's only watchdog must not die
+                self.tick_failures.failed(exc)
+                continue
+            self.tick_failures.succeeded()
 
     def _tick(self, now: float) -> None:
+        self._check_failed = False
         ops = list(self._ops.items())
         live = {token for token, _ in ops}
         self._reported &= live
@@ -122,17 +140,19 @@ class StallWatch:
             logger.warning("%r: op pending for %.0f ms (stalled?)", op[_OWNER], pending_s * 1e3)
         cut = self._cut_dead(overdue)
         self._cut_tokens |= {token for token, op in late if id(op[_OWNER]) in cut}
+        if not self._check_failed:
+            self.check_failures.succeeded()
 
-    @staticmethod
-    def _suspect(op: _Op) -> str | None:
+    def _suspect(self, op: _Op) -> str | None:
         """What the kernel sees wrong with a quiet op's connection, or None."""
         check = getattr(op[_OWNER], "network_stall", None)
         if check is None:
             return None
         try:
             reason: str | None = check(int(STALL_S * 1000))
-        except Exception:  # a check must never stop the watchdog
-            logger.debug("stall check of %r failed", op[_OWNER], exc_info=True)
+        except Exception as exc:  # a check must never stop the watchdog
+            self._check_failed = True
+            self.check_failures.failed(exc, about=op[_OWNER])
             return None
         return reason
 
@@ -147,8 +167,9 @@ class StallWatch:
                 continue
             try:
                 reason = check()
-            except Exception:  # a check must never stop the watchdog
-                logger.debug("stall check of %r failed", owner, exc_info=True)
+            except Exception as exc:  # a check must never stop the watchdog
+                self._check_failed = True
+                self.check_failures.failed(exc, about=owner)
                 continue
             if reason is None:
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -10,7 +11,9 @@ import pytest
 
 from membership import EmbeddedEtcd, PrefixWatch, WatchEvent
 from membership.etcd_client import EtcdClient
+from resilient import failures
 from resilient.config import EtcdConfig
+from resilient.failures import FailureConfig
 from resilient.procs import wait_until
 
 
@@ -128,3 +131,82 @@ def test_relists_when_resume_revision_was_compacted(own_etcd: EmbeddedEtcd) -> N
         assert w.snapshot() == {"/p/b": b"2", "/p/c": b"1", "/p/d": b"live"}
     client.close()
     writer.close()
+
+
+@pytest.fixture
+def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """The events emitted, with a FailureSite reporting after 3 failures."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    lock = threading.Lock()
+
+    def keep(kind: str, **fields: Any) -> None:
+        with lock:
+            seen.append((kind, fields))
+
+    monkeypatch.setattr("resilient.events.emit", keep)
+    monkeypatch.setattr(failures, "DEFAULT_CONFIG", FailureConfig(warn_every_s=60.0, event_after=3))
+    return seen
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_callback_is_warned_at_a_bounded_rate_and_reported_once(
+    etcd_config: EtcdConfig,
+    job_name: str,
+    emitted: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "membership.watch")
+    prefix = f"/resilient/{job_name}/cb/"
+    client = EtcdClient(etcd_config)
+    rec = Recorder()
+
+    def callback(ev: WatchEvent) -> None:
+        if ev.key.endswith("/bad"):
+            raise ValueError("cannot parse the record")
+        rec(ev)
+
+    with PrefixWatch(client, prefix, callback, name="cb") as w:
+        for i in range(4):
+            client.put(f"{prefix}{i}/bad", "x")
+        client.put(prefix + "ok", "1")
+        assert wait_until(lambda: rec.keys() == [prefix + "ok"], timeout_s=10)
+        assert w.callback_failures.total == 4 and w.callback_failures.consecutive == 0
+    client.close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned  # not one traceback per event
+    assert warned[0].startswith("watch cb: callback failed (1 in a row, 1 in all")
+    assert warned[0].endswith(f"'put {prefix}0/bad': ValueError: cannot parse the record")
+    assert [k for k, _ in emitted] == ["monitor.failing", "monitor.recovered"]
+    assert emitted[0][1]["site"] == "watch cb: callback" and emitted[0][1]["failures"] == 3
+    assert any(r.getMessage() == "watch cb: callback recovered after 4 failures"
+               for r in caplog.records)  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_an_etcd_outage_is_counted_and_reported_once_then_the_watch_resumes(
+    own_etcd: EmbeddedEtcd,
+    emitted: list[tuple[str, dict[str, Any]]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "membership.watch")
+    # Short bounds: each try at a dead etcd fails within a second.
+    config = EtcdConfig(endpoints=own_etcd.endpoints, request_timeout_s=0.5, retry_budget_s=1.0)
+    client = EtcdClient(config)
+    rec = Recorder()
+    with PrefixWatch(client, "/p/", rec, name="outage") as w:
+        own_etcd.kill(0)
+        # Retried forever with backoff (up to 1 s); each try fails within the
+        # client's retry budget.
+        assert wait_until(lambda: w.subscribe_failures.consecutive >= 3, timeout_s=40)
+        own_etcd.restart(0)
+        assert wait_until(lambda: w.subscribe_failures.consecutive == 0, timeout_s=20)
+        writer = _client(own_etcd)
+        writer.put("/p/after", "1")
+        assert wait_until(lambda: rec.keys() == ["/p/after"], timeout_s=10)
+        writer.close()
+    client.close()
+    sites = [(k, f["site"]) for k, f in emitted]
+    assert sites == [("monitor.failing", "watch outage: resubscribe"),
+                     ("monitor.recovered", "watch outage: resubscribe")]  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "resubscribe failed (1 in a row" in warned[0]

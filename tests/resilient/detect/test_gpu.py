@@ -8,6 +8,8 @@ import pytest
 
 from resilient.detect.gpu import GpuHealth
 
+pytestmark = pytest.mark.timeout(30)
+
 
 class _Nvml:
     """NVML's answers for one GPU, set by the test (the logic under test is ours)."""
@@ -93,3 +95,70 @@ def test_real_nvml_either_opens_or_is_simply_absent() -> None:
         assert isinstance(state.slowdowns, tuple)
     finally:
         gpu.close()
+
+
+class _FailingNvml(_Nvml):
+    """An NVML whose event wait fails at once (not a timeout) and whose readings
+    fail until ``failing`` is cleared."""
+
+    class NVMLError_Timeout(Exception):  # pynvml's name
+        value = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = True
+        self.waits = 0
+
+    def nvmlEventSetCreate(self) -> object:
+        return object()
+
+    def nvmlDeviceRegisterEvents(self, handle: str, kinds: int, events: object) -> None:
+        pass
+
+    def nvmlEventSetFree(self, events: object) -> None:
+        pass
+
+    def nvmlEventSetWait_v2(self, events: object, timeout_ms: int) -> object:
+        self.waits += 1
+        if self.failing:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        raise self.NVMLError_Timeout()  # no Xid error this period
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: str) -> int:
+        if self.failing:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return 0
+
+
+def test_failing_nvml_reads_are_reported_and_a_failing_wait_keeps_the_period(
+    emitted: list[tuple[str, dict[str, Any]]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import time
+
+    from resilient.procs import wait_until
+
+    monkeypatch.setattr("resilient.detect.gpu.PERIOD_S", 0.02)
+    nvml = _FailingNvml()
+    gpu = GpuHealth.open(0, rank=5, epoch=1, nvml=nvml)
+    assert gpu is not None
+    gpu.start()
+    try:
+        time.sleep(0.5)
+        # A wait that fails at once used to loop without a pause (thousands of
+        # calls here); now it keeps the period.
+        assert 5 <= nvml.waits <= 40, nvml.waits
+        sites = {f["site"] for k, f in emitted if k == "monitor.failing"}
+        assert sites == {"GPU 0 NVML reading", "GPU 0 NVML Xid wait"}
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+        assert any(m.startswith("rank 5: GPU 0 NVML reading failed (1 in a row") for m in warned)
+        assert len(warned) == 2  # one per site, rate-limited
+        nvml.failing = False  # the waits now time out: the normal case
+        assert wait_until(
+            lambda: [k for k, _ in emitted].count("monitor.recovered") == 2, timeout_s=5
+        )
+        assert gpu.poll_failures.consecutive == gpu.xid_failures.consecutive == 0
+    finally:
+        gpu.close()
+    assert not any(k == "gpu.error" for k, _ in emitted)  # a failed wait is no Xid
