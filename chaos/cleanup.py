@@ -13,11 +13,15 @@ qdisc       a root htb qdisc with handle ``7273:`` on a root-namespace device: t
 iptables    a root-namespace filter rule whose comment is ``rsl-<pid>...``. None is
             made today (the injectors' rules live inside the hosts' namespaces and
             carry the same comment); the sweep keeps a future one from leaking
+cgroup      ``rsl-<pid>-<what>`` under the CPU controller's root: the ``slow-cpu``
+            fault's quota (:mod:`chaos.cpu_throttle`); its processes go back to the
+            root cgroup (full speed) before it is deleted
 =========== ===================================================================
 
 An owner record (a JSON file in :func:`owner_dir` holding the builder's pid) claims
-a testbed or a qdisc; an iptables rule names its owner's pid in its comment. An
-object whose owner is dead, or that no record claims, is a leftover;
+a testbed or a qdisc; an iptables rule names its owner's pid in its comment, a
+cgroup in its name. An object whose owner is dead, or that no record claims, is a
+leftover;
 :func:`remove_leftovers` deletes those (with ``force``, those of live owners too)
 and nothing without our name, handle or comment.
 """
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from chaos import _sh
+from chaos import _sh, cpu_throttle
 from resilient.errors import ChaosError
 
 __all__ = [
@@ -263,6 +267,7 @@ def remove_leftovers(*, force: bool = False) -> list[Leftover]:
             logger.warning("ignoring unreadable owner record %s", path)
     sweep.unclaimed(claimed)
     sweep.rules()
+    sweep.removed += [Leftover("cgroup", p, pid) for p, pid in cpu_throttle.sweep(sweep.dead)]
     if sweep.removed:
         logger.warning("removed %d object(s) left by an earlier chaos run or benchmark",
                        len(sweep.removed))  # fmt: skip

@@ -12,6 +12,9 @@ slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms; it
             follows the rank to a replacement (a slow node restarted in place)
             unless ``pin`` (the process found at start only, as a slow node whose
             rank is replaced elsewhere); a pinned process that is gone ends it
+slow-cpu    a cgroup CPU quota of ``factor`` times the CPUs the rank used (measured
+            over 0.5 s at start, or ``cpus``): it keeps running, slower (a slow
+            node); follows the rank to a replacement unless ``pin``, as ``slow``
 nic-down    ``ip link set rJ down`` in the host; up again on stop
 nic-up      ``ip link set rJ up``
 flap        down/up every ``period_s`` (half each), ``count`` times or until stopped
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from chaos import _sh
 from chaos.cleanup import rule_comment
+from chaos.cpu_throttle import CpuQuota, cpu_root, measure_cpus
 from chaos.scenario import Fault
 from chaos.testbed import Host, Testbed
 from resilient.errors import ChaosError
@@ -231,6 +235,42 @@ class _Slow(_Periodic):
             self._send(signal.SIGCONT)
 
 
+class _SlowCpu(_Periodic):
+    _quota: CpuQuota | None = None
+    _pinned: int | None = None
+
+    def _check(self) -> None:
+        factor = float(self.fault.param("factor"))
+        if not 0.0 < factor < 1.0:
+            raise ChaosError(f"slow-cpu: factor must be between 0 and 1, got {factor}")
+        self._signal(None)
+        cpu_root()
+
+    def _start(self) -> None:
+        rank, factor = int(self.fault.param("rank")), float(self.fault.param("factor"))
+        pid = self._signal(None)
+        cpus = float(self.fault.param("cpus", 0.0)) or measure_cpus(pid)
+        # A rank that was idle while measured still gets a quota it can feel.
+        self._quota = CpuQuota(f"slow-r{rank}", max(cpus, 0.05) * factor)
+        self._pinned = pid if self.fault.param("pin", False) else None
+        logger.info("%s: pid %d used %.2f CPUs; capped at %.3f", self.description, pid,
+                    cpus, self._quota.cpus)  # fmt: skip
+        if not self._quota.add(pid):
+            raise ChaosError(f"{self.description}: rank {rank} (pid {pid}) is gone")
+        super()._start()
+
+    def _tick(self) -> bool:
+        if self._pinned is None and self._quota is not None:
+            pid = self.ctx.pid_of(int(self.fault.param("rank")))
+            if pid not in self._quota.pids():  # replaced: the slow node is its host
+                self._quota.add(pid)
+        return self._pinned is None and not self._halt.wait(SLOW_PERIOD_S)
+
+    def _undo(self) -> None:
+        if self._quota is not None:
+            self._quota.remove()
+
+
 def _link(host: Host, iface: str, state: str) -> None:
     _sh.run(["ip", "-n", str(host.netns), "link", "set", iface, state])
 
@@ -394,6 +434,7 @@ NETNS_KINDS: Final[dict[str, type[Injector]]] = {
     "kill": _Kill,
     "hang": _Hang,
     "slow": _Slow,
+    "slow-cpu": _SlowCpu,
     "nic-down": _NicDown,
     "nic-up": _NicUp,
     "flap": Flap,
