@@ -109,3 +109,13 @@ def test_load_from_file_and_missing_file(tmp_path: Path) -> None:
     assert load(path).name == "kill-rank"  # defaults to the file's stem
     with pytest.raises(ScenarioError, match="cannot read"):
         load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).resolve().parents[2] / "examples" / "scenarios").glob("*.toml")),
+    ids=lambda p: p.name,
+)
+def test_every_shipped_scenario_parses(path: Path) -> None:
+    scenario = load(path)
+    assert scenario.faults or scenario.name == "demo", path
