@@ -10,6 +10,7 @@ from __future__ import annotations
 from chaos.injectors import NETNS_KINDS, InjectionContext, Injector, needs_netns
 from chaos.loopback_faults import LOOPBACK_KINDS
 from chaos.scenario import Fault
+from chaos.slow_link import SlowLink
 from resilient.errors import ChaosError
 
 __all__ = ["make_injector"]
@@ -23,9 +24,14 @@ def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
         ChaosError: an unknown kind.
     """
     if needs_netns(fault) and ctx.testbed.kind == "loopback" and ctx.control is not None:
+        if fault.kind not in LOOPBACK_KINDS:
+            raise ChaosError(
+                f'{fault.kind}: needs the netns testbed (topology = "netns", as root); '
+                "the loopback testbed has no per-link shaping"
+            )
         return LOOPBACK_KINDS[fault.kind](fault, ctx)
     try:
-        cls = NETNS_KINDS[fault.kind]
+        cls = SlowLink if fault.kind == "slow-link" else NETNS_KINDS[fault.kind]
     except KeyError as exc:
         raise ChaosError(f"no injector for fault kind {fault.kind!r}") from exc
     return cls(fault, ctx)

@@ -19,6 +19,8 @@ nic-down    ``ip link set rJ down`` in the host; up again on stop
 nic-up      ``ip link set rJ up``
 flap        down/up every ``period_s`` (half each), ``count`` times or until stopped
 throttle    tbf at ``rate_mbit`` on both directions of the host's rail J
+slow-link   the same between the rank and ``peer`` on rail J only
+            (:mod:`chaos.slow_link`)
 drop        iptables DROP of ``percent`` % of the packets in and out of rail J
 partition   iptables DROP between the rank and ``peer`` on rail J only
             (both rules live in the host's namespace, tagged ``rsl-<pid>``)
@@ -447,4 +449,6 @@ NETNS_KINDS: Final[dict[str, type[Injector]]] = {
 
 def needs_netns(fault: Fault) -> bool:
     """Whether ``fault`` acts on the network (and so needs the netns testbed)."""
-    return fault.kind in {"nic-down", "nic-up", "flap", "throttle", "drop", "partition"}
+    return fault.kind in {
+        "nic-down", "nic-up", "flap", "throttle", "drop", "partition", "slow-link"
+    }  # fmt: skip

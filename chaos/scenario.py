@@ -74,6 +74,7 @@ FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "nic-up": (frozenset({"rank", "rail"}), frozenset()),
     "flap": (frozenset({"rank", "rail", "period_s"}), frozenset({"count"})),
     "throttle": (frozenset({"rank", "rail", "rate_mbit"}), frozenset()),
+    "slow-link": (frozenset({"rank", "peer", "rail", "rate_mbit"}), frozenset()),
     "drop": (frozenset({"rank", "rail", "percent"}), frozenset()),
     "partition": (frozenset({"rank", "peer", "rail"}), frozenset()),
     "etcd-kill": (frozenset(), frozenset({"member"})),
