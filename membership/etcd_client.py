@@ -384,8 +384,13 @@ class EtcdClient:
         compare: Callable[[Any], Sequence[Any]],
         success: Callable[[Any], Sequence[Any]],
         failure: Callable[[Any], Sequence[Any]] | None = None,
+        *,
+        budget_s: float | None = None,
     ) -> tuple[bool, list[Any]]:
-        """Run one transaction; the callables receive ``client.transactions`` to build ops."""
+        """Run one transaction; the callables receive ``client.transactions`` to build ops.
+
+        ``budget_s`` bounds the retries as in :meth:`call` (default: the config's).
+        """
 
         def run(c: Any) -> tuple[bool, list[Any]]:
             t = c.transactions
@@ -396,7 +401,7 @@ class EtcdClient:
             )
             return bool(ok), list(responses)
 
-        return self.call(what, run)
+        return self.call(what, run, budget_s=budget_s)
 
     # -- leases ------------------------------------------------------------------
     def grant_lease(self, ttl_s: int) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from membership.etcd_client import EtcdClient
+from membership.guarded import GuardedClient, JobGuard
 from membership.health import HealthPublisher
 from membership.keys import JobKeys, token_hash
 from membership.watch import PrefixWatch, WatchEvent
@@ -82,6 +83,9 @@ class Membership:
     Raises (from every method):
         EtcdUnavailable: etcd did not answer within the client's bound.
         MembershipError: not joined, wrong token, or etcd refused the request.
+        JobTokenMismatch: the job's token is not the one this member joined with
+            (checked by every read and write of the job's keys, in the same etcd
+            transaction; see :mod:`membership.guarded`).
     """
 
     def __init__(
@@ -95,6 +99,9 @@ class Membership:
         self.client = EtcdClient(etcd) if isinstance(etcd, EtcdConfig) else etcd
         self._lock = threading.Lock()
         self._hash: str | None = None
+        # After join, every read and write of the job's keys checks the token (in
+        # the same etcd transaction): membership.guarded.
+        self._kv: EtcdClient = self.client
         self._lease: int | None = None
         self._info: MemberInfo | None = None
         self._stop = threading.Event()
@@ -143,6 +150,7 @@ class Membership:
         if self._info is not None:
             raise MembershipError(f"job {self.job!r}: rank {self._info.rank} already joined")
         self._hash = self._check_token(token)
+        self._kv = GuardedClient(self.client, JobGuard(self.job, self._hash))
         self._check_incarnation(rank, incarnation)
         info = MemberInfo(
             rank=rank,
@@ -184,9 +192,7 @@ class Membership:
         if lease is not None and not self.lease_lost.is_set():
             try:
                 if self._info is not None:
-                    self.client.put(
-                        self.keys.departed(self._info.rank), str(self._info.incarnation)
-                    )
+                    self._kv.put(self.keys.departed(self._info.rank), str(self._info.incarnation))
                 self.client.revoke_lease(lease, budget_s=3.0)
             except MembershipError as exc:
                 logger.warning("job %s: revoking lease %x failed: %s", self.job, lease, exc)
@@ -261,7 +267,7 @@ class Membership:
         return self._info
 
     def _check_incarnation(self, rank: int, incarnation: int) -> None:
-        current = self.client.get(self.keys.member(rank))
+        current = self._kv.get(self.keys.member(rank))
         if current is None:
             return
         held = MemberInfo.from_json(current.value)
@@ -319,7 +325,7 @@ class Membership:
     def members(self) -> dict[int, MemberInfo]:
         """The live members, by rank."""
         self._require_joined()
-        kvs, _ = self.client.get_prefix(self.keys.members)
+        kvs, _ = self._kv.get_prefix(self.keys.members)
         out: dict[int, MemberInfo] = {}
         for kv in kvs:
             info = MemberInfo.from_json(kv.value)
@@ -351,7 +357,7 @@ class Membership:
     def _add_watch(
         self, prefix: str, cb: Callable[[WatchEvent], None], *, initial: bool, name: str
     ) -> PrefixWatch:
-        w = PrefixWatch(self.client, prefix, cb, initial=initial, name=f"{self.job}:{name}")
+        w = PrefixWatch(self._kv, prefix, cb, initial=initial, name=f"{self.job}:{name}")
         w.start()
         self._watches.append(w)
         return w
@@ -360,13 +366,13 @@ class Membership:
     def replacement(self, rank: int) -> dict[str, Any] | None:
         """What the supervisor announced for lost ``rank`` (``how``: warm, cold or
         none; ``incarnation``; ``eta_s``), or None before it said anything."""
-        kv = self.client.get(self.keys.replacement(rank))
+        kv = self._kv.get(self.keys.replacement(rank))
         return json.loads(kv.value) if kv is not None else None
 
     def supervisor(self) -> dict[str, Any] | None:
         """What the supervisor publishes about replacing ranks (``restarts_left``,
         ``warm_spares``), or None without one (torchrun, Slurm)."""
-        kv = self.client.get(self.keys.supervisor)
+        kv = self._kv.get(self.keys.supervisor)
         return json.loads(kv.value) if kv is not None else None
 
     # -- health ---------------------------------------------------------------------------
@@ -375,7 +381,7 @@ class Membership:
         with self._lock:
             if self._health is None:
                 self._health = HealthPublisher(
-                    self.client,
+                    self._kv,
                     lease=lambda: self._lease,
                     stamp=lambda: {"rank": info.rank, "incarnation": info.incarnation},
                     min_interval_s=self.config.health_min_interval_s,
@@ -396,13 +402,13 @@ class Membership:
     def rank_health(self) -> dict[int, dict[str, Any]]:
         """The latest health record of every live rank that published one."""
         self._require_joined()
-        kvs, _ = self.client.get_prefix(self.keys.rank_health)
+        kvs, _ = self._kv.get_prefix(self.keys.rank_health)
         return {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in kvs}
 
     def link_health(self) -> dict[tuple[int, int, int], dict[str, Any]]:
         """The latest record of every link, keyed by (reporting rank, peer rank, rail)."""
         self._require_joined()
-        kvs, _ = self.client.get_prefix(self.keys.link_health)
+        kvs, _ = self._kv.get_prefix(self.keys.link_health)
         out: dict[tuple[int, int, int], dict[str, Any]] = {}
         for kv in kvs:
             a, b, rail = (int(x) for x in kv.key.rsplit("/", 1)[1].split("-"))

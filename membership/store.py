@@ -25,6 +25,12 @@ restart with no watch to re-create, and a two-rank rendezvous sees its keys with
 a few milliseconds. etcd being unreachable during a poll is retried until the
 deadline; every other call raises :class:`~resilient.errors.EtcdUnavailable` once
 the client's retry budget is spent.
+
+With a :class:`~membership.guarded.JobGuard` (the job token's hash) every call,
+read or write, is one etcd transaction that first compares the job's token key
+(:mod:`membership.guarded`): a store with the wrong token raises
+:class:`~resilient.errors.JobTokenMismatch` and reads or changes nothing. Without
+one (tools and tests that never had a token) the store checks nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store  # torch.distributed re-exports it untyped
 
 from membership.etcd_client import EtcdClient, KeyValue
+from membership.guarded import GuardedClient, JobGuard, first_row
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, EtcdUnavailable, MembershipError, StoreTimeout
 
@@ -89,32 +96,19 @@ def _parse_int(key: str, raw: bytes) -> int:
     return int(match.group(1))
 
 
+def _no_ops(t: Any) -> list[Any]:
+    return []
+
+
 def _chunks(items: Sequence[T]) -> Iterator[Sequence[T]]:
     for start in range(0, len(items), _TXN_CHUNK):
         yield items[start : start + _TXN_CHUNK]
 
 
-class _Row:
-    """The value and mod_revision of one key, as read inside a transaction."""
-
-    __slots__ = ("mod_revision", "value")
-
-    def __init__(self, value: bytes, mod_revision: int) -> None:
-        self.value = value
-        self.mod_revision = mod_revision
-
-
-def _row(responses: list[Any]) -> _Row | None:
-    """The key read by a transaction's single ``get`` (None when it is missing)."""
-    rows = responses[0] if responses else []
-    if not rows:
-        return None
-    value, meta = rows[0]
-    return _Row(bytes(value), int(meta.mod_revision))
-
-
-def _restore(config: EtcdConfig, prefix: str, timeout: timedelta) -> EtcdStore:
-    return EtcdStore(config, prefix, timeout=timeout)
+def _restore(
+    config: EtcdConfig, prefix: str, timeout: timedelta, guard: JobGuard | None = None
+) -> EtcdStore:
+    return EtcdStore(config, prefix, timeout=timeout, guard=guard)
 
 
 class EtcdStore(Store):
@@ -129,6 +123,8 @@ class EtcdStore(Store):
             when missing, so ``/a/s`` never sees the keys of ``/a/s2``).
         timeout: default deadline of ``get``/``wait``/``multi_get`` (``set_timeout``
             changes it; zero means no deadline, as in torch).
+        guard: the job token's hash: every call then checks it in the same etcd
+            transaction (default: a :class:`GuardedClient`'s guard, else none).
 
     Call :meth:`close` (or use ``with``) when done: an open store keeps itself alive
     so that ``PrefixStore("pg", EtcdStore(...))`` works without a Python reference.
@@ -137,6 +133,7 @@ class EtcdStore(Store):
         EtcdUnavailable: etcd did not answer within the client's retry budget
             (non-blocking calls; blocking ones retry until their deadline).
         MembershipError: etcd refused the request.
+        JobTokenMismatch: (with a guard) the job belongs to another token.
     """
 
     def __init__(
@@ -145,12 +142,18 @@ class EtcdStore(Store):
         prefix: str,
         *,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        guard: JobGuard | None = None,
     ) -> None:
         super().__init__()
         if not prefix:
             raise ConfigError("EtcdStore prefix must not be empty")
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._lock = threading.Lock()
+        if isinstance(client_or_config, GuardedClient):
+            guard = guard or client_or_config.guard
+            client_or_config = client_or_config.base
+        self._guard = guard
+        self._view: GuardedClient | None = None  # the guarded view of ``_client``
         if isinstance(client_or_config, EtcdClient):
             self._config = client_or_config.config
             self._client: EtcdClient | None = client_or_config
@@ -179,10 +182,15 @@ class EtcdStore(Store):
         return f"EtcdStore({self._prefix!r}, etcd={','.join(self._config.endpoints)})"
 
     def __reduce__(self) -> tuple[Callable[..., EtcdStore], tuple[Any, ...]]:
-        return (_restore, (self._config, self._prefix, self._default_timeout()))
+        return (_restore, (self._config, self._prefix, self._default_timeout(), self._guard))
+
+    @property
+    def guard(self) -> JobGuard | None:
+        return self._guard
 
     def _etcd(self) -> EtcdClient:
-        """The client; an owned one is (re)built lazily in the process that uses it."""
+        """The client (guarded when the store has a guard); an owned one is (re)built
+        lazily in the process that uses it."""
         with self._lock:
             if self._closed:
                 raise MembershipError(f"{self!r} is closed")
@@ -192,11 +200,16 @@ class EtcdStore(Store):
                 self._client = EtcdClient(self._config)
                 self._pid = pid
             assert self._client is not None
-            return self._client
+            if self._guard is None:
+                return self._client
+            if self._view is None or self._view.base is not self._client:
+                self._view = GuardedClient(self._client, self._guard)
+            return self._view
 
     def client(self) -> EtcdClient:
         """The etcd client under this store (for watches on its keys, see
-        :mod:`resilient.detect.doorbell`). Raises MembershipError once the store is closed."""
+        :mod:`resilient.detect.doorbell`): with a guard, a :class:`GuardedClient`.
+        Raises MembershipError once the store is closed."""
         return self._etcd()
 
     def _key(self, key: str) -> str:
@@ -206,8 +219,10 @@ class EtcdStore(Store):
         # ``timeout`` is the C++ property (set_timeout); torch's stubs do not list it.
         return cast(timedelta, getattr(self, "timeout"))  # noqa: B009
 
-    def _txn(self, what: str, compare: Any, success: Any, failure: Any = None) -> Any:
-        return self._etcd().txn(what, compare, success, failure)
+    def _txn(
+        self, what: str, compare: Any, success: Any, failure: Any = None, budget: Any = None
+    ) -> Any:
+        return self._etcd().txn(what, compare, success, failure, budget_s=budget)
 
     # -- simple calls ----------------------------------------------------------------
     def set(self, key: str, value: Value) -> None:
@@ -245,7 +260,7 @@ class EtcdStore(Store):
         for chunk in _chunks(pairs):
             self._txn(
                 f"multi_set {self._prefix}",
-                lambda t: [],
+                _no_ops,
                 lambda t, c=chunk: [t.put(self._key(k), _to_bytes(v)) for k, v in c],
             )
 
@@ -272,7 +287,7 @@ class EtcdStore(Store):
         was lost (etcd failing over mid-call) is not detectable and may apply twice.
         """
         full = self._key(key)
-        kv: KeyValue | _Row | None = self._etcd().get(full)
+        kv: KeyValue | None = self._etcd().get(full)
         while True:
             new = update(None if kv is None else kv.value)
             guard = 0 if kv is None else kv.mod_revision
@@ -284,7 +299,7 @@ class EtcdStore(Store):
             )
             if ok:
                 return new
-            kv = _row(responses)
+            kv = first_row(responses)
             time.sleep(random.uniform(0, _POLL_MIN_S))  # spread contending writers
 
     def add(self, key: str, value: int) -> int:
@@ -338,7 +353,7 @@ class EtcdStore(Store):
                 )
                 if ok:
                     return desired
-                row = _row(responses)
+                row = first_row(responses)
                 if row is None:
                     continue  # deleted in between: try again
                 if row.value != b"":
@@ -351,7 +366,7 @@ class EtcdStore(Store):
             )
             if ok:
                 return desired
-            row = _row(responses)
+            row = first_row(responses)
             if row is not None:
                 return bytes(row.value)
             if expected != b"":
@@ -367,8 +382,9 @@ class EtcdStore(Store):
         full = self._key(key)
 
         def probe(budget: float | None) -> tuple[bytes | None, list[str]]:
-            resp = self._etcd().call(f"get {full}", lambda c: c.get_response(full), budget_s=budget)
-            return (bytes(resp.kvs[0].value), []) if resp.kvs else (None, [key])
+            _, responses = self._txn(f"get {full}", _no_ops, lambda t: [t.get(full)], budget=budget)
+            row = first_row(responses)
+            return (row.value, []) if row is not None else (None, [key])
 
         return self._poll("get", [key], None, probe)
 
@@ -400,15 +416,12 @@ class EtcdStore(Store):
         """Current values (None: missing), one transaction per chunk of 64 keys."""
         out: list[bytes | None] = []
         for chunk in _chunks(list(keys)):
-
-            def run(c: Any, ks: Sequence[str] = chunk) -> list[Any]:
-                t = c.transactions
-                _, responses = c.transaction(
-                    compare=[], success=[t.get(self._key(k)) for k in ks], failure=[]
-                )
-                return list(responses)
-
-            responses = self._etcd().call(f"read {self._prefix}", run, budget_s=budget)
+            _, responses = self._txn(
+                f"read {self._prefix}",
+                _no_ops,
+                lambda t, ks=chunk: [t.get(self._key(k)) for k in ks],
+                budget=budget,
+            )
             out.extend(bytes(rows[0][0]) if rows else None for rows in responses)
         return out
 

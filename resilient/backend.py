@@ -43,16 +43,20 @@ def _link_store(env: RankEnv, init_store: Store) -> Store:
     """Where links rendezvous: etcd when configured, else the store torch gave us.
 
     The etcd prefix carries a nonce agreed through the init store, so keys of an
-    earlier run of the same job name can never meet this run's links.
+    earlier run of the same job name can never meet this run's links. With a job
+    token (RESILIENT_TOKEN) every call of the etcd store checks it (a wrong token
+    raises JobTokenMismatch); without one the store checks nothing.
     """
     if env.etcd is None:
         return init_store
+    from membership.guarded import JobGuard
     from membership.store import EtcdStore
 
     proposal = secrets.token_hex(8)
     nonce = init_store.compare_set(_NONCE_KEY, "", proposal).decode()
     prefix = f"/resilient/{env.job}/store/links-{nonce}/"
-    return EtcdStore(env.etcd, prefix)
+    guard = JobGuard.for_token(env.job, env.token) if env.token else None
+    return EtcdStore(env.etcd, prefix, guard=guard)
 
 
 def create_group(options: Any, backend_options: Any = None) -> ResilientProcessGroup:
@@ -106,7 +110,7 @@ def create_backend(
             raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
         from resilient.links import fault_hook
 
-        fault_hook.install(env.etcd, env.job)
+        fault_hook.install(env.etcd, env.job, env.token)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
         rank=rank,

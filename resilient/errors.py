@@ -11,7 +11,7 @@ so the original cause stays attached.
     ├── ConfigError                 bad flag, env var, file or argument (also a ValueError)
     ├── MembershipError             the control plane (etcd) refused or failed
     │   ├── EtcdUnavailable         etcd unreachable within the call's time bound
-    │   ├── JobTokenMismatch        joined a job with the wrong token
+    │   ├── JobTokenMismatch        joined, read or wrote a job with the wrong token
     │   ├── StaleEpoch              lost a compare-and-swap on the epoch counter
     │   ├── LeaseLost               this member's lease expired; the job sees it as gone
     │   └── StoreTimeout            a Store get/wait did not see its keys in time
@@ -65,14 +65,17 @@ class EtcdUnavailable(MembershipError):
 
 
 class JobTokenMismatch(MembershipError):
-    """A join presented a token whose hash differs from the job's recorded one."""
+    """A join, or a read or write of the job's keys, presented a token whose hash
+    differs from the job's recorded one (``operation`` names the refused call)."""
 
-    def __init__(self, job: str) -> None:
+    def __init__(self, job: str, operation: str | None = None) -> None:
+        what = f" ({operation})" if operation else ""
         super().__init__(
-            f"job {job!r}: the token does not match the one this job was created with; "
-            "nothing of the job was read or changed"
+            f"job {job!r}{what}: the token does not match the one this job was created "
+            "with; nothing of the job was read or changed"
         )
         self.job = job
+        self.operation = operation
 
 
 class StaleEpoch(MembershipError):

@@ -131,7 +131,7 @@ class _Run(SpareTending):
         if self._etcd_url:
             from resilient.launch.leases import LeaseWatch
 
-            self._leases = LeaseWatch(self._etcd_url, cfg.job)
+            self._leases = LeaseWatch(self._etcd_url, cfg.job, cfg.token)
             self._publish_budget()
         self._out.notice(
             f"job {cfg.job}: {cfg.nproc} rank(s) x {cfg.rails} rail(s), etcd {self._etcd_url}"

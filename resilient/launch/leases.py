@@ -16,6 +16,7 @@ import json
 import logging
 
 from membership.etcd_client import EtcdClient
+from membership.guarded import job_client
 from membership.keys import JobKeys
 from membership.members import MemberInfo
 from resilient.config import etcd_config
@@ -28,11 +29,15 @@ logger = logging.getLogger(__name__)
 
 class LeaseWatch:
     """Polled by the launcher; :meth:`expired` lists (rank, incarnation) whose
-    member key vanished without a departure since the previous call."""
+    member key vanished without a departure since the previous call.
 
-    def __init__(self, etcd_url: str, job: str) -> None:
+    With ``token`` every read and write checks the job token in the same etcd
+    transaction (:mod:`membership.guarded`; a wrong one reads and writes nothing,
+    logged like an outage); without one nothing is checked."""
+
+    def __init__(self, etcd_url: str, job: str, token: str | None = None) -> None:
         config = etcd_config(etcd_url, request_timeout_s=1.0, retry_budget_s=1.0)
-        self._client = EtcdClient(config)
+        self._client = job_client(EtcdClient(config), job, token)
         self._keys = JobKeys(job)
         self._held: dict[int, int] = {}
 

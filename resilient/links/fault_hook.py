@@ -99,11 +99,14 @@ class FaultHook:
                 delay = max(delay, _RTO_S)
         return delay
 
-    def start(self, etcd: EtcdConfig, job: str) -> None:
+    def start(self, etcd: EtcdConfig, job: str, token: str | None = None) -> None:
+        """Poll the job's fault records in the background; with ``token`` each read
+        checks the job token (membership.guarded), without one it checks nothing."""
         from membership.etcd_client import EtcdClient
+        from membership.guarded import job_client
         from membership.keys import JobKeys
 
-        client = EtcdClient(etcd)
+        client = job_client(EtcdClient(etcd), job, token)
         prefix = JobKeys(job).chaos_faults
         self._thread = threading.Thread(
             target=self._poll, args=(client, prefix), name="fault-hook", daemon=True
@@ -140,12 +143,13 @@ def hook() -> FaultHook | None:
     return _HOOK
 
 
-def install(etcd: EtcdConfig, job: str) -> FaultHook:
-    """Start polling the job's fault records (once per process)."""
+def install(etcd: EtcdConfig, job: str, token: str | None = None) -> FaultHook:
+    """Start polling the job's fault records (once per process; ``token``: see
+    :meth:`FaultHook.start`)."""
     global _HOOK
     with _LOCK:
         if _HOOK is None:
             h = FaultHook()
-            h.start(etcd, job)
+            h.start(etcd, job, token)
             _HOOK = h
         return _HOOK
