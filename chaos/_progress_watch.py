@@ -19,16 +19,22 @@ logger = logging.getLogger(__name__)
 
 # One record's cumulative rail pass counts: (ts, incarnation, pid, c_passes, python_passes).
 PassSample = tuple[float, int, int, int, int]
+# When one step finished: (ts, step, incarnation).
+Commit = tuple[float, int, int]
 
 
 @dataclass(slots=True)
 class RankTrack:
-    """What one rank reported: samples ``(ts, step, incarnation)``, its final record,
-    and the records' rail pass counts where they carry them (``passes``)."""
+    """What one rank reported: samples ``(ts, step, incarnation)``, one per record
+    read, its final record, the records' rail pass counts where they carry them
+    (``passes``), and every step commit the records told of (``commits``, in time
+    order: the records' ``commits`` lists, which also cover the records this watch
+    never read; a record without that list contributes its own step and ``ts``)."""
 
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
     passes: list[PassSample] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -87,7 +93,7 @@ class ProgressWatch:
     def snapshot(self) -> dict[int, RankTrack]:
         with self._lock:
             return {
-                r: RankTrack(list(t.samples), dict(t.last), list(t.passes))
+                r: RankTrack(list(t.samples), dict(t.last), list(t.passes), list(t.commits))
                 for r, t in self.ranks.items()
             }
 
@@ -116,6 +122,10 @@ class ProgressWatch:
             counts = _pass_counts(rec)
             if counts is not None:
                 track.passes.append((ts, inc, *counts))
+            for commit in _commits(rec, ts, step, inc):
+                # Consecutive records repeat commits: only the newer ones are new.
+                if not track.commits or commit[0] > track.commits[-1][0]:
+                    track.commits.append(commit)
         track.last = rec
 
     def _run(self) -> None:
@@ -131,3 +141,16 @@ def _pass_counts(rec: dict[str, Any]) -> tuple[int, int, int] | None:
         return int(rec.get("pid", 0)), int(rec["c_passes"]), int(rec["python_passes"])
     except (KeyError, ValueError, TypeError):
         return None
+
+
+def _commits(rec: dict[str, Any], ts: float, step: int, inc: int) -> list[Commit]:
+    """The step commits a record tells of: its ``commits`` list (``[step, ts]``
+    pairs), or where it has none (an older writer, or a malformed list) its own
+    step at its ``ts``."""
+    listed = rec.get("commits")
+    if isinstance(listed, list):
+        try:
+            return [(float(t), int(s), inc) for s, t in listed]
+        except (ValueError, TypeError):
+            pass
+    return [(ts, step, inc)]

@@ -78,7 +78,10 @@ def add_parser(subparsers: Any) -> None:
     cmd.add_argument(
         "--no-cache",
         action="store_true",
-        help="always redo the fault-free reference run (normally cached by scenario+code)",
+        help=(
+            "always redo the fault-free reference run (normally cached by the job, the "
+            "code, the built C extension and torch's version)"
+        ),
     )
     cmd.add_argument(
         "--quiet", action="store_true", help="no step progress (faults and notices still shown)"

@@ -3,12 +3,12 @@
 :func:`run_scenario` builds the testbed (netns as root, else loopback), starts the
 scenario's own etcd (1 or 3 members, in the root namespace on the management
 network), runs the fault-free reference job when an expectation needs it (cached
-by scenario and code hash), then runs the job under the local launcher while a
-controller thread fires each fault at its time or step, undoes it after
-``duration_s``, and draws progress. Everything is torn down afterwards, also on
-error, Ctrl-C and (under a :class:`~chaos.signals.SignalGuard`, as ``resilient
-chaos`` installs) SIGTERM and SIGHUP; a signal during the reference run ends the
-scenario there. The result is the dict of :func:`chaos.report.build_report`, also
+under :func:`chaos.reference_key.reference_key`), then runs the job under the
+local launcher while a controller thread fires each fault at its time or step,
+undoes it after ``duration_s``, and draws progress. Everything is torn down
+afterwards, also on error, Ctrl-C and (under a :class:`~chaos.signals.SignalGuard`,
+as ``resilient chaos`` installs) SIGTERM and SIGHUP; a signal during the reference
+run ends the scenario there. The result is the dict of :func:`chaos.report.build_report`, also
 written to ``OUT/report.json`` beside the ranks' logs (``OUT/logs``) and their
 event logs (``OUT/run``).
 """
@@ -16,7 +16,6 @@ event logs (``OUT/run``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from chaos._display import Display
 from chaos._progress_watch import ProgressWatch
 from chaos.injector_kinds import make_injector
 from chaos.injectors import InjectionContext, Injector, needs_netns
+from chaos.reference_key import reference_key
 from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
 from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers
@@ -52,7 +52,6 @@ _TICK_S: Final = 0.02
 # fires anyway and the report says the spare was not ready.
 _SPARE_HOLD_S: Final = 120.0
 _LOSES_RANK: Final = frozenset({"kill", "hang"})
-_CODE_PACKAGES: Final = ("resilient", "membership", "recovery")
 
 
 def make_testbed(scenario: Scenario) -> Testbed:
@@ -340,23 +339,6 @@ def _run_job(
     )
 
 
-def _code_digest(scenario: Scenario, source: str) -> str:
-    h = hashlib.sha256()
-    job = scenario.job
-    h.update(
-        repr(
-            (job.script, _script_args(scenario), job.nproc, job.rails, job.topology, job.seed)
-        ).encode()
-    )
-    root = Path(__file__).resolve().parent.parent
-    files = [p for pkg in _CODE_PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
-    files.append(Path(_script_path(scenario, source)))
-    for path in files:
-        with contextlib.suppress(OSError):
-            h.update(path.read_bytes())
-    return h.hexdigest()[:24]
-
-
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "resilient" / "chaos"
@@ -372,7 +354,7 @@ def _reference(
     use_cache: bool,
 ) -> dict[str, Any]:
     """The fault-free run's final parameters and speed, from the cache or run now."""
-    key = _code_digest(scenario, source)
+    key = reference_key(scenario, _script_path(scenario, source), _script_args(scenario))
     cached = _cache_dir() / f"{scenario.name}-{key}.json"
     if use_cache and cached.is_file():
         with contextlib.suppress(OSError, ValueError):

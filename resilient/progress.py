@@ -11,7 +11,12 @@ the final one has ``"done": true``. Once the data plane is loaded in the process
 (``resilient.links.native_steps`` imported), every record also carries the rank's
 cumulative rail passes moved whole in C and by the Python path, ``c_passes`` and
 ``python_passes``, and ``c_built`` (the C module is built): the chaos report's
-fast-path share (:func:`pass_counts`; torch is never imported for it).
+fast-path share (:func:`pass_counts`; torch is never imported for it). Every
+record also carries ``commits``: ``[step, ts]`` of this process's newest steps
+(at most 16, oldest first, the record's own step last), because only the newest
+record is written and a reader would otherwise never learn when the steps
+between two writes finished (the chaos report times a recovery to the first step
+after a fault). Readers that predate it ignore the field.
 
 Without ``RESILIENT_ETCD`` (plain torchrun on gloo) :meth:`StepReporter.from_env`
 returns a reporter that does nothing, so scripts need no branches.
@@ -25,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -41,6 +47,10 @@ logger = logging.getLogger(__name__)
 # Read from sys.modules, never imported here: it imports torch, and the CLI and
 # the chaos runner use this module without torch.
 _NATIVE_STEPS: Final = "resilient.links.native_steps"
+# Steps whose commit times ride along in each record: enough to bridge a few
+# records a reader missed (the chaos runner writes every 20 ms and polls every
+# 50 ms), small enough that a record stays well under a kilobyte.
+_COMMITS_KEPT: Final = 16
 
 
 def pass_counts() -> dict[str, Any]:
@@ -84,6 +94,7 @@ class StepReporter:
         self._interval = min_interval_s
         self._pending: dict[str, Any] | None = None
         self._last: dict[str, Any] = {"step": -1}
+        self._commits: deque[tuple[int, float]] = deque(maxlen=_COMMITS_KEPT)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -106,9 +117,12 @@ class StepReporter:
         if renv.etcd is None:  # pragma: no cover - guarded above
             raise ConfigError("RESILIENT_ETCD is empty")
         from membership.etcd_client import EtcdClient
+        from membership.guarded import job_client
 
+        # With RESILIENT_TOKEN each write checks the job token (membership.guarded).
+        client = job_client(EtcdClient(renv.etcd), renv.job, renv.token)
         return cls(
-            EtcdClient(renv.etcd), job=renv.job, rank=renv.rank, incarnation=renv.incarnation,
+            client, job=renv.job, rank=renv.rank, incarnation=renv.incarnation,
             min_interval_s=renv.progress_interval_s,
         )  # fmt: skip
 
@@ -120,9 +134,12 @@ class StepReporter:
         """Record that ``step`` finished; written in the background (never blocks)."""
         if self._client is None:
             return
+        now = time.time()
         with self._lock:
+            self._commits.append((step, now))
             self._last = {
-                **self._stamp, **pass_counts(), **fields, "step": step, "ts": time.time()
+                **self._stamp, **pass_counts(), **fields, "step": step, "ts": now,
+                "commits": [[s, t] for s, t in self._commits],
             }  # fmt: skip
             self._pending = self._last
         self._wake.set()

@@ -1,15 +1,19 @@
 """The fault controller's hold for warm spares, as pure logic (the launcher and the
-display are stand-ins; tests/integration/test_chaos_cli.py runs it for real)."""
+display are stand-ins; tests/integration/test_chaos_cli.py runs it for real), and
+the fault-free reference's cache key on a stand-in source tree."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
+from chaos.reference_key import reference_key, torch_version
 from chaos.runner import _Controller
-from chaos.scenario import Fault
+from chaos.scenario import Fault, Scenario, parse
 
 
 @dataclass
@@ -80,3 +84,65 @@ def test_a_spare_that_never_stands_ready_holds_a_fault_only_so_long(
     clock[0] += 121.0
     assert ctl._held(ctl.records[0], kill) is False
     assert ctl.records[0].detail == {"held_for_spare_s": 121.0, "spare": "not ready"}
+
+
+def _tree(root: Path) -> None:
+    """A stand-in source tree: one module per code package and a built extension."""
+    for pkg in ("resilient/links", "membership", "recovery"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text(f"# {pkg}\n")
+    (root / "resilient/links/_stepio.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF1")
+    (root / "train.py").write_text("print('train')\n")
+
+
+_BODY = """
+[job]
+script = "train.py"
+nproc = 4
+rails = 2
+steps = 100
+[[fault]]
+kind = "kill"
+rank = 1
+at_step = 10
+[expect]
+params_equal_fault_free = true
+"""
+
+
+@pytest.mark.timeout(10)
+def test_the_reference_key_changes_with_the_extension_torch_and_the_job(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    script = str(tmp_path / "train.py")
+    base = parse(_BODY)
+
+    def key(scenario: Scenario = base, torch: str = "2.5.1+cpu") -> str:
+        args = ("--steps", str(scenario.job.steps), "--seed", str(scenario.job.seed))
+        return reference_key(scenario, script, args, root=tmp_path, torch=torch)
+
+    first = key()
+    assert key() == first  # stable
+    assert key(torch="2.6.0+cpu") != first
+    assert key(parse(_BODY.replace("rails = 2", "rails = 1"))) != first
+    assert key(parse(_BODY.replace("steps = 100", "steps = 101"))) != first
+    assert key(parse(_BODY.replace('script = "train.py"', 'script = "t.py"'))) != first
+    # What the fault-free run never sees leaves the key as it is.
+    assert key(parse(_BODY.replace("at_step = 10", "at_step = 20"))) == first
+    assert key(parse(_BODY.replace("[job]", "[job]\nwarm_spares = true"))) == first
+    so = tmp_path / "resilient/links/_stepio.cpython-311-x86_64-linux-gnu.so"
+    so.write_bytes(b"\x7fELF2")
+    rebuilt = key()
+    assert rebuilt != first
+    so.unlink()  # not built: a key of its own too
+    assert key() not in (first, rebuilt)
+    (tmp_path / "recovery/__init__.py").write_text("# changed\n")
+    (tmp_path / "train.py").write_text("print('changed')\n")
+    assert len({first, rebuilt, key()}) == 3
+
+
+@pytest.mark.timeout(10)
+def test_the_reference_key_reads_torch_version_without_importing_torch() -> None:
+    imported = "torch" in sys.modules
+    version = torch_version()
+    assert imported or "torch" not in sys.modules  # read from its metadata
+    assert version == "absent" or version[0].isdigit()
