@@ -53,6 +53,23 @@ def cpu_root() -> tuple[Path, int]:
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), from /proc."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                raw = (entry / "stat").read_bytes()
+                parent[int(entry.name)] = int(raw[raw.rindex(b")") + 2 :].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        below = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == below]
+        found += kids
+        todo += kids
+    return found
+
+
 def _ticks(pid: int) -> int:
     """CPU time the process used so far, in clock ticks (utime + stime)."""
     raw = Path(f"/proc/{pid}/stat").read_bytes()
@@ -60,7 +77,7 @@ def _ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def measure_cpus(pid: int, window_s: float = 0.5) -> float:
+def measure_cpus(pid: int, window_s: float = 0.2) -> float:
     """How many CPUs ``pid`` used over the next ``window_s`` (all its threads).
 
     Raises:
@@ -103,15 +120,24 @@ class CpuQuota:
         self.cpus = quota / PERIOD_US
 
     def add(self, pid: int) -> bool:
-        """Move process ``pid`` (all its threads) in; False if it is gone."""
-        try:
-            (self.path / "cgroup.procs").write_text(str(pid))
-        except ProcessLookupError:
-            return False
-        except OSError as exc:
-            if not Path(f"/proc/{pid}").exists():
-                return False
-            raise ChaosError(f"slow-cpu: cannot move pid {pid} into {self.path}: {exc}") from exc
+        """Move process ``pid`` (all its threads) and its descendants in; False if it
+        is gone. The descendants too, as on a slow node: among them is the rank's
+        stolen-time meter, whose late wake-ups are how a throttled rank shows
+        (:mod:`resilient.detect.stolen_time`)."""
+        for proc in [pid, *descendants(pid)]:
+            try:
+                (self.path / "cgroup.procs").write_text(str(proc))
+            except ProcessLookupError:
+                if proc == pid:
+                    return False
+            except OSError as exc:
+                if not Path(f"/proc/{proc}").exists():
+                    if proc == pid:
+                        return False
+                    continue
+                raise ChaosError(
+                    f"slow-cpu: cannot move pid {proc} into {self.path}: {exc}"
+                ) from exc
         return True
 
     def pids(self) -> list[int]:

@@ -13,7 +13,7 @@ slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms; it
             unless ``pin`` (the process found at start only, as a slow node whose
             rank is replaced elsewhere); a pinned process that is gone ends it
 slow-cpu    a cgroup CPU quota of ``factor`` times the CPUs the rank used (measured
-            over 0.5 s at start, or ``cpus``): it keeps running, slower (a slow
+            over 0.2 s at start, or ``cpus``): it keeps running, slower (a slow
             node); follows the rank to a replacement unless ``pin``, as ``slow``
 nic-down    ``ip link set rJ down`` in the host; up again on stop
 nic-up      ``ip link set rJ up``
