@@ -43,6 +43,7 @@ from typing import Any, Final
 
 from chaos import _sh, cpu_throttle
 from resilient.errors import ChaosError
+from resilient.procs import pid_alive
 
 __all__ = [
     "PREFIX",
@@ -80,16 +81,6 @@ class Leftover:
 def owner_dir() -> Path:
     """Where owner records live (``$RESILIENT_CHAOS_STATE`` or the temp dir)."""
     return Path(os.environ.get("RESILIENT_CHAOS_STATE", tempfile.gettempdir())) / "resilient-chaos"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_record(path: Path, record: dict[str, Any]) -> bool:

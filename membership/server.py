@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from membership.etcd_client import EtcdClient
 
 from resilient.errors import ConfigError, MembershipError
-from resilient.procs import free_ports, spawn, stop_process
+from resilient.procs import free_ports, pid_alive, spawn, stop_process
 
 __all__ = ["EmbeddedEtcd", "EtcdCluster", "ServerTLS", "find_etcd_binary"]
 
@@ -63,16 +63,6 @@ _TEMP_PREFIX = "resilient-etcd-"
 _OWNER_FILE = "owner.pid"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale_dirs(base: str | os.PathLike[str] | None = None) -> int:
     """Remove temp data dirs of embedded etcds whose owner process is gone.
 
@@ -86,7 +76,7 @@ def sweep_stale_dirs(base: str | os.PathLike[str] | None = None) -> int:
             owner = int((path / _OWNER_FILE).read_text())
         except (OSError, ValueError):
             continue  # not ours, or still being created
-        if not _pid_alive(owner):
+        if not pid_alive(owner):
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
             logger.info("removed stale embedded-etcd dir %s (owner pid %d is gone)", path, owner)

@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
 
-__all__ = ["free_port", "host_store", "spawn", "stop_process"]
+__all__ = ["free_port", "host_store", "pid_alive", "spawn", "stop_process"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,18 @@ def spawn(
         preexec_fn=_pdeathsig_preexec(),
         pass_fds=tuple(pass_fds),
     )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts: it is not ours to
+    clean up after)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def stop_process(proc: subprocess.Popen[Any], *, grace_s: float = 5.0) -> int | None:

@@ -73,33 +73,6 @@ def injectors() -> Iterator[Injectors]:
         made.stop_all()
 
 
-@pytest.fixture
-def procs() -> Iterator[_net.Procs]:
-    procs = _net.Procs()
-    try:
-        yield procs
-    finally:
-        procs.close()
-
-
-def _netns(hosts: int, rails: int) -> Iterator[NetnsTestbed]:
-    testbed = NetnsTestbed(hosts, rails)
-    try:
-        yield testbed.up()
-    finally:
-        testbed.down()
-
-
-@pytest.fixture
-def netns_2x2() -> Iterator[NetnsTestbed]:
-    yield from _netns(2, 2)
-
-
-@pytest.fixture
-def netns_3x2() -> Iterator[NetnsTestbed]:
-    yield from _netns(3, 2)
-
-
 def _qdiscs(netns: str) -> str:
     return _sh.run(["tc", "-n", netns, "qdisc", "show"])
 

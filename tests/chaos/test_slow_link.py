@@ -4,8 +4,6 @@ ways; the rank's other peers and the pair's other rail at full speed; undone on 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from chaos import _sh
@@ -25,33 +23,15 @@ def _no_pid(rank: int) -> int:
     raise AssertionError(f"a network fault asked for the pid of rank {rank}")
 
 
-@pytest.fixture
-def testbed() -> Iterator[NetnsTestbed]:
-    bed = NetnsTestbed(3, 2)
-    try:
-        yield bed.up()
-    finally:
-        bed.down()
-
-
-@pytest.fixture
-def procs() -> Iterator[_net.Procs]:
-    procs = _net.Procs()
-    try:
-        yield procs
-    finally:
-        procs.close()
-
-
 @_net.requires_root
 def test_one_pair_on_one_rail_is_slowed_both_ways_until_stopped(
-    testbed: NetnsTestbed, procs: _net.Procs
+    netns_3x2: NetnsTestbed, procs: _net.Procs
 ) -> None:
-    h0, h1, h2 = testbed.hosts
+    h0, h1, h2 = netns_3x2.hosts
     params = {"rank": 0, "peer": 1, "rail": 0, "rate_mbit": 100.0}
     slow = make_injector(
         Fault(kind="slow-link", at_s=0.0, params=params),
-        InjectionContext(testbed=testbed, pid_of=_no_pid),
+        InjectionContext(testbed=netns_3x2, pid_of=_no_pid),
     )
     slow.start()
     try:
@@ -64,7 +44,7 @@ def test_one_pair_on_one_rail_is_slowed_both_ways_until_stopped(
         assert _net.throughput_mbit(procs, h1, h0, 1, 5 * MB) > 300.0
     finally:
         slow.stop()
-    for ns in (str(h0.netns), testbed.switch_netns):
+    for ns in (str(h0.netns), netns_3x2.switch_netns):
         assert "htb" not in _sh.run(["tc", "-n", ns, "qdisc", "show"])
     assert _net.throughput_mbit(procs, h1, h0, 0, 5 * MB) > 300.0
 
@@ -80,11 +60,11 @@ def test_one_pair_on_one_rail_is_slowed_both_ways_until_stopped(
     ],
 )
 def test_a_link_that_does_not_exist_or_a_bad_rate_is_refused(
-    testbed: NetnsTestbed, params: dict[str, float], why: str
+    netns_3x2: NetnsTestbed, params: dict[str, float], why: str
 ) -> None:
     slow = make_injector(
         Fault(kind="slow-link", at_s=0.0, params=params),
-        InjectionContext(testbed=testbed, pid_of=_no_pid),
+        InjectionContext(testbed=netns_3x2, pid_of=_no_pid),
     )
     with pytest.raises(ChaosError, match=why):
         slow.start()

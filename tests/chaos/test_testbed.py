@@ -22,15 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def procs() -> Iterator[_net.Procs]:
-    procs = _net.Procs()
-    try:
-        yield procs
-    finally:
-        procs.close()
-
-
-@pytest.fixture
 def netns_2x2() -> Iterator[NetnsTestbed]:
     testbed = NetnsTestbed(2, 2)
     try:
