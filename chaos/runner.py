@@ -35,6 +35,7 @@ from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
 from chaos.testbed import LoopbackTestbed, NetnsTestbed, Testbed, sweep_leftovers
 from membership.etcd_client import EtcdClient
+from membership.guarded import job_client
 from membership.keys import JobKeys
 from membership.server import EtcdCluster
 from resilient.config import EtcdConfig
@@ -307,7 +308,12 @@ def _run_job(
     )
     launcher = Launcher(config)
     watch = ProgressWatch(etcd.endpoints, config.job).start()
-    control_client = EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0))
+    # The fault records are the job's keys: written under its token (membership.guarded).
+    control_client = job_client(
+        EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0)),
+        config.job,
+        config.token,
+    )
     ctx = InjectionContext(
         testbed=testbed,
         pid_of=_pid_lookup(launcher, watch),
