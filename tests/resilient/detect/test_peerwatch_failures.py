@@ -16,16 +16,11 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_a_failing_scan_is_warned_reported_once_and_recovers(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    emitted: list[tuple[str, dict[str, Any]]],
 ) -> None:
-    seen: list[tuple[str, dict[str, Any]]] = []
-    lock = threading.Lock()
-
-    def keep(kind: str, **fields: Any) -> None:
-        with lock:
-            seen.append((kind, fields))
-
-    monkeypatch.setattr("resilient.events.emit", keep)
+    seen = emitted
     caplog.set_level(logging.INFO, "resilient.detect.peer_watch")
     failing = threading.Event()
     failing.set()

@@ -21,19 +21,6 @@ from resilient.procs import wait_until
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def emitted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    seen: list[tuple[str, dict[str, Any]]] = []
-    lock = threading.Lock()
-
-    def keep(kind: str, **fields: Any) -> None:
-        with lock:
-            seen.append((kind, fields))
-
-    monkeypatch.setattr("resilient.events.emit", keep)
-    return seen
-
-
 def _kinds(emitted: list[tuple[str, dict[str, Any]]], site: str) -> list[str]:
     return [k for k, f in list(emitted) if f.get("site") == site]
 
