@@ -119,7 +119,8 @@ def _dist_entry(
 ) -> None:
     try:
         os.environ.update(env)
-        os.environ["RESILIENT_RAILS"] = f"127.0.1.{rank + 1}"
+        rails = env.get("RESILIENT_RAILS", "127.0.1.{r}")  # "{r}": this rank's number + 1
+        os.environ["RESILIENT_RAILS"] = rails.format(r=rank + 1)
         import torch
         import torch.distributed as dist
 

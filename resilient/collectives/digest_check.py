@@ -116,4 +116,4 @@ def forget_call(links: LinkTable, key: int) -> None:
     for link in links.links().values():
         pg = getattr(link, "pg", None)
         if isinstance(link, SocketLink) and pg is not None:
-            pg.forget_call(key, why)
+            pg.forget_call(key, why, link.ledger.slot)

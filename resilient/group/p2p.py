@@ -67,7 +67,9 @@ from resilient.group.epoch_control import EpochControl
 from resilient.group.p2p_channel import Channel
 from resilient.group.p2p_late_wakes import LateWakes
 from resilient.group.p2p_wire import AnyRecv, Message
+from resilient.group.shared_links import P2P
 from resilient.group.work import ResilientWork
+from resilient.links.table import Link
 
 __all__ = ["PointToPoint"]
 
@@ -242,10 +244,17 @@ class PointToPoint:
                 chan = self._channels[peer] = Channel(
                     rank=self._rank, peer_rank=peer, pos=ep.pos, peer=pos, rails=ep.rails,
                     store=ep.store, config=ep.config, epoch=ep.epoch, late_wakes=self._late_wakes,
+                    borrow=ep.borrowing(P2P) if ep.borrowing is not None else None,
                 )  # fmt: skip
         for old in stale:  # its links rendezvoused under the last epoch's numbering
             old.close()
         return chan
+
+    def link_to(self, peer: int, rail: int) -> Link | None:
+        """The link of the channel to ``peer`` on ``rail`` in this epoch, if built
+        (what the world group lends a subgroup, resilient.group.shared_links)."""
+        chan = self._channels.get(peer)
+        return chan.link_on(rail) if chan is not None else None
 
     def close(self) -> None:
         """Close every channel: queued and pending ops fail, links close (shutdown)."""

@@ -65,6 +65,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 from torch._C._distributed_c10d import Store
@@ -132,6 +133,7 @@ class Channel(Steps):
         config: DataPlaneConfig,
         epoch: int,
         late_wakes: LateWakes | None = None,
+        borrow: Callable[[int, int], Link | None] | None = None,
     ) -> None:
         self.rank, self.peer_rank, self.peer, self.epoch = rank, peer_rank, peer, epoch
         self._late_wakes = late_wakes
@@ -142,6 +144,7 @@ class Channel(Steps):
             rank=pos, rails=rails, store=store, config=config, epoch=epoch,
             name="p2p", transport="socket",
         )  # fmt: skip
+        self._table.borrow = borrow
         self._link: Link | None = None
         self._link_lock = threading.Lock()
         self._lock = threading.Lock()  # the ops, their posting and progress
@@ -298,6 +301,10 @@ class Channel(Steps):
             with engine_.lock:  # polling the sockets it had; it must watch this one too
                 engine_.ring()
         return link
+
+    def link_on(self, rail: int) -> Link | None:
+        """This channel's link on ``rail``, if built."""
+        return self._table.links().get((self.peer, rail))
 
     def _build(self, old: Link | None) -> Link:
         table = self._table

@@ -23,23 +23,28 @@ __all__ = [
     "AnyRecv", "Message", "describe", "mismatch", "wire_tag",
 ]  # fmt: skip
 
-# Frame kinds, in the low bits of a wire tag. The user's tag (32 bits) sits from
-# bit 28 up: bits 24-27 hold the epoch's salt (resilient.links.ledger), and the wire
-# tag stays non-negative (negative tags are the pair's own: the repair probe).
+# Frame kinds, in the low 3 bits of a wire tag. The user's tag (32 bits) fills the
+# bits around the ones the link's ledger adds (resilient.links.ledger): its low 21
+# bits go to bits 3-23, its high 11 to bits 28-38, since bits 24-27 hold the epoch's
+# salt and bits from 53 on a shared connection's slot; the wire tag stays
+# non-negative (negative tags are the pair's own: the repair probe).
 READY: Final = 1
 DATA: Final = 2
 INFO: Final = 3
 OFFER: Final = 4  # sender -> receiver: a send met a READY from any source (its dtype, count)
 REPLY: Final = 5  # receiver -> sender: empty; taken, or declined when flagged NEWS
 DATA_ANY: Final = 6  # a send's bytes to a receive from any source that took it
-_TAG_SHIFT: Final = 28
+_LOW_BITS: Final = 21
+_LOW_MASK: Final = (1 << _LOW_BITS) - 1
+_HIGH_SHIFT: Final = 28
 PAIR: Final = struct.Struct("<qq")  # a dtype number and an element count
 EMPTY: Final = memoryview(b"")
 
 
 def wire_tag(tag: int, kind: int) -> int:
     """The socket pair's tag of frame ``kind`` of a message with user tag ``tag``."""
-    return ((tag & 0xFFFFFFFF) << _TAG_SHIFT) | kind
+    tag &= 0xFFFFFFFF
+    return ((tag & _LOW_MASK) << 3) | kind | ((tag >> _LOW_BITS) << _HIGH_SHIFT)
 
 
 def describe(code: int, numel: int) -> str:

@@ -41,6 +41,7 @@
 #define MAX_MSGS 4096
 #define NEWS_FLAG (1LL << 62)
 #define HELLO (-1LL) /* the digest of a header-only hello (collectives.digest_check.FALLBACK) */
+#define SLOT_SHIFT 53 /* a tag's slot: groups sharing a connection (links.ledger.GROUP_SHIFT) */
 
 enum { DONE = 0, LATE = 1, OTHER = 2, BROKEN = 3 };
 
@@ -170,10 +171,13 @@ static int read_some(int fd, stream_t *s, const msg_t *m, int n, int f, int *lef
         s->roff += g;
         if (!had_header && s->roff == HDR) {
             int64_t digest = get64(s->rhdr + 16);
-            if (digest == HELLO && get64(s->rhdr + 8) == 0 && get64(s->rhdr) != x->tag) {
+            if (digest == HELLO && get64(s->rhdr + 8) == 0 && get64(s->rhdr) != x->tag &&
+                (get64(s->rhdr) >> SLOT_SHIFT) == (x->tag >> SLOT_SHIFT)) {
                 /* A hello of a call that fell back already (its tags are forgotten,
                  * and the Python reader would drop it): skip it. One under the
-                 * expected tag stops the step below, for the gate to see. */
+                 * expected tag stops the step below, for the gate to see; so does
+                 * one of another group sharing the connection (another tag slot,
+                 * resilient.links.ledger): its reader is the Python path. */
                 s->roff = 0;
                 continue;
             }

@@ -27,6 +27,11 @@ and discards their messages when it enters an epoch
 own thread completes a matched pair within milliseconds, well before the
 survivors have agreed on the next epoch.
 
+A link that shares its connection with another group's (a subgroup's link over the
+world group's, :mod:`resilient.links.lending`) also carries its *slot* from bit
+:data:`GROUP_SHIFT` on: the groups' tags never meet, and each group forgets only
+its own.
+
 A salt comes round again after :data:`SALTS` epochs. A link that carried stale ops
 under some salt is *dirty* for it and is not kept into an epoch with that salt
 (both ends' records say so; see :mod:`recovery.agree`).
@@ -37,10 +42,15 @@ from __future__ import annotations
 import threading
 from typing import Any, Final
 
-__all__ = ["SALTS", "OpLedger", "salt_of", "tag_salt"]
+__all__ = ["GROUP_SHIFT", "MAX_SLOT", "SALTS", "OpLedger", "salt_of", "tag_salt", "tag_slot"]
 
 SALTS: Final = 16
 SALT_SHIFT: Final = 24
+# A shared connection's slot: above the call numbers (resilient.links.socket_frames
+# CALL_SHIFT plus the 21 bits of resilient.collectives.digest_check.call_key), below
+# the sign bit. Slot 0 is the connection's owner.
+GROUP_SHIFT: Final = 53
+MAX_SLOT: Final = (1 << (63 - GROUP_SHIFT)) - 1
 _PURGE_ABOVE: Final = 256
 
 
@@ -55,6 +65,11 @@ def tag_salt(tag: int) -> int | None:
     return None if tag < 0 else (tag >> SALT_SHIFT) % SALTS
 
 
+def tag_slot(tag: int) -> int:
+    """The slot a wire tag was sent under (-1 for the pair's own negative tags)."""
+    return tag >> GROUP_SHIFT
+
+
 class OpLedger:
     """Unfinished ops of one link, for the current epoch; see the module docstring.
 
@@ -64,15 +79,18 @@ class OpLedger:
     wait before it looks at the flag). The rest is rare and holds the lock.
     """
 
-    def __init__(self, salt: int = 0) -> None:
+    def __init__(self, salt: int = 0, slot: int = 0) -> None:
+        if not 0 <= slot <= MAX_SLOT:
+            raise ValueError(f"tag slot {slot} outside 0..{MAX_SLOT}")
         self.salt = salt
+        self.slot = slot
         self.dirty = 0  # bit s: ops posted under salt s may still be pending
         self._lock = threading.Lock()
         self._open: dict[int, Any] = {}  # id(work) -> work, posted this epoch
         self._stale: dict[int, Any] = {}  # unfinished ops of earlier epochs
         self._waiting: dict[int, Any] = {}
         self._frozen = False
-        self._offset = salt << SALT_SHIFT
+        self._offset = (slot << GROUP_SHIFT) + (salt << SALT_SHIFT)
 
     def tag(self, tag: int) -> int:
         """``tag`` as it goes on the wire in this epoch."""
@@ -129,7 +147,7 @@ class OpLedger:
             self._open.clear()
             self._frozen = False
             self.salt = salt
-            self._offset = salt << SALT_SHIFT
+            self._offset = (self.slot << GROUP_SHIFT) + (salt << SALT_SHIFT)
 
     def _purge(self) -> None:
         """Forget finished ops (holds the lock; other threads may add meanwhile)."""

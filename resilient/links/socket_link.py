@@ -115,7 +115,9 @@ class SocketLink(Link):
         if self.pg is None or left == self.ledger.salt:
             return
         dropped = self.pg.forget(
-            lambda tag: tag_salt(tag) == left, f"{self!r}: its call was given up"
+            lambda tag: tag_salt(tag) == left,
+            f"{self!r}: its call was given up",
+            self.ledger.slot,
         )
         if dropped:
             logger.debug(

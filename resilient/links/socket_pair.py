@@ -36,6 +36,7 @@ import torch
 
 from resilient.links import gloo_sockets
 from resilient.links.byte_views import bytes_of
+from resilient.links.ledger import GROUP_SHIFT, MAX_SLOT, tag_slot
 from resilient.links.socket_engine import Engine, SocketWork, engine
 from resilient.links.socket_frames import CALL_SHIFT, HEADER, NEWS
 
@@ -91,8 +92,10 @@ class SocketPair:
         # A large message came while no receive at all was posted here: its header
         # stays in the buffer and its body in the socket until one is (see _deliver).
         self._parked = False
-        # Tags of given-up calls (see forget): their messages are discarded.
-        self._forgotten: Callable[[int], bool] | None = None
+        # Tags of given-up calls by tag slot (see forget): their messages are discarded.
+        self._forgotten: dict[int, Callable[[int], bool]] = {}
+        # The last tag slot handed out (take_slot): groups sharing this connection.
+        self._slots = 0
         # Calls dropped by number (see forget_call), the newest _FORGOTTEN_KEPT.
         self._calls_gone: set[int] = set()
         self._calls_order: collections.deque[int] = collections.deque()
@@ -169,21 +172,37 @@ class SocketPair:
                 self.read_some()
         return work
 
-    def forget(self, stale: Callable[[int], bool], why: str) -> int:
-        """Drop every receive whose tag ``stale`` names (a given-up call's): it fails
-        with ``why`` and never writes into its buffer, which the caller may reuse
-        now; messages with such tags, stashed or still to come, are discarded.
-        Queued sends still go out whole (the framing needs them; the peer drops
-        them in turn). Returns how many receives were dropped."""
+    def take_slot(self) -> int | None:
+        """A tag slot no group on this connection used yet (never handed out twice,
+        so a group that left never meets its successor's messages), or None when
+        all are taken. Only the connection's lower end hands slots out
+        (resilient.links.table)."""
         with self.engine.lock:
-            self._forgotten = stale
-            return self._drop_locked(stale, why)
+            if self._slots >= MAX_SLOT or self.error is not None:
+                return None
+            self._slots += 1
+            return self._slots
 
-    def forget_call(self, call: int, why: str) -> int:
+    def forget(self, stale: Callable[[int], bool], why: str, slot: int = 0) -> int:
+        """Drop every receive of tag slot ``slot`` whose tag ``stale`` names (a
+        given-up call's): it fails with ``why`` and never writes into its buffer,
+        which the caller may reuse now; messages with such tags, stashed or still
+        to come, are discarded. Queued sends still go out whole (the framing needs
+        them; the peer drops them in turn). Returns how many receives were dropped."""
+
+        def mine(tag: int) -> bool:
+            return tag_slot(tag) == slot and stale(tag)
+
+        with self.engine.lock:
+            self._forgotten[slot] = stale
+            return self._drop_locked(mine, why)
+
+    def forget_call(self, call: int, why: str, slot: int = 0) -> int:
         """:meth:`forget` for the tags of one call checked by digest (``call``: the
-        tag bits from CALL_SHIFT on), kept beside the epoch's predicate; the newest
-        _FORGOTTEN_KEPT calls are remembered. The dropped receives fail as refused
-        (DigestMismatch): the call was, on some rank."""
+        tag bits from CALL_SHIFT on, without the slot), kept beside the epoch's
+        predicate; the newest _FORGOTTEN_KEPT calls are remembered. The dropped
+        receives fail as refused (DigestMismatch): the call was, on some rank."""
+        call |= slot << (GROUP_SHIFT - CALL_SHIFT)
         with self.engine.lock:
             if call not in self._calls_gone:
                 self._calls_gone.add(call)
@@ -406,7 +425,8 @@ class SocketPair:
         self._body = (tag, view, got, work, digest)
 
     def _arrived(self, tag: int, body: memoryview | bytearray, digest: int) -> None:
-        if self._forgotten is not None and self._forgotten(tag):
+        forgotten = self._forgotten.get(tag_slot(tag)) if self._forgotten else None
+        if forgotten is not None and forgotten(tag):
             return
         if self._calls_gone and tag >> CALL_SHIFT in self._calls_gone:
             return

@@ -118,8 +118,9 @@ class StallWatch:
         overdue = [op for token, op in late if token not in self._cut_tokens]
         due = [(token, op) for token, op in late if token not in self._reported]
         why = {token: self._suspect(op) if op[4] else "" for token, op in due}
-        # One report per link and stall, however many of its ops are pending.
-        seen: set[tuple[int, int, int]] = set()
+        # One report per link and stall, however many of its ops are pending, also
+        # when they come due in different ticks (ops posted a preemption apart).
+        seen = {op[0] for token, op in ops if token in self._reported}
         fresh = []
         for token, op in due:
             if why[token] is None:

@@ -26,6 +26,7 @@ from torch.distributed import DistError
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 from resilient.links.ledger import salt_of
+from resilient.links.lending import BorrowedLink, usable
 from resilient.links.link import Link
 from resilient.links.socket_link import SocketLink
 
@@ -83,6 +84,10 @@ class LinkTable:
         # Why this epoch's calls are being given up (a peer was lost), or None: then
         # no failover is attempted, since the peers stopped taking part too.
         self.abandoned: str | None = None
+        # A subgroup's: the world group's link to (peer, rail) in this table's
+        # numbering, which a new link borrows when both ends have it
+        # (resilient.links.lending).
+        self.borrow: Callable[[int, int], Link | None] | None = None
 
     def prefix(self, peer: int, rail: int) -> str:
         lo, hi = min(self.rank, peer), max(self.rank, peer)
@@ -164,10 +169,18 @@ class LinkTable:
         then whether it succeeded (``built<rank>``), so a link is in service at both
         ends or at neither.
         """
+        prefix = self.prefix(peer, rail)
+        try:
+            shared = self.borrowed(peer, rail)
+        except LinkError as exc:
+            if len(self.rails) == 1:
+                raise
+            return self._unbuilt(peer, rail, prefix), f"its rendezvous failed: {exc}"
+        if shared is not None:
+            return shared, None
         if len(self.rails) == 1:
             return self._new_link(peer, rail), None
         why = self.refuse(peer, rail) if self.refuse is not None else None
-        prefix = self.prefix(peer, rail)
         theirs = self._meet(prefix, peer, rail, why)
         if why is None and theirs:
             why = f"rank {peer} does not build it: {theirs}"
@@ -193,12 +206,14 @@ class LinkTable:
                 return built, None
             if built is not None:
                 built.close(background=True)
+        return self._unbuilt(peer, rail, prefix), why
+
+    def _unbuilt(self, peer: int, rail: int, prefix: str) -> Link:
         link = self._kind.unbuilt(
             rank=self.rank, peer=peer, rail=rail, prefix=prefix, config=self.config,
             device_type=self.device_type, salt=salt_of(self.epoch),
         )  # fmt: skip
-        self._wire(link)
-        return link, why
+        return self._wire(link)
 
     def _meet(
         self, prefix: str, peer: int, rail: int, why: str | None = None,
@@ -252,6 +267,48 @@ class LinkTable:
             nap = min(nap * 2, 0.02)
         return bytes(self.store.get(key)).decode()
 
+    def borrowed(self, peer: int, rail: int, timeout_s: float | None = None) -> Link | None:
+        """The link to ``peer`` on ``rail`` over the world group's connection
+        (:mod:`resilient.links.lending`), or None: build one of its own.
+
+        Both ends say what they could borrow (``share<rank>``: the lent link's
+        prefix, and at its lower end the slot it handed out) and borrow only when
+        both name the same connection, so no end ever waits on a connection the
+        other does not use. Every subgroup table (``borrow`` set) of socket links
+        says so, even with nothing to lend, since its peer may have something.
+
+        Raises:
+            LinkError: the peer did not say within ``timeout_s`` (default
+                ``connect_timeout_s``), or the store failed.
+        """
+        if self.borrow is None or self._kind is not SocketLink:
+            return None
+        owner = self.borrow(peer, rail)
+        if not usable(owner):
+            owner = None
+        slot = None
+        if owner is not None and owner.rank < owner.peer:
+            slot = owner.pg.take_slot()  # the lower end hands slots out
+        mine = "" if owner is None else f"{owner.prefix} {slot or 0}"
+        prefix = self.prefix(peer, rail)
+        try:
+            self.store.set(f"{prefix}share{self.rank}", mine)
+            theirs = self._poll(f"{prefix}share{peer}", peer, rail, timeout_s)
+        except (RuntimeError, DistError) as exc:
+            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        if owner is None or not theirs or theirs.split(" ")[0] != owner.prefix:
+            return None
+        agreed = max(int(theirs.split(" ")[1]), slot or 0)  # the lower end's
+        if agreed == 0:
+            return None
+        assert isinstance(owner, SocketLink)
+        link = BorrowedLink.over(
+            owner, rank=self.rank, peer=peer, prefix=prefix, config=self.config,
+            salt=salt_of(self.epoch), slot=agreed,
+        )  # fmt: skip
+        logger.debug("rank %d: %r borrows %r", self.rank, link, owner)
+        return self._wire(link)
+
     def get(self, peer: int, rail: int) -> Link:
         link = self._links.get((peer, rail))
         if link is None:
@@ -280,6 +337,9 @@ class LinkTable:
         """
         with self._lock:
             self._generation[(peer, rail)] = generation
+        shared = self.borrowed(peer, rail, timeout_s)
+        if shared is not None:
+            return shared
         config = dataclasses.replace(self.config, connect_timeout_s=timeout_s)
         # Both ends say they are here first, so the rendezvous itself is short
         # (``met``): an end that waits for a connection never sits out five times

@@ -8,6 +8,7 @@ second time (that used to fail with "rank 0 is held by incarnation 0").
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -271,3 +272,127 @@ def test_a_lost_rank_fails_every_subgroup_holding_it_at_once_and_spares_the_othe
             else:
                 assert not told, (rank, name)
                 assert result == [float(sum(x + 1 for x in ranks))] * 3, (rank, name, result)
+
+
+def _sockets() -> int:
+    """This process's open sockets (TCP connections, listeners, the store's)."""
+    import os
+
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def _link_kinds(group: Any) -> set[str]:
+    return {
+        type(link).__name__ for table in group.epochs.tables() for link in table.links().values()
+    }
+
+
+def _borrowing(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warm = torch.ones(4096) * rank
+    # One rail, a call too large to travel in the call check's rows: the mesh, data
+    # links to every peer.
+    dist.all_reduce(warm)
+    dist.barrier()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    before = _sockets()
+    mine = pairs[rank // 2]
+    t = torch.arange(5, dtype=torch.float32) + 10 * rank
+    for _ in range(3):
+        dist.all_reduce(t, group=mine)
+    x = torch.full((300_000,), float(rank + 1))
+    dist.all_reduce(x, group=mesh.get_group("rep"))
+    g = torch.empty(4, dtype=torch.int64)
+    dist.all_gather_into_tensor(g, torch.tensor([rank, -rank]), group=mesh.get_group("shard"))
+    # Point-to-point in a subgroup (group ranks) and in the world group.
+    buf = torch.full((10,), float(rank))
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        dist.send(buf, group_dst=1, group=mine)
+        dist.recv(buf, src=peer)
+    else:
+        got = torch.empty(10)
+        dist.recv(got, group_src=0, group=mine)
+        dist.send(got + 100, dst=peer)
+        buf = got
+    after = _sockets()
+    world_p2p = dist.group.WORLD.p2p.link_to(peer, 0)
+    sub_p2p = mine.p2p.link_to(1 - mine.rank(), 0)
+    out = {
+        "before": before,
+        "after": after,
+        "pair": _link_kinds(mine),
+        "rep": _link_kinds(mesh.get_group("rep")),
+        "shard": _link_kinds(mesh.get_group("shard")),
+        "p2p": (type(world_p2p).__name__, type(sub_p2p).__name__),
+        "t": t.tolist(),
+        "x": x[:2].tolist(),
+        "g": g.tolist(),
+        "buf": buf[:2].tolist(),
+    }
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_subgroups_ride_on_the_world_groups_connections() -> None:
+    """No second connection where one exists: once the world group has links to its
+    peers, its subgroups' data, control and point-to-point links borrow them."""
+    results = run_dist(_borrowing, WORLD, timeout_s=150)
+    for rank, r in enumerate(results):
+        for group in ("pair", "rep", "shard"):
+            assert r[group] == {"BorrowedLink"}, (rank, group, r[group])
+        assert r["p2p"] == ("BorrowedLink", "BorrowedLink"), rank
+        if rank != 0:  # rank 0 also serves the TCPStore, whose clients come and go
+            assert r["after"] == r["before"], rank
+        lo = 2 * (rank // 2)
+        t0 = [float(i + 10 * lo) for i in range(5)]
+        t1 = [float(i + 10 * (lo + 1)) for i in range(5)]
+        want = [a + b for a, b in zip(t0, t1, strict=True)]
+        for _ in range(2):
+            want = [2 * v for v in want]
+        assert r["t"] == want, rank
+        assert r["x"] == [float(rank % 2 + 1 + rank % 2 + 3)] * 2, rank
+        base = 2 * (rank // 2)
+        assert r["g"] == [base, -base, base + 1, -(base + 1)], rank
+        # The odd rank got the even one's tensor, and sent it back plus 100.
+        assert r["buf"] == [float(lo + 100 * (rank % 2 == 0))] * 2, rank
+
+
+def _cut_under_a_subgroup(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    big = torch.ones(1 << 18) * (rank + 1)  # split across both rails
+    dist.all_reduce(big)
+    sub = dist.new_group([0, 1])
+    y = torch.ones(1 << 18) * (rank + 1)
+    dist.all_reduce(y, group=sub)
+    kinds = _link_kinds(sub)
+    dist.barrier()
+    # The world's connection on rail 0 breaks (as when its cable is pulled): the
+    # subgroup's link over it fails too, and its calls go on over rail 1.
+    dist.group.WORLD.links.get(1 - rank, 0).abort("test: the connection broke")
+    z = torch.ones(1 << 18) * (rank + 1)
+    for _ in range(3):
+        dist.all_reduce(z, group=sub)
+    w = torch.ones(1 << 18) * (rank + 1)
+    dist.all_reduce(w)
+    return {"kinds": kinds, "y": y[0].item(), "z": z[0].item(), "w": w[0].item()}
+
+
+@pytest.mark.timeout(180)
+def test_a_broken_world_connection_fails_the_subgroup_over_to_another_rail() -> None:
+    env = {"RESILIENT_RAILS": "127.0.1.{r},127.0.2.{r}"}
+    results = run_dist(_cut_under_a_subgroup, 2, env=env, timeout_s=150)
+    for rank, r in enumerate(results):
+        assert r["kinds"] == {"BorrowedLink"}, rank
+        assert (r["y"], r["z"], r["w"]) == (3.0, 3.0 * 2**2, 3.0), rank
