@@ -45,3 +45,9 @@ membership-demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache chaos-demo
+
+# The prepared device check of the CUDA path, on a GPU machine (at most 8 minutes on
+# one GPU; a JSON line of figures last). Its Python: see scripts/gpu_check.sh.
+.PHONY: gpu-check
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -225,10 +225,22 @@ def register() -> None:
 def init(**kwargs: Any) -> ResilientProcessGroup:
     """Register the backend and ``init_process_group("resilient", **kwargs)``.
 
-    Returns the world group. Extra ``kwargs`` go to ``init_process_group``.
+    Returns the world group. Extra ``kwargs`` go to ``init_process_group``. With CUDA
+    available, the rank's device is made current first (``torch.cuda.set_device``):
+    ``device_id`` if given, else ``cuda:LOCAL_RANK``; with
+    ``RESILIENT_CUDA_TRANSPORT=socket`` ranks may share GPUs (LOCAL_RANK mod the
+    count). See :mod:`resilient.group.cuda_device`.
+
+    Raises:
+        ConfigError: the RESILIENT_* environment is malformed, or LOCAL_RANK names no
+            visible GPU while CUDA tensors take NCCL links.
+        RuntimeError: the default group was made with another backend.
     """
     register()
     if not dist.is_initialized():
+        from resilient.group.cuda_device import select_device
+
+        select_device(kwargs.get("device_id"), DataPlaneConfig.from_env())
         dist.init_process_group(BACKEND_NAME, **kwargs)
     group = dist.group.WORLD
     if not isinstance(group, ResilientProcessGroup):

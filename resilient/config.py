@@ -26,6 +26,7 @@ __all__ = [
     "RecoveryConfig",
     "env_token",
     "etcd_config",
+    "local_rank_env",
     "parse_endpoints",
     "validate_job_name",
 ]
@@ -189,9 +190,11 @@ class DataPlaneConfig:
     ``control_transport``: what the signature exchange's control links are made of:
     "socket" (plain TCP connections, one per pair and rail; see
     :mod:`resilient.links.socket_link`) or "gloo" (two-rank gloo groups).
-    ``data_transport``: the same choice for the CPU data links (CUDA tensors always
-    use NCCL pairs); "socket", the default, is faster on a loaded host and around a
-    slow rank (docs/BENCHMARKS.md).
+    ``data_transport``: the same choice for the CPU data links; "socket", the default,
+    is faster on a loaded host and around a slow rank (docs/BENCHMARKS.md).
+    ``cuda_transport``: CUDA tensors over NCCL pair links ("nccl", one GPU per rank) or
+    staged through pinned host memory over the CPU links ("socket": ranks may share a
+    GPU; :mod:`resilient.group.cuda_staging`).
     ``elide_every``: with ``check_mismatch``, K > 0 (default 8) keeps the signature
     exchange for every K-th call (and the first) while the group is quiet; the
     others check a digest carried in their data messages and fall back to the
@@ -225,6 +228,7 @@ class DataPlaneConfig:
     repair_timeout_s: float = 5.0
     control_transport: str = "socket"
     data_transport: str = "socket"
+    cuda_transport: str = "nccl"
     elide_every: int = 8
     native_io: bool = True
 
@@ -235,6 +239,8 @@ class DataPlaneConfig:
             raise ConfigError(f"control_transport={self.control_transport!r}: use socket or gloo")
         if self.data_transport not in ("socket", "gloo"):
             raise ConfigError(f"data_transport={self.data_transport!r}: use socket or gloo")
+        if self.cuda_transport not in ("nccl", "socket"):
+            raise ConfigError(f"cuda_transport={self.cuda_transport!r}: use nccl or socket")
         if self.mesh_max_world < 1 or self.single_rail_below_bytes < 0:
             raise ConfigError("mesh_max_world must be >= 1, single_rail_below_bytes >= 0")
         if self.rail_weights is not None:
@@ -272,6 +278,7 @@ class DataPlaneConfig:
         ``RESILIENT_RELAY_VIA_STORE`` (0/1),
         ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
         ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo),
+        ``RESILIENT_CUDA_TRANSPORT`` (nccl/socket),
         ``RESILIENT_ELIDE_EVERY`` (an integer, default 8; 0: never).
 
         Raises:
@@ -303,6 +310,7 @@ class DataPlaneConfig:
             control_transport=env.get(p + "CONTROL_TRANSPORT", "socket").strip().lower()
             or "socket",
             data_transport=env.get(p + "DATA_TRANSPORT", "socket").strip().lower() or "socket",
+            cuda_transport=env.get(p + "CUDA_TRANSPORT", "nccl").strip().lower() or "nccl",
             elide_every=_env_int(env, p + "ELIDE_EVERY", 8),
             native_io=_env_flag(env, p + "NATIVE_IO", True),
         )
@@ -405,6 +413,16 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
         return int(raw)
     except ValueError as exc:
         raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
+def local_rank_env(env: Mapping[str, str] | None = None) -> tuple[int, str | None]:
+    """LOCAL_RANK (0 when unset) and CUDA_VISIBLE_DEVICES (None when unset).
+
+    Raises:
+        ConfigError: LOCAL_RANK is not an integer.
+    """
+    env = os.environ if env is None else env
+    return _env_int(env, "LOCAL_RANK", 0), env.get("CUDA_VISIBLE_DEVICES")
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -57,6 +57,7 @@ EVENT_KINDS: Final = frozenset(
         "gpu.error",
         "gpu.degraded",
         "gpu.recovered",
+        "gpu.health_unavailable",
         "rank.lost",
         "rank.evicted",
         "rank.joined",

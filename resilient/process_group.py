@@ -17,6 +17,7 @@ digest was seen.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from resilient.detect.nic import NicMonitor
 from resilient.detect.peer_watch import PeerWatch
 from resilient.detect.stragglers import Verdicts
 from resilient.errors import PeerLost
-from resilient.group import live_groups
+from resilient.group import live_groups, shared_links
 from resilient.group.alltoall import AllToAllCalls
 from resilient.group.calls import CallRunner
 from resilient.group.epoch_control import EpochControl
@@ -48,8 +49,9 @@ from resilient.group.reductions import ReduceCalls
 from resilient.group.rooted import RootedCalls
 from resilient.group.state_transfer import StateTransfer
 from resilient.group.work import ResilientWork
-from resilient.links import repair, transfer
-from resilient.links.table import Counters, LinkTable
+from resilient.links import lending, repair, transfer
+from resilient.links.lending import Lender
+from resilient.links.table import Counters, Link, LinkTable
 
 __all__ = ["ResilientProcessGroup", "ResilientWork", "live_subgroups"]
 
@@ -111,6 +113,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
             config=self.config, nics=self.nics, verdicts=self.verdicts, epoch=epoch,
             joining=joining,
         )  # fmt: skip
+        self._share_links()  # before the first epoch's tables
         self._transfers = StateTransfer(self.epochs)
         self._start_health(rank, joining)
         self._calls = CallRunner(rank, self.epochs)
@@ -144,6 +147,22 @@ class ResilientProcessGroup(dist.ProcessGroup):
         loss.on_declared = fail_subgroups if job_ranks is None else tell_world(self.job_ranks)
         live_groups.add(self)
 
+    def _share_links(self) -> None:
+        """The world group lends its connections to its subgroups, which borrow them
+        (resilient.group.shared_links): no second connection where one exists."""
+        self._lender: Lender | None = None
+        if not self._subgroup:
+            self._lender = shared_links.lender(self.epochs, lambda: getattr(self, "p2p", None))
+            lending.offer(self._lender)
+            self.epochs.borrowing = functools.partial(shared_links.own_data, self.epochs)
+            return
+
+        def borrowing(kind: str) -> Callable[[int, int], Link | None]:
+            return shared_links.borrower(self.epochs, self.job_ranks, kind)
+
+        self.epochs.borrowing = borrowing
+        self.links.borrow = borrowing(shared_links.DATA)
+
     def _start_health(self, rank: int, joining: bool) -> None:
         """Start watching the NICs (not yet for a replacement) and the GPU."""
         self.nics.on_change(lambda rail, up: self.epochs.board.nic_changed(rail, up))
@@ -152,11 +171,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
             # may stand by for hours beside the incarnation it would replace, and
             # must not log that one's NIC events as its own.
             self.nics.start()
-        # GPU health (Xid errors, throttling, NVLink) when NVML and a GPU are here.
+        # GPU health (Xid errors, throttling, NVLink) of torch's current device, set by
+        # resilient.init() before the group is made; the world group's watch serves the
+        # process's subgroups too. Without NVML beside CUDA: one warning and event.
         self.gpu = (
-            GpuHealth.open(torch.cuda.current_device(), rank=rank, epoch=self.epochs.epoch)
-            if torch.cuda.is_available()
-            else None
+            None if self._subgroup else GpuHealth.watch_current(rank=rank, epoch=self.epochs.epoch)
         )
         if self.gpu is not None:
             self.gpu.start()
@@ -345,6 +364,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if self._calls.closed:
             return
         self._calls.closed = True
+        if self._lender is not None:
+            lending.withdraw(self._lender)
         self._peer_watch.stop()
         self.nics.stop()
         if self.gpu is not None:

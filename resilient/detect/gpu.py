@@ -10,26 +10,58 @@ What NVML can tell before a collective fails or slows down:
   and is not any more.
 
 Each change becomes an event (``gpu.error``, ``gpu.degraded``, ``gpu.recovered``)
-and a warning. Where NVML is absent (no driver, no GPU, as on CPU-only hosts)
-:meth:`GpuHealth.open` returns None: there is simply no GPU source. A poll that
-fails is logged at debug level and retried next period; it never raises into the
-training process.
+and a warning. A poll that fails is counted and retried next period; it never
+raises into the training process.
+
+Which GPU: :meth:`GpuHealth.watch_current` watches torch's current CUDA device,
+found in NVML by its UUID or PCI bus id (NVML numbers the GPUs of the host, CUDA
+those it sees, in its own order and under ``CUDA_VISIBLE_DEVICES``); the CUDA index
+is the NVML index only as a last resort, with a debug line saying so. The process
+group opens it in its constructor, after ``resilient.init()`` set the device.
+
+No source: where CUDA is absent (a CPU-only host) there is simply no GPU to watch.
+Where CUDA is present but NVML cannot be used (no ``pynvml``, no driver library, no
+handle for the device) the process logs one WARNING and emits one
+``gpu.health_unavailable`` event, then runs without GPU health.
+
+A fatal Xid (:data:`FATAL_XIDS`: the GPU, its memory or its links failed) means this
+rank's GPU cannot go on: the rank logs it, emits ``gpu.error`` and exits with
+:data:`EXIT_GPU_LOST`, like a crashed rank, so that the survivors recover from a lost
+rank and the launcher starts a replacement (``resilient run`` restarts failed ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
+
+import torch
 
 from resilient import events
 from resilient.failures import FailureSite
 
-__all__ = ["GpuHealth", "GpuState"]
+__all__ = ["EXIT_GPU_LOST", "FATAL_XIDS", "GpuHealth", "GpuState", "exit_gpu_lost", "nvml_handle"]
 
 logger = logging.getLogger(__name__)
+
+# Exit status of a rank whose GPU reported a fatal Xid (EX_IOERR: a device failed);
+# the launcher replaces it like any failed rank.
+EXIT_GPU_LOST: Final = 74
+# Xid errors after which the rank's GPU cannot go on (NVIDIA's Xid catalogue: the
+# ones whose immediate action is a GPU reset or a drain): 48 double-bit ECC error,
+# 62 internal micro-controller halt, 64 ECC page retirement / row remapping failure,
+# 74 NVLink error, 79 fallen off the bus, 94 contained and 95 uncontained ECC error.
+# Not 63 (a row remapping recorded) nor 92 (a high single-bit ECC rate): warnings.
+FATAL_XIDS: Final = frozenset({48, 62, 64, 74, 79, 94, 95})
+# One warning and one event per process when CUDA is here but NVML cannot watch it.
+_unavailable_told = False
 
 PERIOD_S: Final = 1.0
 _NVML_ERROR_TIMEOUT: Final = 10  # pynvml.NVML_ERROR_TIMEOUT, for an NVML without it
@@ -52,12 +84,110 @@ class GpuState:
     nvlinks_down: tuple[int, ...] = ()
 
 
-class GpuHealth:
-    """Watches one GPU through NVML; see the module docstring."""
+def exit_gpu_lost(code: int) -> None:
+    """Leave the job at once with :data:`EXIT_GPU_LOST` (the event log flushed first).
 
-    def __init__(self, nvml: Any, index: int, *, rank: int, epoch: int = 0) -> None:
+    ``os._exit``, as a crashed rank: the script's own clean-up would run collectives on
+    a GPU that cannot run them, and the survivors' recovery from a lost rank is the
+    proven path.
+    """
+    log = events.default_log()
+    if log is not None:
+        log.close(2.0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_GPU_LOST)
+
+
+def _pci_bus_id(props: Any) -> str | None:
+    """NVML's form of the device's PCI address (domain:bus:device.0), or None."""
+    bus = getattr(props, "pci_bus_id", None)
+    if isinstance(bus, str):
+        return bus or None
+    device, domain = getattr(props, "pci_device_id", None), getattr(props, "pci_domain_id", 0)
+    if not isinstance(bus, int) or not isinstance(device, int):
+        return None
+    return f"{int(domain or 0):08x}:{bus:02x}:{device:02x}.0"
+
+
+def _nvml_uuid(props: Any) -> str | None:
+    """The device's UUID as NVML spells it (``GPU-...`` or ``MIG-...``), or None."""
+    uuid = str(getattr(props, "uuid", "") or "").strip()
+    if not uuid:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def nvml_handle(nvml: Any, index: int, props: Any = None) -> tuple[Any, str]:
+    """NVML's handle of the CUDA device ``index`` whose torch properties are ``props``,
+    and how it was found: ``"uuid"``, ``"pci"`` or ``"index"`` (the CUDA index taken
+    as NVML's, right only without CUDA_VISIBLE_DEVICES and with CUDA's PCI order).
+
+    Raises:
+        Exception: NVML's own error when not even the index names a GPU.
+    """
+    tried: list[str] = []
+    for how, key, lookup in (
+        ("uuid", _nvml_uuid(props), "nvmlDeviceGetHandleByUUID"),
+        ("pci", _pci_bus_id(props), "nvmlDeviceGetHandleByPciBusId"),
+    ):
+        if key is None:
+            continue
+        try:
+            return getattr(nvml, lookup)(key), how
+        except Exception as exc:  # an NVML or a torch too old for the key: try the next
+            tried.append(f"{how} {key}: {exc}")
+    logger.debug(
+        "CUDA device %d: no NVML handle by UUID or PCI bus id (%s); using the index, "
+        "which is NVML's only without CUDA_VISIBLE_DEVICES",
+        index, "; ".join(tried) or "torch gave neither",
+    )  # fmt: skip
+    return nvml.nvmlDeviceGetHandleByIndex(index), "index"
+
+
+def _tell_unavailable(rank: int, epoch: int, index: int, why: str) -> None:
+    """CUDA is here but NVML cannot watch it: one warning and one event per process."""
+    global _unavailable_told
+    if _unavailable_told:
+        logger.debug("rank %d (epoch %d): no GPU health for GPU %d: %s", rank, epoch, index, why)
+        return
+    _unavailable_told = True
+    logger.warning(
+        "rank %d (epoch %d): CUDA is present but GPU %d has no health source (%s): Xid "
+        "errors, throttling and NVLink state go unseen; install nvidia-ml-py for them",
+        rank, epoch, index, why,
+    )  # fmt: skip
+    events.emit(
+        "gpu.health_unavailable", epoch=epoch, reason=f"GPU {index}: {why}",
+        action="run without GPU health", gpu=index,
+    )  # fmt: skip
+
+
+class GpuHealth:
+    """Watches one GPU through NVML; see the module docstring.
+
+    ``index`` is the CUDA device index (for messages); ``handle`` NVML's handle of that
+    device (default: NVML's GPU ``index``); ``found_by`` how the handle was found;
+    ``on_fatal(xid)`` runs after a fatal Xid was reported (default
+    :func:`exit_gpu_lost`).
+    """
+
+    def __init__(
+        self,
+        nvml: Any,
+        index: int,
+        *,
+        rank: int,
+        epoch: int = 0,
+        handle: Any = None,
+        found_by: str = "index",
+        on_fatal: Callable[[int], None] | None = None,
+    ) -> None:
         self.nvml, self.index, self.rank, self.epoch = nvml, index, rank, epoch
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.handle = handle if handle is not None else nvml.nvmlDeviceGetHandleByIndex(index)
+        self.found_by = found_by
+        self.on_fatal = on_fatal if on_fatal is not None else exit_gpu_lost
         self.state = GpuState()
         self.xids: list[int] = []
         self._nvlinks_seen: set[int] = set()
@@ -76,16 +206,63 @@ class GpuHealth:
         )  # fmt: skip
 
     @classmethod
-    def open(cls, index: int, *, rank: int, epoch: int = 0, nvml: Any = None) -> GpuHealth | None:
-        """A monitor of GPU ``index``, or None when NVML cannot be used here."""
+    def open(
+        cls,
+        index: int,
+        *,
+        rank: int,
+        epoch: int = 0,
+        nvml: Any = None,
+        props: Any = None,
+        cuda: bool = False,
+        on_fatal: Callable[[int], None] | None = None,
+    ) -> GpuHealth | None:
+        """A monitor of CUDA device ``index`` (found by ``props``' UUID or PCI bus id,
+        see :func:`nvml_handle`), or None when NVML cannot be used here. With ``cuda``
+        (CUDA is present) that None is told: one warning and one
+        ``gpu.health_unavailable`` event per process; without, a debug line. Never raises.
+        """
         try:
             if nvml is None:
                 nvml = importlib.import_module("pynvml")
             nvml.nvmlInit()
-            return cls(nvml, index, rank=rank, epoch=epoch)
-        except Exception as exc:  # no library, no driver, no such GPU: no source
-            logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, exc)
+        except Exception as exc:  # no library, no driver: no source
+            why = f"NVML cannot be used: {type(exc).__name__}: {exc}"
+            if cuda:
+                _tell_unavailable(rank, epoch, index, why)
+            else:
+                logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, why)
             return None
+        try:
+            handle, how = nvml_handle(nvml, index, props)
+            gpu = cls(nvml, index, rank=rank, epoch=epoch, handle=handle, found_by=how,
+                      on_fatal=on_fatal)  # fmt: skip
+        except Exception as exc:  # NVML has no such GPU
+            with contextlib.suppress(Exception):
+                nvml.nvmlShutdown()
+            why = f"no NVML handle: {type(exc).__name__}: {exc}"
+            if cuda:
+                _tell_unavailable(rank, epoch, index, why)
+            else:
+                logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, why)
+            return None
+        logger.debug("rank %d (epoch %d): watching GPU %d, found in NVML by %s",
+                     rank, epoch, index, how)  # fmt: skip
+        return gpu
+
+    @classmethod
+    def watch_current(cls, *, rank: int, epoch: int = 0, nvml: Any = None) -> GpuHealth | None:
+        """A monitor of torch's current CUDA device, or None without CUDA (nothing to
+        watch) or without NVML (told once, see :meth:`open`). Never raises."""
+        try:
+            if not torch.cuda.is_available():
+                return None
+            index = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+        except Exception as exc:  # a broken CUDA: the first collective will say so
+            logger.debug("rank %d (epoch %d): no CUDA device to watch: %s", rank, epoch, exc)
+            return None
+        return cls.open(index, rank=rank, epoch=epoch, nvml=nvml, props=props, cuda=True)
 
     def start(self) -> None:
         try:
@@ -145,12 +322,27 @@ class GpuHealth:
         return getattr(exc, "value", None) == code
 
     def xid(self, code: int) -> None:
-        """Record and report Xid error ``code``."""
+        """Record and report Xid error ``code``; a fatal one (:data:`FATAL_XIDS`) then
+        runs ``on_fatal(code)`` (by default the rank exits with :data:`EXIT_GPU_LOST`)."""
         self.xids.append(code)
-        logger.warning("rank %d (epoch %d): GPU %d Xid error %d", self.rank, self.epoch,
-                       self.index, code)  # fmt: skip
-        events.emit("gpu.error", epoch=self.epoch, reason=f"GPU {self.index}: Xid {code}",
-                    action="reported", gpu=self.index, xid=code)  # fmt: skip
+        fatal = code in FATAL_XIDS
+        if not fatal:
+            logger.warning("rank %d (epoch %d): GPU %d Xid error %d", self.rank, self.epoch,
+                           self.index, code)  # fmt: skip
+            events.emit("gpu.error", epoch=self.epoch, reason=f"GPU {self.index}: Xid {code}",
+                        action="reported", gpu=self.index, xid=code)  # fmt: skip
+            return
+        logger.error(
+            "rank %d (epoch %d): GPU %d fatal Xid error %d: this rank cannot go on; it "
+            "leaves the job (exit code %d) so that a replacement takes its place",
+            self.rank, self.epoch, self.index, code, EXIT_GPU_LOST,
+        )  # fmt: skip
+        events.emit(
+            "gpu.error", epoch=self.epoch, reason=f"GPU {self.index}: fatal Xid {code}",
+            action=f"rank lost: exit with code {EXIT_GPU_LOST}; the launcher replaces it",
+            gpu=self.index, xid=code, fatal=True,
+        )  # fmt: skip
+        self.on_fatal(code)
 
     def read(self) -> GpuState:
         """Read the throttle reasons and the NVLinks' state now."""

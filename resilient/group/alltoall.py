@@ -34,6 +34,7 @@ from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.errors import RecoveryError
 from resilient.group.args import check_tensors
 from resilient.group.calls import Submit
+from resilient.group.cuda_staging import StagedEngine, cuda_devices
 from resilient.group.epoch_control import EpochControl
 from resilient.group.work import ResilientWork
 
@@ -103,7 +104,9 @@ class AllToAllCalls:
                 out.copy_(dst[span.start : span.stop].view_as(out))
             return outputs
 
-        return self._queue(op, inputs[0].dtype, send, recv, run)
+        return self._queue(
+            op, inputs[0].dtype, send, recv, run, devices=cuda_devices([*inputs, *outputs])
+        )
 
     def all_to_all_single(
         self,
@@ -134,7 +137,9 @@ class AllToAllCalls:
                 output.copy_(dst.view(output.shape))
             return [output]
 
-        return self._queue(op, input.dtype, send, recv, run, digest=digest)
+        return self._queue(
+            op, input.dtype, send, recv, run, digest=digest, devices=cuda_devices([input, output])
+        )
 
     def _single_of(
         self,
@@ -218,17 +223,23 @@ class AllToAllCalls:
         run: Any,
         *,
         digest: int = 0,
+        devices: list[torch.device] | None = None,
     ) -> ResilientWork:
         """Queue ``run`` with this rank's sizes as its payload (when rows can hold
-        every rank's: two int64 per rank); ``digest``: see _digest."""
+        every rank's: two int64 per rank); ``digest``: see _digest; ``devices``: the
+        call's CUDA devices."""
         # Only op and dtype must match: sizes differ between ranks by design.
         sig = self._sigs.get((op, dtype))
         if sig is None:  # kept: a tensor and a CRC per call cost the caller's thread
             sig = self._sigs[(op, dtype)] = Signature.of(op, [torch.empty(0, dtype=dtype)])
+        devices = devices or []
         if 2 * self._size * 8 > INLINE_BYTES:
-            return self._submit(op, sig, run)
+            return self._submit(op, sig, run, devices=devices)
         # Made only when a row is (an elided call needs none unless it falls back).
-        return self._submit(op, sig, run, payload=lambda: sizes_payload(send, recv), digest=digest)
+        return self._submit(
+            op, sig, run, payload=lambda: sizes_payload(send, recv), digest=digest,
+            devices=devices,
+        )  # fmt: skip
 
     def _sizes(self, table: torch.Tensor | None, send: list[int], recv: list[int]) -> torch.Tensor:
         """Every rank's (send sizes, receive sizes) as a (ranks, 2 * ranks) table:
@@ -244,6 +255,8 @@ class AllToAllCalls:
         """The engine for ``t``. Raises RecoveryError for a replacement not yet
         admitted (an exchange with peers cannot run alone)."""
         engine = self._epochs.engine_for(t)
+        if isinstance(engine, StagedEngine):  # the caller staged its tensors (_exchange)
+            engine = engine.engine
         if not isinstance(engine, RingEngine):
             raise RecoveryError(
                 f"rank {self._rank}: {op} cannot run alone (a replacement not admitted yet)"
@@ -264,6 +277,14 @@ class AllToAllCalls:
         Raises:
             ValueError: some rank's sizes disagree with its peers' (on every rank alike).
         """
+        staged = self._epochs.engine_for(src)
+        if isinstance(staged, StagedEngine):  # CUDA tensors over the CPU links
+            with (
+                staged.staging.staged(src) as host_src,
+                staged.staging.staged(dst, slot=1, read=False) as host_dst,
+            ):
+                self._exchange(op, table, host_src, host_dst, send, recv)
+            return
         engine = self._engine(src, op)
         if engine.elided is None:  # an elided call's sizes are checked at its gate
             self._agree(op, self._sizes(table, send, recv).tolist())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ class Submit(Protocol):
         payload: Payload | None = None,
         after_previous: bool = False,
         digest: int = 0,
+        devices: Sequence[torch.device] = (),
     ) -> ResilientWork: ...
 
 
@@ -86,11 +87,14 @@ class CallRunner:
         payload: Payload | None = None,
         after_previous: bool = False,
         digest: int = 0,
+        devices: Sequence[torch.device] = (),
     ) -> ResilientWork:
         """Queue ``fn(table)``: ``table`` holds every rank's inline bytes once the
         signatures matched (an empty tensor for a call without ``payload``; None with
         checks off); a mismatch raises before ``fn``. ``digest``: the call's, when
         it may run elided (resilient.collectives.digest_check: a CPU all_reduce with no payload).
+        ``devices``: the CUDA devices of the call's tensors, which its future carries
+        (``torch.futures.Future(devices=...)``: waiters' streams wait for its result).
 
         Raises:
             RuntimeError: the group is shut down.
@@ -127,7 +131,7 @@ class CallRunner:
                     checks.mark_done(ticket, ok=ok)
                 self._calls_out += 1
 
-        fut: Future[Any] = Future()
+        fut: Future[Any] = Future(devices=list(devices))
         self._calls_in += 1
         self._queue.put((run, fut))
         return ResilientWork(fut, op, self.timeout)

@@ -13,6 +13,8 @@ the epoch's board, checks and learners: :meth:`EpochControl.setup`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._C._distributed_c10d import Store
 
@@ -31,9 +33,10 @@ from resilient.detect.retransmits import RailLoss
 from resilient.detect.slow_rank import SendRates, SlowRankVote
 from resilient.detect.stragglers import StragglerWatch, Verdicts
 from resilient.errors import MembershipError, PeerLost, RecoveryError
+from resilient.group.cuda_staging import HostStaging, StagedEngine
 from resilient.group.peer_loss import PeerLoss
 from resilient.links.repair import CTL_TABLE, DATA_TABLE, install_agreed, staged_rows
-from resilient.links.table import Counters, LinkTable
+from resilient.links.table import Counters, Link, LinkTable
 
 __all__ = ["EpochControl"]
 
@@ -75,6 +78,9 @@ class EpochControl:
         )
         self._static_weights = self.engine.weights if isinstance(self.engine, RingEngine) else ()
         self.cuda: RingEngine | None = None  # built on the first CUDA tensor (engine_for)
+        # CUDA tensors over the CPU links through pinned host memory (cuda_transport
+        # "socket"): ranks may share a GPU.
+        self.staging = HostStaging(rank=rank) if config.cuda_transport == "socket" else None
         self.board = HealthBoard(rank=rank, world=world, store=store, epoch=epoch)
         self.checks: CallChecks | None = None
         self.elided: ElidedCalls | None = None
@@ -84,6 +90,9 @@ class EpochControl:
         self.rail_loss = RailLoss(self._retransmissions)
         self.stragglers = StragglerWatch(rank, epoch, verdicts)
         self.peer_loss = PeerLoss(self, rank=rank, rails=len(rails), store=store)
+        # A subgroup's: its tables of each kind ("link", "ctl", "p2p") borrow the
+        # world group's connections (resilient.group.shared_links); None: build own.
+        self.borrowing: Callable[[str], Callable[[int, int], Link | None] | None] | None = None
 
     @property
     def lost(self) -> PeerLost | None:
@@ -185,6 +194,8 @@ class EpochControl:
         self.links.stage_installs = True
         checks.engine.links.stage_installs = True
         checks.engine.links.refuse = self._refuse_link
+        if self.borrowing is not None:
+            checks.engine.links.borrow = self.borrowing(checks.engine.links.name)
         self.board.attach(checks.engine.links)
         checks.engine.board = self.board
         checks.engine.relay = relay
@@ -284,11 +295,14 @@ class EpochControl:
             )
 
     # -- engines ------------------------------------------------------------------------
-    def engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine:
-        """The CPU engine (socket links by default), or the CUDA one (NCCL pair
+    def engine_for(self, t: torch.Tensor) -> RingEngine | SoloEngine | StagedEngine:
+        """The CPU engine (socket links by default), the CPU engine through pinned host
+        memory (CUDA tensors with cuda_transport "socket"), or the CUDA one (NCCL pair
         links), built lazily."""
         if t.device.type != "cuda" or isinstance(self.engine, SoloEngine):
             return self.engine
+        if self.staging is not None:
+            return StagedEngine(self.engine, self.staging)
         if self.cuda is None:
             links = LinkTable(
                 rank=self.pos,
@@ -328,6 +342,8 @@ class EpochControl:
         if self.cuda is not None:
             self.cuda.close()
             self.cuda.links.close()
+        if self.staging is not None:
+            self.staging.close()
 
     # -- between epochs -------------------------------------------------------------------
     def quiesce(self, timeout_s: float) -> dict[str, list[Counters] | None]:

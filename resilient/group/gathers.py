@@ -16,12 +16,13 @@ from resilient.collectives.engine import Reduce, RingEngine
 from resilient.collectives.signature import Signature
 from resilient.collectives.solo import SoloEngine
 from resilient.group.args import check_tensors, reduce_op
+from resilient.group.calls import Submit
+from resilient.group.cuda_staging import StagedEngine, cuda_devices
 from resilient.group.work import ResilientWork
 
-__all__ = ["GatherCalls", "Submit"]
+__all__ = ["GatherCalls"]
 
 # Queues a call on the group's communication thread: (op, signature, what runs it).
-Submit = Callable[[str, Signature, Callable[[torch.Tensor | None], Any]], ResilientWork]
 
 
 class GatherCalls:
@@ -29,7 +30,7 @@ class GatherCalls:
 
     ``need_every_rank(op)`` raises for an op the current members cannot run (after
     a shrink), ``engine_for(tensor)`` gives the engine for a tensor's device, and
-    ``submit`` queues the call (see :data:`Submit`).
+    ``submit`` queues the call (see :class:`~resilient.group.calls.Submit`).
     """
 
     def __init__(
@@ -38,7 +39,7 @@ class GatherCalls:
         rank: int,
         size: int,
         need_every_rank: Callable[[str], None],
-        engine_for: Callable[[torch.Tensor], RingEngine | SoloEngine],
+        engine_for: Callable[[torch.Tensor], RingEngine | SoloEngine | StagedEngine],
         submit: Submit,
     ) -> None:
         self._rank, self._size = rank, size
@@ -77,7 +78,7 @@ class GatherCalls:
                 out.copy_(buf[i].view_as(out))
             return output_tensors
 
-        return self._submit("allgather", sig, run)
+        return self._submit("allgather", sig, run, devices=cuda_devices([inp, *outs]))
 
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -103,7 +104,9 @@ class GatherCalls:
             output.copy_(buf.view_as(output))
             return [output]
 
-        return self._submit("all_gather_into_tensor", sig, run)
+        return self._submit(
+            "all_gather_into_tensor", sig, run, devices=cuda_devices([output, input])
+        )
 
     def _gather_buffer(self, inp: torch.Tensor) -> torch.Tensor:
         n = inp.numel()
@@ -146,7 +149,7 @@ class GatherCalls:
             self._scatter_into(buf, out, red)
             return output_tensors
 
-        return self._submit("reduce_scatter", sig, run)
+        return self._submit("reduce_scatter", sig, run, devices=cuda_devices([out, *ins]))
 
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
@@ -174,7 +177,9 @@ class GatherCalls:
             self._scatter_into(input.reshape(-1).clone(), output, red)
             return [output]
 
-        return self._submit("reduce_scatter_tensor", sig, run)
+        return self._submit(
+            "reduce_scatter_tensor", sig, run, devices=cuda_devices([output, input])
+        )
 
     def _scatter_into(self, buf: torch.Tensor, out: torch.Tensor, red: Reduce) -> None:
         mine = self._engine_for(buf).reduce_scatter(buf, red)

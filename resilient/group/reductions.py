@@ -17,6 +17,7 @@ from resilient.collectives.engine import Reduce, fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.group.args import AllreduceCalls, check_tensors, reduce_op
 from resilient.group.calls import CallRunner
+from resilient.group.cuda_staging import cuda_devices
 from resilient.group.epoch_control import EpochControl
 from resilient.group.work import ResilientWork, _Flat, _packed
 
@@ -68,7 +69,9 @@ class ReduceCalls:
 
         payload = (lambda: _packed(tensors)) if inline else None
         digest = 0 if inline else digest
-        return self._calls.submit("allreduce", sig, run, payload=payload, digest=digest)
+        return self._calls.submit(
+            "allreduce", sig, run, payload=payload, digest=digest, devices=cuda_devices(tensors)
+        )
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> ResilientWork:
         """The sum of one sparse COO tensor across the members, in place (as gloo's):
@@ -147,7 +150,10 @@ class ReduceCalls:
 
         # Only the root's bytes matter, but every rank waits for earlier calls alike.
         payload = (lambda: _packed(tensors) if self._rank == root else None) if inline else None
-        return self._calls.submit("broadcast", sig, run, payload=payload, after_previous=inline)
+        return self._calls.submit(
+            "broadcast", sig, run, payload=payload, after_previous=inline,
+            devices=cuda_devices(tensors),
+        )  # fmt: skip
 
     def barrier(self) -> ResilientWork:
         """Complete once every member has entered it, after its earlier calls."""

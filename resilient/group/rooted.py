@@ -24,6 +24,7 @@ from resilient.collectives.engine import fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.group.args import check_tensors, reduce_op
 from resilient.group.calls import Submit
+from resilient.group.cuda_staging import cuda_devices
 from resilient.group.epoch_control import EpochControl
 from resilient.group.reductions import inline_rows
 from resilient.group.work import ResilientWork, _packed
@@ -93,7 +94,9 @@ class RootedCalls:
 
         # The payload reads the caller's tensor: not before earlier calls wrote it.
         payload = (lambda: _packed([t])) if inline else None
-        return self._submit("reduce", sig, run, payload=payload, after_previous=inline)
+        return self._submit(
+            "reduce", sig, run, payload=payload, after_previous=inline, devices=cuda_devices([t])
+        )
 
     def _root_list(
         self, op: str, lists: Sequence[Sequence[torch.Tensor]], root: int
@@ -166,7 +169,10 @@ class RootedCalls:
             return output_tensors
 
         payload = (lambda: _packed([inp])) if inline else None
-        return self._submit("gather", sig, run, payload=payload, after_previous=inline)
+        return self._submit(
+            "gather", sig, run, payload=payload, after_previous=inline,
+            devices=cuda_devices([inp, *outs]),
+        )  # fmt: skip
 
     def scatter(
         self,
@@ -208,4 +214,7 @@ class RootedCalls:
             return output_tensors
 
         payload = (lambda: _packed(ins) if ins else None) if inline else None
-        return self._submit("scatter", sig, run, payload=payload, after_previous=inline)
+        return self._submit(
+            "scatter", sig, run, payload=payload, after_previous=inline,
+            devices=cuda_devices([out, *ins]),
+        )  # fmt: skip

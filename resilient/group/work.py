@@ -24,6 +24,11 @@ class Failed:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # torch pickles the value of a future with CUDA devices to find its tensors;
+        # an error holds none, and its arguments need not pickle.
+        return (Failed, (RuntimeError(str(self.exc)),))
+
 
 def _unwrap(fut: Future[Any]) -> Any:
     value = fut.value()
