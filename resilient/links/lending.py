@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient.links.ledger import OpLedger
-from resilient.links.link import Link
+from resilient.links.link import PEER_CLOSED, Link
 from resilient.links.socket_link import SocketLink
 from resilient.links.socket_pair import SocketPair
 
@@ -117,6 +117,20 @@ class BorrowedLink(SocketLink):
         ledger = getattr(self, "ledger", None)  # repr is taken while it is being built
         slot = ledger.slot if ledger is not None else "?"
         return f"Link({self.rank}<->{self.peer}, rail {self.rail}, slot {slot})"
+
+    def check_closed(self) -> bool:
+        """As :meth:`Link.check_closed`; but a connection that failed or that its
+        owner closed here is this link's end, not news of the peer: it is marked
+        broken as cut (unless the peer closed it), never left to look like a
+        socket the peer's death took away (resilient.detect.lost_peer weighs those)."""
+        pg = self.pg
+        if self.broken or pg is None or pg.error is None:
+            return super().check_closed()
+        error = str(pg.error)
+        if not any(m in error for m in PEER_CLOSED):
+            self.cut_reason = f"the connection it borrows ended here: {error}"
+        self._failed(f"{self!r}: the connection it borrows ended: {error}", "marked broken")
+        return self.peer_closed
 
     def _interrupt(self, why: str) -> None:
         """End this link's waits without cutting the connection: its own receives

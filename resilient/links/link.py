@@ -36,7 +36,7 @@ from resilient.links import fault_hook, gloo_sockets, gloo_wait, pair_groups, st
 from resilient.links.byte_views import as_tensor
 from resilient.links.ledger import OpLedger, salt_of
 
-__all__ = ["STALL_CUT_MS", "Link"]
+__all__ = ["PEER_CLOSED", "STALL_CUT_MS", "Link"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 # Link.network_stall and resilient.links.stall): well past a few retransmission timeouts.
 STALL_CUT_MS: Final = 1000
 # What gloo says when the process at the other end closed its socket or is gone.
-_PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
+PEER_CLOSED: Final = ("closed by peer", "reset by peer", "Broken pipe")
 
 
 class Link:
@@ -234,7 +234,7 @@ class Link:
 
     def _failed(self, message: str, action: str = "raised LinkError", **extra: object) -> LinkError:
         """Mark the link broken and log ``link.down`` once; returns the error to raise."""
-        if self.cut_reason is None and any(m in message for m in _PEER_CLOSED):
+        if self.cut_reason is None and any(m in message for m in PEER_CLOSED):
             self.peer_closed = True
         with self._broken_lock:
             first, self.broken = not self.broken, True

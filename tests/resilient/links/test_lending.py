@@ -157,3 +157,11 @@ def test_forgetting_one_groups_call_keeps_the_other_groups_receive() -> None:
         tx = w[0].isend(torch.full((4,), 8.0), base + 1)
         _both(lambda: w[0].wait(tx, 16), lambda: w[1].wait(rx_w, 16))
         assert got.tolist() == [8.0] * 4
+
+
+def test_the_owner_closing_its_connection_is_no_sign_of_the_peers_death() -> None:
+    with _world_and_sub() as (w, s):
+        w[1].close()  # the world group dropped its link here (a new epoch, a repair)
+        assert s[1].check_closed() is False
+        assert s[1].broken and not s[1].peer_closed and not s[1].socket_gone
+        assert s[1].cut_reason is not None and "ended here" in s[1].cut_reason
