@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from membership.etcd_client import EtcdClient
-from resilient.config import EtcdConfig
+from resilient.config import etcd_config
 from resilient.errors import MembershipError
 from resilient.progress import progress_prefix
 
@@ -54,7 +54,8 @@ class ProgressWatch:
 
     def __init__(self, endpoints: tuple[str, ...], job: str, *, interval_s: float = 0.05) -> None:
         self._client = EtcdClient(
-            EtcdConfig(endpoints=endpoints, request_timeout_s=1.0, retry_budget_s=1.0)
+            # TLS and auth from RESILIENT_ETCD_* (chaos.etcd_security)
+            etcd_config(",".join(endpoints), request_timeout_s=1.0, retry_budget_s=1.0)
         )
         self._prefix = progress_prefix(job)
         self._interval = interval_s

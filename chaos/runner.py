@@ -28,6 +28,7 @@ from typing import Any, Final
 from chaos import signals
 from chaos._display import Display
 from chaos._progress_watch import ProgressWatch
+from chaos.etcd_security import ROOT_PASSWORD, client_env, etcd_security
 from chaos.injector_kinds import make_injector
 from chaos.injectors import InjectionContext, Injector, needs_netns
 from chaos.reference_key import reference_key
@@ -38,7 +39,7 @@ from membership.etcd_client import EtcdClient
 from membership.guarded import job_client
 from membership.keys import JobKeys
 from membership.server import EtcdCluster
-from resilient.config import EtcdConfig
+from resilient.config import etcd_config
 from resilient.errors import ChaosError, MembershipError, ResilientError
 from resilient.events import EventLog, read_events
 from resilient.launch.launcher import LaunchConfig, Launcher, new_job_name
@@ -310,7 +311,7 @@ def _run_job(
     watch = ProgressWatch(etcd.endpoints, config.job).start()
     # The fault records are the job's keys: written under its token (membership.guarded).
     control_client = job_client(
-        EtcdClient(EtcdConfig(endpoints=etcd.endpoints, retry_budget_s=3.0)),
+        EtcdClient(etcd_config(etcd.url, retry_budget_s=3.0)),
         config.job,
         config.token,
     )
@@ -392,11 +393,26 @@ def _reference(
 
 
 @contextlib.contextmanager
-def _control_plane(scenario: Scenario, testbed: Testbed) -> Iterator[EtcdCluster]:
-    etcd = EtcdCluster(scenario.job.etcd_members, host=testbed.control_addr, fsync=False)
-    etcd.start()
+def _control_plane(scenario: Scenario, testbed: Testbed, out: Path) -> Iterator[EtcdCluster]:
+    """The scenario's etcd; with ``etcd_security`` over TLS with client certificates
+    and user/password auth, whose credentials every client of the run (this process,
+    the launcher it hosts, the ranks) reads from ``RESILIENT_ETCD_*`` meanwhile."""
+    security = (
+        etcd_security(out / "etcd-tls", testbed.control_addr)
+        if scenario.job.etcd_security
+        else None
+    )
+    etcd = EtcdCluster(
+        scenario.job.etcd_members, host=testbed.control_addr, fsync=False,
+        tls=security.server if security is not None else None,
+    )  # fmt: skip
     try:
-        yield etcd
+        etcd.start()
+        if security is not None:
+            etcd.enable_auth(ROOT_PASSWORD, user=security.user, password=security.password,
+                             prefix="/resilient/")  # fmt: skip
+        with client_env(security.env if security is not None else {}):
+            yield etcd
     finally:
         with signals.shielded():
             etcd.stop()
@@ -423,7 +439,7 @@ def run_scenario(
     display = display or Display(scenario.job.steps, silent=True)
     testbed = make_testbed(scenario)
     sweep_leftovers()
-    with testbed, _control_plane(scenario, testbed) as etcd:
+    with testbed, _control_plane(scenario, testbed, out) as etcd:
         display.notice(f"testbed {testbed.describe()}; etcd {etcd.url}")
         reference = None
         if scenario.expect.params_equal_fault_free or scenario.expect.params_close_fault_free:

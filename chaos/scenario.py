@@ -15,6 +15,7 @@
     min_ranks = 3             # elastic shrink: go on without a lost rank (default: off)
     shrink_after_s = 10.0     # how long survivors wait for a replacement first
     etcd_members = 1          # 3 for an etcd-kill of one member of three
+    etcd_security = false     # etcd over TLS with client certs and user/password auth
     timeout_s = 600.0         # the run is stopped (and fails) after this
 
     [[fault]]
@@ -123,6 +124,7 @@ _JOB_TYPES: dict[str, type] = {
     "min_ranks": int,
     "shrink_after_s": float,
     "etcd_members": int,
+    "etcd_security": bool,
     "timeout_s": float,
 }
 
@@ -142,6 +144,7 @@ class JobSpec:
     min_ranks: int | None = None
     shrink_after_s: float = 10.0
     etcd_members: int = 1
+    etcd_security: bool = False
     timeout_s: float = 600.0
 
 

@@ -715,3 +715,18 @@ def test_the_hsdp_kill_scenario_restores_the_shards_from_their_replica(tmp_path:
     replica = {0: 2, 1: 3, 2: 0, 3: 1}
     assert restored.count((3, 1, 1)) == 1, restored
     assert all(donor == replica[rank] for rank, _, donor in restored), restored
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_a_killed_rank_comes_back_with_etcd_over_tls_and_auth(tmp_path: Path) -> None:
+    # The shipped scenario: every etcd client of the run, the replacement's too,
+    # goes through TLS with a client certificate and the job's etcd user.
+    scenario = Path(__file__).resolve().parents[2] / "examples/scenarios/kill-rank-etcd-tls.toml"
+    out = tmp_path / "out"
+    report, _ = _passing_run(scenario, out)
+    assert report["steps"]["completed"] == {str(r): 80 for r in range(4)}, report["steps"]
+    assert (out / "etcd-tls" / "server.pem").is_file()
+    events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
+              for line in f.read_text().splitlines()]  # fmt: skip
+    assert any(e["kind"] == "state.restored" and e["rank"] == 1 for e in events)
