@@ -17,7 +17,6 @@ digest was seen.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -154,7 +153,6 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if not self._subgroup:
             self._lender = shared_links.lender(self.epochs, lambda: getattr(self, "p2p", None))
             lending.offer(self._lender)
-            self.epochs.borrowing = functools.partial(shared_links.own_data, self.epochs)
             return
 
         def borrowing(kind: str) -> Callable[[int, int], Link | None]:

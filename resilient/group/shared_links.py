@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from resilient.links.lending import Lender, lent, usable
+from resilient.links.lending import Lender, lent
 from resilient.links.link import Link
 from resilient.links.table import LinkTable
 
-__all__ = ["CONTROL", "DATA", "P2P", "borrower", "lender", "own_data"]
+__all__ = ["CONTROL", "DATA", "P2P", "borrower", "lender"]
 
 DATA = "link"  # LinkTable names: the data links, the control links, point-to-point
 CONTROL = "ctl"
@@ -36,8 +36,9 @@ class _PointToPoint(Protocol):
 
 def lender(epochs: _Epochs, p2p: Callable[[], _PointToPoint | None]) -> Lender:
     """What the world group lends: its data, control and point-to-point links to a
-    job rank (point-to-point falls back to the data link where the world has no
-    point-to-point link to that peer: both carry bulk messages)."""
+    job rank, each to the subgroups' links of the same kind (point-to-point frames
+    never share a connection with the collectives', whose C steps and rail threads
+    expect their own traffic there)."""
 
     def lend(kind: str, job_peer: int, rail: int) -> Link | None:
         members = epochs.members
@@ -46,21 +47,12 @@ def lender(epochs: _Epochs, p2p: Callable[[], _PointToPoint | None]) -> Lender:
         pos = members.index(job_peer)
         if kind == P2P:
             chan = p2p()
-            link = chan.link_to(job_peer, rail) if chan is not None else None
-            return link if usable(link) else epochs.links.links().get((pos, rail))
+            return chan.link_to(job_peer, rail) if chan is not None else None
         tables = {t.name: t for t in epochs.tables()}
         table = tables.get(kind)
         return table.links().get((pos, rail)) if table is not None else None
 
     return lend
-
-
-def own_data(epochs: _Epochs, kind: str) -> Callable[[int, int], Link | None] | None:
-    """The world group's own borrowing: its point-to-point links ride on its data
-    links' connections (the other kinds keep their own)."""
-    if kind != P2P:
-        return None
-    return lambda pos, rail: epochs.links.links().get((pos, rail))
 
 
 def borrower(

@@ -300,6 +300,13 @@ def _borrowing(rank: int, world: int) -> dict[str, Any]:
     # One rail, a call too large to travel in the call check's rows: the mesh, data
     # links to every peer.
     dist.all_reduce(warm)
+    # And point-to-point in the world group, with its connections of its own.
+    buf = torch.full((10,), float(rank))
+    peer = rank ^ 1
+    if rank % 2 == 0:
+        dist.send(buf, dst=peer)
+    else:
+        dist.recv(buf, src=peer)
     dist.barrier()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
@@ -312,17 +319,12 @@ def _borrowing(rank: int, world: int) -> dict[str, Any]:
     dist.all_reduce(x, group=mesh.get_group("rep"))
     g = torch.empty(4, dtype=torch.int64)
     dist.all_gather_into_tensor(g, torch.tensor([rank, -rank]), group=mesh.get_group("shard"))
-    # Point-to-point in a subgroup (group ranks) and in the world group.
-    buf = torch.full((10,), float(rank))
-    peer = rank ^ 1
+    # Point-to-point in a subgroup (group ranks): it borrows the world's
+    # point-to-point connection (never a collectives' one).
     if rank % 2 == 0:
-        dist.send(buf, group_dst=1, group=mine)
-        dist.recv(buf, src=peer)
+        dist.recv(buf, group_src=1, group=mine)
     else:
-        got = torch.empty(10)
-        dist.recv(got, group_src=0, group=mine)
-        dist.send(got + 100, dst=peer)
-        buf = got
+        dist.send(buf + 100, group_dst=0, group=mine)
     after = _sockets()
     world_p2p = dist.group.WORLD.p2p.link_to(peer, 0)
     sub_p2p = mine.p2p.link_to(1 - mine.rank(), 0)
@@ -350,7 +352,7 @@ def test_subgroups_ride_on_the_world_groups_connections() -> None:
     for rank, r in enumerate(results):
         for group in ("pair", "rep", "shard"):
             assert r[group] == {"BorrowedLink"}, (rank, group, r[group])
-        assert r["p2p"] == ("BorrowedLink", "BorrowedLink"), rank
+        assert r["p2p"] == ("SocketLink", "BorrowedLink"), rank
         if rank != 0:  # rank 0 also serves the TCPStore, whose clients come and go
             assert r["after"] == r["before"], rank
         lo = 2 * (rank // 2)
