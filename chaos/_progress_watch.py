@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 PassSample = tuple[float, int, int, int, int]
 # When one step finished: (ts, step, incarnation).
 Commit = tuple[float, int, int]
+# A record's resource counts: (ts, incarnation, step, open fds, threads).
+Resources = tuple[float, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class RankTrack:
     last: dict[str, Any] = field(default_factory=dict)
     passes: list[PassSample] = field(default_factory=list)
     commits: list[Commit] = field(default_factory=list)
+    resources: list[Resources] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -94,7 +97,13 @@ class ProgressWatch:
     def snapshot(self) -> dict[int, RankTrack]:
         with self._lock:
             return {
-                r: RankTrack(list(t.samples), dict(t.last), list(t.passes), list(t.commits))
+                r: RankTrack(
+                    list(t.samples),
+                    dict(t.last),
+                    list(t.passes),
+                    list(t.commits),
+                    list(t.resources),
+                )
                 for r, t in self.ranks.items()
             }
 
@@ -123,6 +132,8 @@ class ProgressWatch:
             counts = _pass_counts(rec)
             if counts is not None:
                 track.passes.append((ts, inc, *counts))
+            if isinstance(rec.get("fds"), int) and isinstance(rec.get("threads"), int):
+                track.resources.append((ts, inc, step, rec["fds"], rec["threads"]))
             for commit in _commits(rec, ts, step, inc):
                 # Consecutive records repeat commits: only the newer ones are new.
                 if not track.commits or commit[0] > track.commits[-1][0]:

@@ -50,6 +50,7 @@ __all__ = [
     "QDISC_MAJOR",
     "Leftover",
     "claim_qdisc",
+    "our_objects",
     "owner_dir",
     "release_qdisc",
     "remove_leftovers",
@@ -145,6 +146,19 @@ def _our_rules() -> list[tuple[list[str], int]]:
                 if m := _COMMENT_OWNER.fullmatch(comment):
                     rules.append((tok, int(m.group(1))))
     return rules
+
+
+def our_objects() -> list[str]:
+    """Every kernel object with our name, handle or comment, whoever owns it (a
+    soak's leak check compares these before and after its run)."""
+    objects = [f"netns {n}" for n in list_netns() if n.startswith(PREFIX)]
+    objects += [f"link {n}" for n in _root_links() if _ROOT_IF.fullmatch(n)]
+    objects += [f"qdisc {d}" for d in _our_qdiscs()]
+    objects += [f"iptables {' '.join(rule)}" for rule, _ in _our_rules()]
+    with contextlib.suppress(ChaosError, OSError):
+        root, _ = cpu_throttle.cpu_root()
+        objects += [f"cgroup {c.name}" for c in root.iterdir() if c.name.startswith(PREFIX)]
+    return sorted(objects)
 
 
 def delete_testbed(names: list[str], root_if: str) -> None:

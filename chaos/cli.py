@@ -87,6 +87,21 @@ def add_parser(subparsers: Any) -> None:
         "--quiet", action="store_true", help="no step progress (faults and notices still shown)"
     )
     cmd.add_argument(
+        "--soak",
+        type=float,
+        metavar="DURATION_S",
+        default=None,
+        help="run no scenario file: a soak of about DURATION_S seconds, faults drawn from "
+        "the whole matrix one at a time, then a check that nothing leaked (root, netns)",
+    )
+    cmd.add_argument("--seed", type=int, default=0, help="with --soak: draws the faults")
+    cmd.add_argument(
+        "--steps-per-s",
+        type=float,
+        default=6.0,
+        help="with --soak: the job's rate here, which sizes its steps (default 6)",
+    )
+    cmd.add_argument(
         "--cleanup",
         action="store_true",
         help="run no scenario: remove what dead chaos runs and benchmarks left in the "
@@ -104,8 +119,12 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the scenario (or ``--cleanup``); the exit status of the module docstring."""
     if args.cleanup:
         return _cleanup(force=args.force)
-    if args.scenario is None or args.force:
-        what = "--force needs --cleanup" if args.force else "a scenario file is needed"
+    if (args.scenario is None) == (args.soak is None) or args.force:
+        what = (
+            "--force needs --cleanup"
+            if args.force
+            else "a scenario file or --soak is needed, not both"
+        )
         print(f"resilient: error: {what} (see resilient chaos --help)", file=sys.stderr)
         return _USAGE_ERROR
     from chaos.signals import SignalGuard
@@ -126,6 +145,17 @@ def run_command(args: argparse.Namespace) -> int:
         return exc.code
     finally:
         guard.uninstall()
+
+
+def _soak(args: argparse.Namespace) -> Any:
+    """The soak's scenario from ``--soak``, ``--seed`` and ``--steps-per-s``.
+
+    Raises:
+        ValueError: a duration or rate out of range.
+    """
+    from chaos.soak import soak_scenario
+
+    return soak_scenario(args.soak, args.seed, steps_per_s=args.steps_per_s)
 
 
 def _cleanup(*, force: bool) -> int:
@@ -156,29 +186,38 @@ def _run(args: argparse.Namespace) -> int:
     from chaos._display import Display
     from chaos.report import render
     from chaos.runner import run_scenario
-    from chaos.scenario import ScenarioError, load
+    from chaos.scenario import Scenario, ScenarioError, load
+    from chaos.soak import run_soak
     from resilient.errors import ResilientError
 
     try:
-        scenario = load(args.scenario)
-    except ScenarioError as exc:
+        scenario = load(args.scenario) if args.soak is None else _soak(args)
+    except (ScenarioError, ValueError) as exc:
         print(f"resilient: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     out = args.out or tempfile.mkdtemp(prefix=f"chaos-{scenario.name}-{time.strftime('%H%M%S')}-")
     display = Display(scenario.job.steps, progress=not args.quiet)
     display.notice(f"scenario {scenario.name}: {len(scenario.faults)} fault(s); output in {out}")
+
+    def run(s: Scenario, to: Path) -> dict[str, Any]:
+        source = str(args.scenario or "")
+        return run_scenario(
+            s, out_dir=to, source=source, display=display, use_cache=not args.no_cache
+        )
+
     try:
-        report = run_scenario(
-            scenario,
-            out_dir=out,
-            source=str(args.scenario),
-            display=display,
-            use_cache=not args.no_cache,
+        report = (
+            run(scenario, Path(out)) if args.soak is None else run_soak(scenario, Path(out), run)
         )
     except ResilientError as exc:
         print(f"resilient: error: {exc}", file=sys.stderr)
         return _USAGE_ERROR
     print(render(report))
+    if "soak" in report:
+        leaks = report["soak"]["leaks"]
+        print(f"soak: {len(report['soak']['faults'])} fault(s); leaks: {len(leaks) or 'none'}")
+        for line in leaks:
+            print(f"  LEAK {line}")
     print(f"report written to {Path(out) / 'report.json'}")
     if args.json:
         print(json.dumps(report, default=str))

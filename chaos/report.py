@@ -45,6 +45,9 @@ ACTION_KINDS: Final = frozenset(
 )
 # Steps skipped at the start when measuring step times (warm-up, link setup).
 _WARMUP_STEPS: Final = 2
+# Links are built on first use and a call's first steps start its threads: counts
+# are compared from here on.
+_RESOURCE_WARMUP_STEPS: Final = 20
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,6 +81,8 @@ class RunFacts:
     events: list[dict[str, Any]]
     reference: dict[str, Any] | None
     out_dir: str | None = None
+    # etcd keys the run left outside its jobs' prefixes (read before etcd stops).
+    stray_keys: list[str] = field(default_factory=list)
 
 
 def _ms_per_step(
@@ -427,8 +432,27 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
         "faults": faults,
         "events": len(facts.events),
         "expectations": rows,
+        "resources": resource_growth(facts.progress),
+        "etcd_stray_keys": facts.stray_keys,
         "out_dir": facts.out_dir,
     }
+
+
+def resource_growth(progress: dict[int, RankTrack]) -> dict[str, dict[str, list[int]]]:
+    """Per rank, its newest incarnation's open fds and threads ``[first, last]``
+    from the records after the warm-up steps (a leak grows between the two)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for rank, track in sorted(progress.items()):
+        if not track.resources:
+            continue
+        newest = track.resources[-1][1]
+        rows = [r for r in track.resources if r[1] == newest and r[2] >= _RESOURCE_WARMUP_STEPS]
+        if len(rows) >= 2:
+            out[str(rank)] = {
+                "fds": [rows[0][3], rows[-1][3]],
+                "threads": [rows[0][4], rows[-1][4]],
+            }
+    return out
 
 
 def _straggler_confirmed(facts: RunFacts) -> int | None:

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,6 +48,10 @@ from resilient.launch.launcher import LaunchConfig, Launcher, new_job_name
 __all__ = ["make_testbed", "run_scenario"]
 
 logger = logging.getLogger(__name__)
+
+# Every key a job writes is under its prefix (membership.keys): the launcher's
+# names are job-<hex>.
+_JOB_KEY: Final = re.compile(r"/resilient/job-[0-9a-f]+/")
 
 _TICK_S: Final = 0.02
 # A due fault waits at most this long for warm spares to stand ready (a scenario
@@ -418,6 +423,20 @@ def _control_plane(scenario: Scenario, testbed: Testbed, out: Path) -> Iterator[
             etcd.stop()
 
 
+def _stray_keys(etcd: EtcdCluster, *, secure: bool) -> list[str]:
+    """The keys in the scenario's etcd outside every job's prefix (a leak); with
+    etcd's security on, the job's user reads only under ``/resilient/``, which is
+    all it may write."""
+    client = EtcdClient(etcd_config(etcd.url, request_timeout_s=2.0, retry_budget_s=3.0))
+    try:
+        kvs, _ = client.get_prefix("/resilient/" if secure else "/")
+    except MembershipError as exc:
+        return [f"(not listed: {exc})"]
+    finally:
+        client.close()
+    return [kv.key for kv in kvs if not _JOB_KEY.match(kv.key)]
+
+
 def run_scenario(
     scenario: Scenario,
     *,
@@ -445,6 +464,7 @@ def run_scenario(
         if scenario.expect.params_equal_fault_free or scenario.expect.params_close_fault_free:
             reference = _reference(scenario, testbed, etcd, out, display, source, use_cache)
         facts = _run_job(scenario, testbed, etcd, out, scenario.faults, display, source)
+        facts.stray_keys = _stray_keys(etcd, secure=scenario.job.etcd_security)
     facts.reference = reference
     report = build_report(scenario, facts, source=source)
     try:

@@ -16,7 +16,9 @@ record also carries ``commits``: ``[step, ts]`` of this process's newest steps
 (at most 16, oldest first, the record's own step last), because only the newest
 record is written and a reader would otherwise never learn when the steps
 between two writes finished (the chaos report times a recovery to the first step
-after a fault). Readers that predate it ignore the field.
+after a fault). Readers that predate it ignore the field. And ``fds`` and
+``threads``: the process's open file descriptors and live threads, whose growth
+over a long run is a leak (the chaos soak checks it).
 
 Without ``RESILIENT_ETCD`` (plain torchrun on gloo) :meth:`StepReporter.from_env`
 returns a reporter that does nothing, so scripts need no branches.
@@ -67,6 +69,15 @@ def pass_counts() -> dict[str, Any]:
         "python_passes": int(stats.get("python_passes", 0)),
         "c_built": bool(available()),
     }
+
+
+def resources() -> dict[str, int]:
+    """This process's open file descriptors and live Python threads."""
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs: not counted
+        return {"threads": threading.active_count()}
+    return {"fds": fds, "threads": threading.active_count()}
 
 
 def progress_prefix(job: str) -> str:
@@ -138,7 +149,7 @@ class StepReporter:
         with self._lock:
             self._commits.append((step, now))
             self._last = {
-                **self._stamp, **pass_counts(), **fields, "step": step, "ts": now,
+                **self._stamp, **pass_counts(), **resources(), **fields, "step": step, "ts": now,
                 "commits": [[s, t] for s, t in self._commits],
             }  # fmt: skip
             self._pending = self._last

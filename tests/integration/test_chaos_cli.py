@@ -730,3 +730,22 @@ def test_a_killed_rank_comes_back_with_etcd_over_tls_and_auth(tmp_path: Path) ->
     events = [json.loads(line) for f in (out / "run" / "events").glob("rank-*.jsonl")
               for line in f.read_text().splitlines()]  # fmt: skip
     assert any(e["kind"] == "state.restored" and e["rank"] == 1 for e in events)
+
+
+@needs_root
+@pytest.mark.timeout(420)
+def test_a_90_second_soak_survives_its_faults_and_leaks_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resilient", "chaos", "--soak", "90", "--seed", "1", "--out",
+         str(out), "--json", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    code, stdout, stderr = _finish(proc, 400)
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    if code != 0 or not report["passed"]:
+        leaked = report["soak"]["leaks"]
+        pytest.fail(f"exit code {code}; leaks {leaked}; {_why_not(report, out, stderr)}")
+    assert len(report["soak"]["faults"]) >= 3, report["soak"]
+    assert report["resources"], "no rank reported its fds and threads"
+    assert all(f["error"] is None for f in report["faults"]), report["faults"]
