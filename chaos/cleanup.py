@@ -64,6 +64,7 @@ PREFIX: Final = "rsl-"
 QDISC_MAJOR: Final = "7273"
 _ROOT_IF: Final = re.compile(r"rsl[0-9a-f]{4}m")
 _COMMENT_OWNER: Final = re.compile(rf"{PREFIX}(\d+)(?:\D.*)?")
+_CGROUP_OWNER: Final = re.compile(rf"{PREFIX}(\d+)-.*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,17 +149,36 @@ def _our_rules() -> list[tuple[list[str], int]]:
     return rules
 
 
-def our_objects() -> list[str]:
-    """Every kernel object with our name, handle or comment, whoever owns it (a
-    soak's leak check compares these before and after its run)."""
-    objects = [f"netns {n}" for n in list_netns() if n.startswith(PREFIX)]
-    objects += [f"link {n}" for n in _root_links() if _ROOT_IF.fullmatch(n)]
-    objects += [f"qdisc {d}" for d in _our_qdiscs()]
-    objects += [f"iptables {' '.join(rule)}" for rule, _ in _our_rules()]
+def our_objects(*, others: bool = True) -> list[str]:
+    """Every kernel object with our name, handle or comment (a soak's leak check
+    compares these before and after its run); without ``others``, not those whose
+    owner is another live process (a run going on beside this one)."""
+    objects: list[tuple[str, int | None]] = [
+        (f"netns {n}", None) for n in list_netns() if n.startswith(PREFIX)
+    ]
+    objects += [(f"link {n}", None) for n in _root_links() if _ROOT_IF.fullmatch(n)]
+    objects += [(f"qdisc {d}", None) for d in _our_qdiscs()]
+    objects += [(f"iptables {' '.join(rule)}", pid) for rule, pid in _our_rules()]
     with contextlib.suppress(ChaosError, OSError):
         root, _ = cpu_throttle.cpu_root()
-        objects += [f"cgroup {c.name}" for c in root.iterdir() if c.name.startswith(PREFIX)]
-    return sorted(objects)
+        for child in root.iterdir():
+            if m := _CGROUP_OWNER.fullmatch(child.name):
+                objects.append((f"cgroup {child.name}", int(m.group(1))))
+    owners: dict[str, int] = {}  # read after listing: an owner records before it makes
+    for _, record in _records():
+        holder = int(record["pid"])
+        if record.get("kind", "testbed") == "qdisc":
+            owners[f"qdisc {record['dev']}"] = holder
+        else:
+            owners.update({f"netns {n}": holder for n in record["netns"]})
+            owners[f"link {record['root_if']}"] = holder
+    me = os.getpid()
+    kept = []
+    for name, named in objects:
+        owner = named if named is not None else owners.get(name)
+        if others or owner is None or owner == me or not pid_alive(owner):
+            kept.append(name)
+    return sorted(kept)
 
 
 def delete_testbed(names: list[str], root_if: str) -> None:

@@ -134,9 +134,10 @@ def run_soak(
     Raises:
         ChaosError: the report could not be written; what ``run`` raises.
     """
-    before = our_objects()
+    # Not the objects of runs going on beside this one (tests in parallel).
+    before = our_objects(others=False)
     report = run(scenario, out)
-    found = leaks(report, before, our_objects(), descendants(os.getpid()))
+    found = leaks(report, before, our_objects(others=False), descendants(os.getpid()))
     report["soak"] = {
         "faults": [f"{f.kind} {dict(f.params)} at {f.at_s} s" for f in scenario.faults],
         "leaks": found,
