@@ -98,8 +98,9 @@ def add_parser(subparsers: Any) -> None:
     cmd.add_argument(
         "--steps-per-s",
         type=float,
-        default=6.0,
-        help="with --soak: the job's rate here, which sizes its steps (default 6)",
+        default=15.0,
+        help="with --soak: the job's rate here, which sizes its steps so that the run "
+        "lasts about DURATION_S (default 15, the quiet 2-core development host)",
     )
     cmd.add_argument(
         "--cleanup",
@@ -215,7 +216,11 @@ def _run(args: argparse.Namespace) -> int:
     print(render(report))
     if "soak" in report:
         leaks = report["soak"]["leaks"]
-        print(f"soak: {len(report['soak']['faults'])} fault(s); leaks: {len(leaks) or 'none'}")
+        soak = report["soak"]
+        print(
+            f"soak: {len(soak['faults'])} fault(s) drawn, {soak['fired']} fired "
+            f"({soak['fired_while_training']} while training); leaks: {len(leaks) or 'none'}"
+        )
         for line in leaks:
             print(f"  LEAK {line}")
     print(f"report written to {Path(out) / 'report.json'}")

@@ -737,8 +737,9 @@ def test_a_killed_rank_comes_back_with_etcd_over_tls_and_auth(tmp_path: Path) ->
 def test_a_90_second_soak_survives_its_faults_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "resilient", "chaos", "--soak", "90", "--seed", "1", "--out",
-         str(out), "--json", "--quiet"],
+        # 6 steps/s: the job outlasts its faults on a busy test host too.
+        [sys.executable, "-m", "resilient", "chaos", "--soak", "90", "--seed", "1",
+         "--steps-per-s", "6", "--out", str(out), "--json", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     code, stdout, stderr = _finish(proc, 400)
@@ -746,6 +747,6 @@ def test_a_90_second_soak_survives_its_faults_and_leaks_nothing(tmp_path: Path) 
     if code != 0 or not report["passed"]:
         leaked = report["soak"]["leaks"]
         pytest.fail(f"exit code {code}; leaks {leaked}; {_why_not(report, out, stderr)}")
-    assert len(report["soak"]["faults"]) >= 3, report["soak"]
+    assert report["soak"]["fired_while_training"] >= 3, report["soak"]
     assert report["resources"], "no rank reported its fds and threads"
     assert all(f["error"] is None for f in report["faults"]), report["faults"]
