@@ -30,6 +30,15 @@ class JobKeys:
         return f"{self.members}{rank:06d}"
 
     @property
+    def nodes(self) -> str:
+        """Node agents (``resilient run --nnodes``), one key per node rank under the
+        agent's lease (:mod:`membership.nodes`)."""
+        return self.prefix + "nodes/"
+
+    def node(self, node_rank: int) -> str:
+        return f"{self.nodes}{node_rank:06d}"
+
+    @property
     def departures(self) -> str:
         return self.prefix + "left/"
 

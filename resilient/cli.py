@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from chaos.cli import add_parser as add_chaos_parser
 from recovery.cli import add_parser as add_events_parser
-from resilient.config import env_token
+from resilient.config import env_token, scheduler_env
 from resilient.errors import ConfigError, LauncherError
 from resilient.launch.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, new_job_name
 
@@ -29,6 +30,8 @@ _Handler = Callable[[argparse.Namespace], int]
 
 _RUN_DESCRIPTION = """\
 Launch NPROC ranks of a Python script on this machine and supervise them.
+With --nnodes N, run one such agent per machine (node ranks 0..N-1, one --etcd
+and one RESILIENT_TOKEN for all): node K's local rank L is global rank K*NPROC+L.
 
 Unlike torchrun, a failed rank is restarted alone: it keeps its rank id, gets the
 next incarnation number, and the other ranks keep running. When the job-wide restart
@@ -79,15 +82,17 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="number of ranks to start (default: 1)",
+        help="number of ranks to start on this machine (default: 1)",
     )
+    _add_node_flags(run)
     run.add_argument(
         "--rails",
-        type=int,
+        type=_rails,
         default=1,
-        metavar="R",
-        help="network rails (NICs) per rank; on loopback rail r of rank k is "
-        "127.0.<r+1>.<k+1> (default: 1)",
+        metavar="R|NAMES",
+        help="network rails (NICs) per rank: a count R (on loopback rail r of rank k is "
+        "127.0.<r+1>.<k+1>; one machine only) or interface names or addresses, "
+        "comma-separated, the same for every rank of this node, e.g. eth0,eth1 (default: 1)",
     )
     run.add_argument(
         "--etcd",
@@ -102,6 +107,46 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
         help="job name, the key prefix of the job in etcd: letters, digits, '_', '.', "
         "'-' (default: job-<8 random hex digits>)",
     )
+
+
+def _add_node_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="N",
+        help="node agents in the job, one per machine; they meet in etcd (--etcd) "
+        "(default: $SLURM_NNODES, else 1)",
+    )
+    run.add_argument(
+        "--node-rank",
+        type=int,
+        metavar="K",
+        help="this agent's node, 0..N-1 (default: $SLURM_NODEID, else "
+        "$JOB_COMPLETION_INDEX, else 0)",
+    )
+    run.add_argument(
+        "--master-addr",
+        metavar="ADDR",
+        help="with --nnodes > 1: the address of node 0 the other nodes' ranks reach its "
+        "init store at (torch's MASTER_ADDR; node 0 only; default: this host's name)",
+    )
+    run.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --nnodes > 1: seconds to wait for every node agent (default: 300)",
+    )
+
+
+def _rails(text: str) -> int | tuple[str, ...]:
+    """``--rails``: a count, or comma-separated interface names or addresses."""
+    if text.strip().isdigit():
+        return int(text)
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a count or names like eth0,eth1")
+    return names
 
 
 def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
@@ -204,11 +249,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Raises: ConfigError, LauncherError (printed by :func:`main`)."""
+    node_rank, nnodes, slurm_job = scheduler_env()
+    nnodes = args.nnodes if args.nnodes is not None else nnodes or 1
+    token = env_token()
+    if nnodes > 1 and not token:
+        raise ConfigError(
+            f"--nnodes {nnodes}: every node agent needs the same secret in RESILIENT_TOKEN "
+            "(e.g. export RESILIENT_TOKEN=$(openssl rand -hex 16) before starting them)"
+        )
+    master = args.master_addr or ("127.0.0.1" if nnodes == 1 else socket.getfqdn())
+    names = args.rails if isinstance(args.rails, tuple) else ()
     config = LaunchConfig(
         nproc=args.nproc,
+        nnodes=nnodes,
+        node_rank=args.node_rank if args.node_rank is not None else node_rank or 0,
+        master_addr=master,
+        join_timeout_s=args.join_timeout,
         script=args.script,
         script_args=tuple(args.script_args),
-        rails=args.rails,
+        rails=len(names) if names else args.rails,
+        rail_names=names,
         etcd=args.etcd,
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
@@ -220,9 +281,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         lease_ttl_s=args.lease_ttl,
         grace_s=args.grace,
-        job=args.job if args.job is not None else new_job_name(),
+        job=args.job or slurm_job or new_job_name(),
     )
-    if token := env_token():
+    if token:
         config = dataclasses.replace(config, token=token)
     return Launcher(config).run()
 

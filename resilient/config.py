@@ -204,11 +204,10 @@ class DataPlaneConfig:
     and a group that is not quiet exchanges on every call. 0 exchanges on every
     call. Only with socket control and data links and a meshing data plane.
     ``native_io``: on one rail with socket data links, a mesh call's or ring pass's
-    bytes move in C without the GIL while its links are quiet (:mod:`resilient.links.native_steps`;
-    needs the
-    compiled ``resilient.links._stepio``, built at install when a C compiler is there);
-    anything unusual hands the streams back to the Python path. Env
-    ``RESILIENT_NATIVE_IO=0`` turns it off.
+    bytes move in C without the GIL while its links are quiet
+    (:mod:`resilient.links.native_steps`; needs the compiled ``resilient.links._stepio``,
+    built at install when a C compiler is there); anything unusual hands the streams
+    back to the Python path. Env ``RESILIENT_NATIVE_IO=0`` turns it off.
     """
 
     rail_weights: tuple[float, ...] | None = None
@@ -275,10 +274,9 @@ class DataPlaneConfig:
         ``RESILIENT_CONNECT_TIMEOUT_S``, ``RESILIENT_RAIL_WEIGHTS`` (e.g. ``3,1``),
         ``RESILIENT_TOPOLOGY`` (auto/ring/mesh), ``RESILIENT_CHECK_MISMATCH`` (0/1),
         ``RESILIENT_LEARN_RAIL_WEIGHTS`` (0/1), ``RESILIENT_STRAGGLER_SCHEDULE`` (0/1),
-        ``RESILIENT_RELAY_VIA_STORE`` (0/1),
-        ``RESILIENT_REPAIR_LINKS`` (0/1), ``RESILIENT_REPAIR_TIMEOUT_S`` and
-        ``RESILIENT_CONTROL_TRANSPORT`` and ``RESILIENT_DATA_TRANSPORT`` (socket/gloo),
-        ``RESILIENT_CUDA_TRANSPORT`` (nccl/socket),
+        ``RESILIENT_RELAY_VIA_STORE`` (0/1), ``RESILIENT_REPAIR_LINKS`` (0/1),
+        ``RESILIENT_REPAIR_TIMEOUT_S`` and ``RESILIENT_CONTROL_TRANSPORT`` and
+        ``RESILIENT_DATA_TRANSPORT`` (socket/gloo), ``RESILIENT_CUDA_TRANSPORT`` (nccl/socket),
         ``RESILIENT_ELIDE_EVERY`` (an integer, default 8; 0: never).
 
         Raises:
@@ -511,3 +509,12 @@ class RankEnv:
             fault_control=_env_flag(env, p + "FAULT_CONTROL", False),
             progress_interval_s=_env_float(env, p + "PROGRESS_INTERVAL_S", 0.25),
         )
+
+
+def scheduler_env(env: Mapping[str, str] | None = None) -> tuple[int | None, int | None, str]:
+    """(node rank, nodes, job) under Slurm or a Kubernetes Indexed Job; None/"" where unset:
+    SLURM_NODEID or JOB_COMPLETION_INDEX, SLURM_NNODES, SLURM_JOB_ID. Raises ConfigError."""
+    env = os.environ if env is None else env
+    node = next((n for n in ("SLURM_NODEID", "JOB_COMPLETION_INDEX") if env.get(n)), None)
+    nodes = _env_int(env, "SLURM_NNODES") if env.get("SLURM_NNODES") else None
+    return (_env_int(env, node) if node else None), nodes, env.get("SLURM_JOB_ID", "")

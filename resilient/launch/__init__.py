@@ -8,6 +8,8 @@
 * :mod:`~resilient.launch.slots` and :mod:`~resilient.launch.spares`: rank slots and
   the warm spares kept for them; :mod:`~resilient.launch.standby` is the spare's side.
 * :mod:`~resilient.launch.leases`: ranks whose member lease expired while they run.
+* :mod:`~resilient.launch.node_agent`: one agent per machine (``--nnodes``) meeting
+  the others in etcd.
 * :mod:`~resilient.launch.metrics`: the job's Prometheus metrics.
 """
 

@@ -55,7 +55,13 @@ class LaunchConfig:
     """What the local launcher starts and how it supervises it.
 
     ``etcd`` is a comma-separated list of client URLs, or None for an embedded etcd
-    that lives as long as the launch. ``max_restarts`` is one budget for the whole
+    that lives as long as the launch. ``nproc`` ranks run here; with ``nnodes`` > 1
+    this is the agent of node ``node_rank`` (torchrun's ``--node-rank``): its local
+    rank L is global rank ``node_rank * nproc + L`` of ``nnodes * nproc``, the agents
+    meet in etcd (which must then be given) within ``join_timeout_s``, and node 0's
+    agent hosts torch's init store at ``master_addr``. ``rail_names`` (interface
+    names or addresses, the same on every rank of this node) replace the loopback
+    rail addresses; ``rails`` is then their count. ``max_restarts`` is one budget for the whole
     job (rank restarts of all ranks together). ``log_dir`` adds a ``rank<N>.log``
     copy of each rank's output; ``run_dir`` is handed to the ranks. Both are made
     absolute here. ``grace_s`` is the SIGTERM-to-SIGKILL delay when stopping ranks.
@@ -72,6 +78,10 @@ class LaunchConfig:
     etcd: str | None = None
     job: str = field(default_factory=new_job_name)
     max_restarts: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    join_timeout_s: float = 300.0
+    rail_names: tuple[str, ...] = ()
     log_dir: str | None = None
     run_dir: str | None = None
     lease_ttl_s: float = 5.0
@@ -102,12 +112,13 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _check_int("nproc", self.nproc, 1, MAX_LOCAL_RANKS)
+        self._check_nodes()
         _check_int("rails", self.rails, 1, MAX_RAILS)
         _check_int("max_restarts", self.max_restarts, 0, None)
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         if self.min_ranks is not None:
-            _check_int("min_ranks", self.min_ranks, 1, self.nproc)
+            _check_int("min_ranks", self.min_ranks, 1, self.world_size)
         _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
         for name, _ in self.rank_env:
             if not name.startswith(ENV_PREFIX) or name in _RANK_VAR_NAMES:
@@ -140,6 +151,49 @@ class LaunchConfig:
                 raise ConfigError(f"{name}={value!r}: exists and is not a directory")
             object.__setattr__(self, name, path)
 
+    def _check_nodes(self) -> None:
+        _check_int("nnodes", self.nnodes, 1, None)
+        _check_int("node_rank", self.node_rank, 0, self.nnodes - 1)
+        _check_seconds("join_timeout_s", self.join_timeout_s, minimum=0.0, inclusive=False)
+        names = tuple(str(n).strip() for n in self.rail_names)
+        if names:
+            if not all(names) or any(c.isspace() or c == "," for n in names for c in n):
+                raise ConfigError(f"rail_names={self.rail_names!r}: empty or malformed name")
+            object.__setattr__(self, "rail_names", names)
+            object.__setattr__(self, "rails", len(names))
+        if not names and not self.rank_rails and self.world_size > MAX_LOCAL_RANKS:
+            raise ConfigError(
+                f"{self.world_size} ranks on loopback rails: at most {MAX_LOCAL_RANKS}; "
+                "name the rails (rail_names, --rails eth0,eth1)"
+            )
+        if self.nnodes > 1:
+            if self.etcd is None:
+                raise ConfigError(
+                    f"nnodes={self.nnodes}: every node agent must reach the same etcd; "
+                    "give its URLs (--etcd), the embedded one serves one machine only"
+                )
+            if self.rank_rails or self.rank_wrap:
+                raise ConfigError("rank_rails and rank_wrap are for one node (nnodes=1)")
+            if self.evict_stragglers:
+                raise ConfigError(
+                    "evict_stragglers: not built for several nodes yet (the restart budget "
+                    "is per node agent)"
+                )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole job: ``nnodes * nproc``."""
+        return self.nnodes * self.nproc
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this node's local rank 0."""
+        return self.node_rank * self.nproc
+
+    def global_rank(self, local_rank: int) -> int:
+        """Node ``node_rank``'s local rank L is global rank ``node_rank * nproc + L``."""
+        return self.first_rank + local_rank
+
     def _check_per_rank(self) -> None:
         for name in ("rank_rails", "rank_wrap"):
             value = tuple(tuple(str(x) for x in item) for item in getattr(self, name))
@@ -151,5 +205,9 @@ class LaunchConfig:
                 raise ConfigError(f"rank_rails[{rank}]: {self.rails} address(es) expected")
 
     def rails_of(self, rank: int) -> tuple[str, ...]:
-        """The rail addresses handed to ``rank``."""
-        return self.rank_rails[rank] if self.rank_rails else loopback_rails(rank, self.rails)
+        """The rail addresses (or interface names) handed to global ``rank``."""
+        if self.rail_names:
+            return self.rail_names
+        if self.rank_rails:
+            return self.rank_rails[rank - self.first_rank]
+        return loopback_rails(rank, self.rails)

@@ -2,7 +2,8 @@
 
 ``Launcher(LaunchConfig(nproc=4, script="train.py")).run()`` starts an embedded etcd
 (unless ``etcd`` names a cluster), spawns ``nproc`` ranks of ``python -u script`` on
-this machine, relays their output prefixed ``[rank N]``, and supervises them:
+this machine, relays their output prefixed ``[rank N]``, and supervises them (with
+``nnodes`` > 1 it is one node's agent: :mod:`resilient.launch.node_agent`):
 
 * a rank that exits 0 is done; so is one killed by a signal *after* it left the
   job on purpose (its process group shut down and wrote its departure to etcd):
@@ -39,6 +40,7 @@ from resilient.launch.launch_config import (
     loopback_rails,
     new_job_name,
 )
+from resilient.launch.node_agent import meet_nodes, node_notice
 from resilient.launch.rank_env import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
 from resilient.launch.rank_procs import (
     RankOutput,
@@ -50,15 +52,14 @@ from resilient.launch.rank_procs import (
     stop_all,
 )
 from resilient.launch.slots import NEXT_SPARE_S, Slot, SpareTending
-from resilient.procs import host_store, spawn
+from resilient.procs import spawn
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import TCPStore
-
     from membership.server import EmbeddedEtcd
     from resilient.events import EventLog
     from resilient.launch.leases import LeaseWatch
     from resilient.launch.metrics import JobMetrics, MetricsServer
+    from resilient.launch.node_agent import NodeMeeting
 
 __all__ = [
     "MAX_LOCAL_RANKS",
@@ -99,12 +100,16 @@ class _Run(SpareTending):
         # Spares are due at once (the supervisor starts them after the ranks);
         # until then spare_warming() already counts them.
         spares_due = 0.0 if config.warm_spares else None
-        self._slots = [Slot(rank, spare_at=spares_due) for rank in range(config.nproc)]
+        self._slots = [
+            Slot(config.global_rank(local), spare_at=spares_due) for local in range(config.nproc)
+        ]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
-        # torch's rendezvous store, hosted here rather than by rank 0: a rank 0
-        # that a replacement takes over would otherwise take the store with it.
-        self._store: TCPStore | None = None
+        # torch's rendezvous store, hosted here (node 0's agent) rather than by
+        # rank 0: a rank 0 that a replacement takes over would otherwise take the
+        # store with it. Other nodes' agents learn where it is in etcd.
+        self._nodes: NodeMeeting | None = None
+        self._master_addr = config.master_addr
         self._master_port = 0
         self._restarts = 0
         self._leases: LeaseWatch | None = None
@@ -125,16 +130,23 @@ class _Run(SpareTending):
         """
         self._make_dirs()
         self._start_etcd()
-        self._store = host_store(self._cfg.master_addr)
-        self._master_port = self._store.port
         cfg = self._cfg
+        try:
+            self._nodes = meet_nodes(cfg, self._etcd_url, self._stopping)
+        except LauncherError:
+            if (code := self._signalled()) is not None:
+                return code  # SIGINT/SIGTERM while the agents waited for each other
+            raise
+        self._master_addr = self._nodes.master_addr
+        self._master_port = self._nodes.master_port
         if self._etcd_url:
             from resilient.launch.leases import LeaseWatch
 
             self._leases = LeaseWatch(self._etcd_url, cfg.job, cfg.token)
             self._publish_budget()
         self._out.notice(
-            f"job {cfg.job}: {cfg.nproc} rank(s) x {cfg.rails} rail(s), etcd {self._etcd_url}"
+            f"job {cfg.job}: {node_notice(cfg)}{cfg.nproc} rank(s) x {cfg.rails} rail(s), "
+            f"etcd {self._etcd_url}"
             f"{' (embedded)' if self._etcd else ''}, up to {cfg.max_restarts} restart(s)"
         )
         for slot in self._slots:
@@ -158,10 +170,12 @@ class _Run(SpareTending):
                 self._job_metrics.close()
             if self._events is not None:
                 self._events.close()
+            if self._nodes is not None:
+                self._nodes.close()
+                self._nodes = None
             if self._etcd is not None:
                 self._etcd.stop()
                 self._etcd = None
-            self._store = None  # closes the server
 
     def _supervise(self) -> int:
         while True:
@@ -222,7 +236,7 @@ class _Run(SpareTending):
             return
         self._lease_poll_at = now + _LEASE_POLL_S
         for rank, inc in self._leases.expired():
-            slot = self._slots[rank] if 0 <= rank < len(self._slots) else None
+            slot = self._slot_of(rank)  # None: another node's rank
             if slot is None or slot.done or slot.proc is None or slot.incarnation != inc:
                 continue
             if reap(slot.proc) is not None:
@@ -334,7 +348,9 @@ class _Run(SpareTending):
     def _may_shrink(self, slot: Slot) -> bool:
         """Whether the job may go on without ``slot`` (``min_ranks`` still running)."""
         floor = self._cfg.min_ranks
-        others = sum(1 for s in self._slots if s is not slot and not s.left)
+        # Other nodes' ranks count as running: each agent knows only its own.
+        others = self._cfg.world_size - len(self._slots)
+        others += sum(1 for s in self._slots if s is not slot and not s.left)
         return floor is not None and others >= floor
 
     def _event(self, kind: str, **fields: Any) -> None:
@@ -344,6 +360,9 @@ class _Run(SpareTending):
     def pids(self) -> dict[int, int]:
         """The pid of every rank whose process is running now."""
         return {s.rank: s.proc.pid for s in self._slots if s.proc is not None and not s.done}
+
+    def _stopping(self) -> bool:
+        return self._trap.received is not None or self._stop.is_set()
 
     def _signalled(self) -> int | None:
         sig = self._trap.received
@@ -383,7 +402,7 @@ class _Run(SpareTending):
         cfg = self._cfg
         argv = [sys.executable, "-u", cfg.script, *cfg.script_args]
         if cfg.rank_wrap:
-            argv = [*cfg.rank_wrap[slot.rank], *argv]
+            argv = [*cfg.rank_wrap[slot.rank - cfg.first_rank], *argv]
         try:
             slot.proc = spawn(
                 argv, env=self._env(slot), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -402,10 +421,10 @@ class _Run(SpareTending):
         cfg = self._cfg
         values: dict[RankVar, str] = {
             RankVar.RANK: str(slot.rank),
-            RankVar.WORLD_SIZE: str(cfg.nproc),
-            RankVar.LOCAL_RANK: str(slot.rank),
+            RankVar.WORLD_SIZE: str(cfg.world_size),
+            RankVar.LOCAL_RANK: str(slot.rank - cfg.first_rank),
             RankVar.LOCAL_WORLD_SIZE: str(cfg.nproc),
-            RankVar.MASTER_ADDR: cfg.master_addr,
+            RankVar.MASTER_ADDR: self._master_addr,
             RankVar.MASTER_PORT: str(self._master_port),
             RankVar.ETCD: self._etcd_url,
             RankVar.JOB: cfg.job,

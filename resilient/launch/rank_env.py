@@ -44,16 +44,19 @@ class RankVar(StrEnum):
 RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
     {
         RankVar.RANK: "global rank id, 0..WORLD_SIZE-1; a restarted rank keeps its id",
-        RankVar.WORLD_SIZE: "number of ranks (--nproc)",
-        RankVar.LOCAL_RANK: "rank id on this machine (equals RANK here)",
-        RankVar.LOCAL_WORLD_SIZE: "ranks on this machine (equals WORLD_SIZE here)",
-        RankVar.MASTER_ADDR: "127.0.0.1, for code that rendezvouses the torch way",
+        RankVar.WORLD_SIZE: "number of ranks in the job: --nnodes x --nproc-per-node",
+        RankVar.LOCAL_RANK: "rank id on this machine "
+        "(RANK = node rank x LOCAL_WORLD_SIZE + LOCAL_RANK)",
+        RankVar.LOCAL_WORLD_SIZE: "ranks on this machine (--nproc-per-node)",
+        RankVar.MASTER_ADDR: "where torch's init store is: 127.0.0.1, or node 0's "
+        "--master-addr with --nnodes > 1 (not fault tolerant: README, many machines)",
         RankVar.MASTER_PORT: "a free TCP port, the same for every rank and restart",
         RankVar.ETCD: "etcd client URL(s), comma-separated (--etcd or the embedded one)",
         RankVar.JOB: "job name (--job), the key prefix of the job in etcd",
         RankVar.TOKEN: "secret shared by the ranks of this job (random per launch unless "
         "RESILIENT_TOKEN is set in the launcher's environment, to re-join an existing job)",
-        RankVar.RAILS: "this rank's rail addresses, comma-separated: 127.0.<rail+1>.<rank+1>",
+        RankVar.RAILS: "this rank's rail addresses, comma-separated: 127.0.<rail+1>.<rank+1>, "
+        "or the interface names given to --rails",
         RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
         RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",
         RankVar.RUN_DIR: "directory for event logs and run state (only with --run-dir)",
@@ -68,7 +71,7 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
             "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"
         ),
-        RankVar.TORCHELASTIC_USE_AGENT_STORE: "True: the launcher hosts the TCPStore at "
+        RankVar.TORCHELASTIC_USE_AGENT_STORE: "True: the launcher (node 0's) hosts the TCPStore at "
         "MASTER_ADDR:MASTER_PORT, so it outlives every rank, rank 0 included (as torchrun)",
     }
 )

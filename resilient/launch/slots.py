@@ -63,6 +63,11 @@ class SpareTending:
         def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]: ...
         def _publish_budget(self) -> None: ...
 
+    def _slot_of(self, rank: int) -> Slot | None:
+        """The slot of global ``rank``, or None when another node runs it."""
+        local = rank - self._cfg.first_rank
+        return self._slots[local] if 0 <= local < len(self._slots) else None
+
     def _spares_on(self) -> bool:
         """Warm spares are wanted, and a restart is left for one to take."""
         return self._cfg.warm_spares and self._restarts < self._cfg.max_restarts
@@ -76,9 +81,9 @@ class SpareTending:
     def spare_warming(self, rank: int) -> bool:
         """Whether ``rank`` has a warm spare started (or due to start) that does not
         stand ready yet. Read from other threads: looks, never reaps."""
-        if not self._spares_on() or not 0 <= rank < len(self._slots) or self._slots[rank].done:
+        slot = self._slot_of(rank)
+        if not self._spares_on() or slot is None or slot.done:
             return False
-        slot = self._slots[rank]
         spare = slot.spare
         return spare.ready_after_s is None if spare is not None else slot.spare_at is not None
 
@@ -88,7 +93,7 @@ class SpareTending:
         cfg = self._cfg
         if not self._spares_on() or slot.spare is not None:
             return
-        wrap = cfg.rank_wrap[slot.rank] if cfg.rank_wrap else ()
+        wrap = cfg.rank_wrap[slot.rank - cfg.first_rank] if cfg.rank_wrap else ()
         env = self._env(slot, incarnation=slot.incarnation + 1)
         try:
             slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
