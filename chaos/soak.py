@@ -23,7 +23,6 @@ faults are drawn over the first 80 % of DURATION.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -95,12 +94,7 @@ def soak_scenario(
     """
     if duration_s < 30.0 or not steps_per_s > 0:
         raise ValueError(f"a soak needs >= 30 s and a rate > 0, got {duration_s} s, {steps_per_s}")
-    # Fired at the step the job reaches at that time (at steps_per_s), not by the
-    # clock: a slow start (imports, links) must not let faults land before training.
-    faults = tuple(
-        dataclasses.replace(f, at_s=None, at_step=int((f.at_s or 0.0) * steps_per_s))
-        for f in draw_faults(seed, duration_s, nproc=nproc, rails=rails)
-    )
+    faults = draw_faults(seed, duration_s, nproc=nproc, rails=rails)
     replaced = sum(f.kind in ("kill", "hang") for f in faults)
     script = str(_EXAMPLE) if _EXAMPLE.is_file() else "examples/train_ddp.py"
     job = JobSpec(
@@ -132,10 +126,6 @@ def leaks(
     return found
 
 
-def _when(fault: Fault) -> str:
-    return f"at step {fault.at_step}" if fault.at_step is not None else f"at {fault.at_s} s"
-
-
 def run_soak(
     scenario: Scenario, out: Path, run: Callable[[Scenario, Path], dict[str, Any]]
 ) -> dict[str, Any]:
@@ -152,7 +142,7 @@ def run_soak(
     found = leaks(report, before, our_objects(others=False), descendants(os.getpid()))
     fired = [f for f in report.get("faults", []) if f.get("fired_s") is not None]
     report["soak"] = {
-        "faults": [f"{f.kind} {dict(f.params)} {_when(f)}" for f in scenario.faults],
+        "faults": [f"{f.kind} {dict(f.params)} at {f.at_s} s" for f in scenario.faults],
         "fired": len(fired),
         "fired_while_training": sum(
             1 for f in fired if (f.get("fired_step") or 0) >= 0 and f.get("fired_step") is not None

@@ -34,8 +34,6 @@ def test_with_one_rail_no_fault_leaves_a_pair_without_a_path() -> None:
 def test_the_scenario_budgets_a_restart_per_kill_and_hang() -> None:
     s = soak_scenario(300.0, 3, steps_per_s=5.0)
     assert soak_scenario(300.0, 3).job.steps == 4500  # 15 steps/s by default
-    # Fired by step (a slow start must not let one land before training).
-    assert all(f.at_s is None and f.at_step is not None and f.at_step >= 50 for f in s.faults)
     replaced = sum(f.kind in ("kill", "hang") for f in s.faults)
     assert s.job.max_restarts == replaced + 1 and s.job.steps == 1500
     assert s.expect.completes and s.expect.params_equal_across_ranks
