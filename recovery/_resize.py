@@ -8,10 +8,7 @@ back into a group that shrank without them. Mixed into
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -153,13 +150,7 @@ class Resizing:
             action=f"exit with code {EXIT_EVICTED}; the launcher replaces it, or the job "
             "goes on without it",
         )  # fmt: skip
-        log = events.default_log()
-        if log is not None:
-            log.close(2.0)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(EXIT_EVICTED)
+        events.exit_now(EXIT_EVICTED)
 
     def _maybe_grow(self) -> None:
         """Take in replacements that asked to join (a shrunk group only), before the

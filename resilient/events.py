@@ -25,11 +25,12 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 __all__ = [
     "EVENT_KINDS",
@@ -37,6 +38,7 @@ __all__ = [
     "EventLog",
     "default_log",
     "emit",
+    "exit_now",
     "read_events",
     "set_members",
 ]
@@ -197,6 +199,19 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 _DEFAULT: EventLog | None = None
 _DEFAULT_LOCK = threading.Lock()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process at once with ``code``, as a crashed rank would, after this
+    rank's event log (bounded: 2 s) and stdout/stderr are flushed: for a rank that
+    must leave without running the script's clean-up (its collectives would hang)."""
+    log = default_log()
+    if log is not None:
+        log.close(2.0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def default_log() -> EventLog | None:

@@ -35,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,13 +89,7 @@ def exit_gpu_lost(code: int) -> None:
     a GPU that cannot run them, and the survivors' recovery from a lost rank is the
     proven path.
     """
-    log = events.default_log()
-    if log is not None:
-        log.close(2.0)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(EXIT_GPU_LOST)
+    events.exit_now(EXIT_GPU_LOST)
 
 
 def _pci_bus_id(props: Any) -> str | None:
@@ -144,6 +136,15 @@ def nvml_handle(nvml: Any, index: int, props: Any = None) -> tuple[Any, str]:
         index, "; ".join(tried) or "torch gave neither",
     )  # fmt: skip
     return nvml.nvmlDeviceGetHandleByIndex(index), "index"
+
+
+def _no_source(cuda: bool, rank: int, epoch: int, index: int, why: str) -> None:
+    """Say there is no GPU health source: told (a warning, an event) when CUDA is
+    there, a debug line when it is not."""
+    if cuda:
+        _tell_unavailable(rank, epoch, index, why)
+    else:
+        logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, why)
 
 
 def _tell_unavailable(rank: int, epoch: int, index: int, why: str) -> None:
@@ -227,11 +228,9 @@ class GpuHealth:
                 nvml = importlib.import_module("pynvml")
             nvml.nvmlInit()
         except Exception as exc:  # no library, no driver: no source
-            why = f"NVML cannot be used: {type(exc).__name__}: {exc}"
-            if cuda:
-                _tell_unavailable(rank, epoch, index, why)
-            else:
-                logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, why)
+            _no_source(
+                cuda, rank, epoch, index, f"NVML cannot be used: {type(exc).__name__}: {exc}"
+            )
             return None
         try:
             handle, how = nvml_handle(nvml, index, props)
@@ -240,11 +239,7 @@ class GpuHealth:
         except Exception as exc:  # NVML has no such GPU
             with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()
-            why = f"no NVML handle: {type(exc).__name__}: {exc}"
-            if cuda:
-                _tell_unavailable(rank, epoch, index, why)
-            else:
-                logger.debug("rank %d (epoch %d): no GPU health source: %s", rank, epoch, why)
+            _no_source(cuda, rank, epoch, index, f"no NVML handle: {type(exc).__name__}: {exc}")
             return None
         logger.debug("rank %d (epoch %d): watching GPU %d, found in NVML by %s",
                      rank, epoch, index, how)  # fmt: skip
