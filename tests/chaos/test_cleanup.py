@@ -138,10 +138,13 @@ def test_cleanup_needs_root_and_a_scenario_needs_a_file(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(_sh, "is_root", lambda: False)
-    args = {"cleanup": True, "force": False, "scenario": None}
+    args = {"cleanup": True, "force": False, "scenario": None, "soak": None}
     assert run_command(argparse.Namespace(**args)) == 2
     assert "needs root" in capsys.readouterr().err
     assert run_command(argparse.Namespace(**{**args, "cleanup": False})) == 2
+    both = {**args, "cleanup": False, "scenario": "x", "soak": 60.0}
+    assert run_command(argparse.Namespace(**both)) == 2
+    assert "a scenario file or --soak is needed, not both" in capsys.readouterr().err
     forced = {**args, "cleanup": False, "force": True, "scenario": "x"}
     assert run_command(argparse.Namespace(**forced)) == 2
     assert "--force needs --cleanup" in capsys.readouterr().err

@@ -737,9 +737,11 @@ def test_a_killed_rank_comes_back_with_etcd_over_tls_and_auth(tmp_path: Path) ->
 def test_a_90_second_soak_survives_its_faults_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        # 6 steps/s: the job outlasts its faults on a busy test host too.
+        # 25 steps/s: this job's rate with the host to itself (a quiet CI machine
+        # ran 540 steps in 29 s), so the run lasts about 90 s; four times slower
+        # still ends within the soak's timeout (3 x 90 + 120 s).
         [sys.executable, "-m", "resilient", "chaos", "--soak", "90", "--seed", "1",
-         "--steps-per-s", "6", "--out", str(out), "--json", "--quiet"],
+         "--steps-per-s", "25", "--out", str(out), "--json", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     code, stdout, stderr = _finish(proc, 400)

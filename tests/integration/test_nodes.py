@@ -132,14 +132,20 @@ def test_two_agents_run_one_four_rank_job(
 
 
 RESTART_SCRIPT = """\
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 
 out = Path(sys.argv[1])
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RESILIENT_INCARNATION")
 env = {k: os.environ[k] for k in keys}
 (out / f"rank-{env['RANK']}-{env['RESILIENT_INCARNATION']}.json").write_text(json.dumps(env))
-sys.exit(3 if env["RANK"] == "3" and env["RESILIENT_INCARNATION"] == "0" else 0)
+if env["RANK"] == "3" and env["RESILIENT_INCARNATION"] == "0":
+    sys.exit(3)
+# As a real job's ranks do (they meet in init_process_group), every rank stays until
+# all have run: an agent whose ranks all ended leaves, and its node key with it.
+deadline = time.monotonic() + 60
+while not (out / "finish").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 """
 
 
@@ -158,6 +164,9 @@ def test_a_restarted_rank_keeps_its_global_rank_on_its_node(
         node1 = _agent(
             agents, etcd_server.url, job_name, 1, log1, script, out, "--max-restarts", "1"
         )
+        want = {"rank-0-0.json", "rank-1-0.json", "rank-2-0.json", "rank-3-1.json"}
+        wait_until(lambda: want <= {p.name for p in out.glob("rank-*.json")}, 90.0)
+        (out / "finish").touch()
         codes = (node0.wait(timeout=90), node1.wait(timeout=90))
     said = (tmp_path / "agent1.log").read_text()
     assert codes == (0, 0), said
