@@ -145,7 +145,7 @@ def run_soak(
         "faults": [f"{f.kind} {dict(f.params)} at {f.at_s} s" for f in scenario.faults],
         "fired": len(fired),
         "fired_while_training": sum(
-            1 for f in fired if (f.get("fired_step") or 0) >= 0 and f.get("fired_step") is not None
+            1 for f in fired if f.get("fired_step") is not None and f["fired_step"] >= 0
         ),
         "leaks": found,
         "resources": report.get("resources", {}),

@@ -149,7 +149,7 @@ class StepReporter:
         with self._lock:
             self._commits.append((step, now))
             self._last = {
-                **self._stamp, **pass_counts(), **resources(), **fields, "step": step, "ts": now,
+                **self._stamp, **pass_counts(), **fields, "step": step, "ts": now,
                 "commits": [[s, t] for s, t in self._commits],
             }  # fmt: skip
             self._pending = self._last
@@ -194,6 +194,9 @@ class StepReporter:
 
     def _write(self, record: dict[str, Any]) -> None:
         assert self._client is not None
+        # Counted when a record is written (at most every min_interval_s), not at
+        # every step: listing /proc/self/fd is a system call per descriptor batch.
+        record = {**record, **resources()}
         try:
             self._client.put(self._key, json.dumps(record, sort_keys=True))
         except MembershipError as exc:

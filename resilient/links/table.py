@@ -226,9 +226,21 @@ class LinkTable:
             LinkError: the store failed, or the peer did not say within ``timeout_s``
                 (default ``connect_timeout_s``).
         """
+        return self._tell(f"{prefix}build", "" if why is None else why, peer, rail, timeout_s)
+
+    def _tell(
+        self, key: str, value: str, peer: int, rail: int, timeout_s: float | None = None
+    ) -> str:
+        """Write ``value`` under ``key<rank>`` and return what the peer wrote under
+        ``key<peer>`` once it did.
+
+        Raises:
+            LinkError: the store failed, or the peer did not write within
+                ``timeout_s`` (default ``connect_timeout_s``).
+        """
         try:
-            self.store.set(f"{prefix}build{self.rank}", "" if why is None else why)
-            return self._poll(f"{prefix}build{peer}", peer, rail, timeout_s)
+            self.store.set(f"{key}{self.rank}", value)
+            return self._poll(f"{key}{peer}", peer, rail, timeout_s)
         except (RuntimeError, DistError) as exc:
             raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
 
@@ -291,11 +303,7 @@ class LinkTable:
             slot = owner.pg.take_slot()  # the lower end hands slots out
         mine = "" if owner is None else f"{owner.prefix} {slot or 0}"
         prefix = self.prefix(peer, rail)
-        try:
-            self.store.set(f"{prefix}share{self.rank}", mine)
-            theirs = self._poll(f"{prefix}share{peer}", peer, rail, timeout_s)
-        except (RuntimeError, DistError) as exc:
-            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
+        theirs = self._tell(f"{prefix}share", mine, peer, rail, timeout_s)
         if owner is None or not theirs or theirs.split(" ")[0] != owner.prefix:
             return None
         agreed = max(int(theirs.split(" ")[1]), slot or 0)  # the lower end's

@@ -78,3 +78,15 @@ def test_records_carry_the_rail_passes_once_the_data_plane_is_loaded(
     first, last = client.puts[0], client.puts[-1]
     assert (first["c_passes"], first["python_passes"], first["c_built"]) == (5, 1, True)
     assert (last["c_passes"], last["python_passes"], last["done"]) == (9, 1, True)
+
+
+@pytest.mark.timeout(10)
+def test_every_written_record_counts_the_processs_fds_and_threads() -> None:
+    client = _Client()
+    reporter = StepReporter(client, job="j", rank=0, min_interval_s=0.0)  # type: ignore[arg-type]
+    reporter.step(0)
+    reporter.finish()
+    assert client.puts, "nothing was written"
+    for rec in client.puts:
+        assert isinstance(rec["fds"], int) and rec["fds"] > 0, rec
+        assert isinstance(rec["threads"], int) and rec["threads"] >= 1, rec
