@@ -3,7 +3,11 @@
 ``dist.init_process_group("resilient")`` works wherever the usual env is set (by
 ``resilient run``, torchrun, Slurm or Kubernetes): RANK, WORLD_SIZE, MASTER_ADDR/PORT,
 plus RESILIENT_ETCD (link rendezvous through etcd instead of the init store) and
-RESILIENT_RAILS (addresses or interface names, one per rail).
+RESILIENT_RAILS (addresses or interface names, one per rail). With RESILIENT_RUN_ID
+too (``resilient run`` sets it), the backend's own rendezvous (links, subgroup
+rosters) never reads the init store, and ``resilient.init()`` uses the run's etcd
+store as torch's init store: no rank then depends on the machine that hosts
+MASTER_ADDR's TCPStore, which ``env://`` alone still needs.
 """
 
 from __future__ import annotations
@@ -39,22 +43,37 @@ BACKEND_NAME = "resilient"
 _NONCE_KEY = "resilient/link-store-nonce"
 
 
-def _link_store(env: RankEnv, init_store: Store) -> Store:
-    """Where links rendezvous: etcd when configured, else the store torch gave us.
+def _link_store(env: RankEnv, init_store: Store, group: str) -> Store:
+    """Where the links of group ``group`` (torch's group name) rendezvous: etcd when
+    configured, else the store torch gave us.
 
-    The etcd prefix carries a nonce agreed through the init store, so keys of an
-    earlier run of the same job name can never meet this run's links. With a job
-    token (RESILIENT_TOKEN) every call of the etcd store checks it (a wrong token
-    raises JobTokenMismatch); without one the store checks nothing.
+    Under a run id (RESILIENT_RUN_ID, one per start of the job: the launcher's) the
+    keys live under that run in etcd and the init store is never read, so no rank
+    needs the machine that hosts it. Without one the etcd prefix carries a nonce
+    agreed through the init store, so keys of an earlier run of the same job name
+    can never meet this run's links. With a job token (RESILIENT_TOKEN) every call
+    of the etcd store checks it (a wrong token raises JobTokenMismatch).
     """
     if env.etcd is None:
         return init_store
+    if env.run_id is not None:
+        return run_store(env, f"g{group}")
+    proposal = secrets.token_hex(8)
+    nonce = init_store.compare_set(_NONCE_KEY, "", proposal).decode()
+    return _etcd_store(env, f"/resilient/{env.job}/store/links-{nonce}/")
+
+
+def run_store(env: RankEnv, part: str) -> Store:
+    """The etcd store of ``part`` of this run (``env.run_id`` and ``env.etcd`` set)."""
+    assert env.run_id is not None
+    return _etcd_store(env, f"/resilient/{env.job}/store/run-{env.run_id}/{part}/")
+
+
+def _etcd_store(env: RankEnv, prefix: str) -> Store:
     from membership.guarded import JobGuard
     from membership.store import EtcdStore
 
-    proposal = secrets.token_hex(8)
-    nonce = init_store.compare_set(_NONCE_KEY, "", proposal).decode()
-    prefix = f"/resilient/{env.job}/store/links-{nonce}/"
+    assert env.etcd is not None
     guard = JobGuard.for_token(env.job, env.token) if env.token else None
     return EtcdStore(env.etcd, prefix, guard=guard)
 
@@ -75,6 +94,7 @@ def create_group(options: Any, backend_options: Any = None) -> ResilientProcessG
         options.group_size,
         options.timeout,
         job_ranks=tuple(options.global_ranks_in_group) or None,
+        group=str(options.group_id),
     )
 
 
@@ -85,9 +105,11 @@ def create_backend(
     timeout: timedelta,
     *,
     job_ranks: Sequence[int] | None = None,
+    group: str = "0",
 ) -> ResilientProcessGroup:
     """Make the world group (``job_ranks`` None) or a subgroup of the job ranks
-    ``job_ranks`` (``rank`` and ``world_size`` are then the group's).
+    ``job_ranks`` (``rank`` and ``world_size`` are then the group's); ``group`` is
+    torch's name for it.
 
     Only the world group joins the job's membership and runs recovery; a subgroup
     (``new_group``, a DeviceMesh dimension) has links and call checks of its own
@@ -104,7 +126,7 @@ def create_backend(
     if job_ranks is None:
         warn_if_no_fast_path(rank, config)
     if job_ranks is not None:
-        return _subgroup(env, store, config, tuple(job_ranks), timeout)
+        return _subgroup(env, _link_store(env, store, group), config, tuple(job_ranks), timeout)
     if env.fault_control:
         if env.etcd is None:
             raise ConfigError("RESILIENT_FAULT_CONTROL=1 needs RESILIENT_ETCD (faults are in etcd)")
@@ -116,7 +138,7 @@ def create_backend(
         rank=rank,
         world_size=world_size,
         rails=rails,
-        store=_link_store(env, store),
+        store=_link_store(env, store, group),
         config=config,
         incarnation=env.incarnation,
         # A restarted rank joins a running job: recovery.Session admits it.
@@ -167,17 +189,18 @@ def _subgroup(
     job_ranks: tuple[int, ...],
     timeout: timedelta | None,
 ) -> ResilientProcessGroup:
-    """A subgroup of ``job_ranks``: no membership join, no fault hook of its own
-    (the world group's serves the process). A replacement's (incarnation > 0) meets
-    the survivors' subgroup of the same name (it makes its groups in the same
-    order), and is admitted with the world group (recovery.subgroups)."""
+    """A subgroup of ``job_ranks`` whose members meet in ``store`` (its link store):
+    no membership join, no fault hook of its own (the world group's serves the
+    process). A replacement's (incarnation > 0) meets the survivors' subgroup of the
+    same name (it makes its groups in the same order), and is admitted with the
+    world group (recovery.subgroups)."""
     agree_roster(store, env.rank, job_ranks, config.connect_timeout_s)
     rails = resolve_rails(env.rails, env.master_addr)
     pg = ResilientProcessGroup(
         rank=env.rank,
         world_size=env.world_size,
         rails=rails,
-        store=_link_store(env, store),
+        store=store,
         config=config,
         job_ranks=job_ranks,
         timeout=timeout,
@@ -213,6 +236,20 @@ def _join(env: RankEnv, rails: Sequence[str]) -> Any:
     return member
 
 
+def _init_store(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for ``init_process_group``: under a run id in etcd (``resilient run``
+    sets RESILIENT_RUN_ID and RESILIENT_ETCD) and with no store or init_method given,
+    torch's init store is the run's etcd store, so a rank starts (or restarts) with no
+    TCPStore on any machine; otherwise as given (``env://``: MASTER_ADDR's store)."""
+    if "store" in kwargs or "init_method" in kwargs:
+        return kwargs
+    env = RankEnv.from_env(rank=kwargs.get("rank"), world_size=kwargs.get("world_size"))
+    if env.etcd is None or env.run_id is None:
+        return kwargs
+    return {**kwargs, "store": run_store(env, "init"), "rank": env.rank,
+            "world_size": env.world_size}  # fmt: skip
+
+
 def register() -> None:
     """Register the ``"resilient"`` backend with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
@@ -232,8 +269,9 @@ def init(**kwargs: Any) -> ResilientProcessGroup:
     count). See :mod:`resilient.group.cuda_device`.
 
     Raises:
-        ConfigError: the RESILIENT_* environment is malformed, or LOCAL_RANK names no
-            visible GPU while CUDA tensors take NCCL links.
+        ConfigError: the RESILIENT_* environment (or RANK, WORLD_SIZE under a run
+            id) is malformed, or LOCAL_RANK names no visible GPU while CUDA tensors
+            take NCCL links.
         RuntimeError: the default group was made with another backend.
     """
     register()
@@ -241,7 +279,7 @@ def init(**kwargs: Any) -> ResilientProcessGroup:
         from resilient.group.cuda_device import select_device
 
         select_device(kwargs.get("device_id"), DataPlaneConfig.from_env())
-        dist.init_process_group(BACKEND_NAME, **kwargs)
+        dist.init_process_group(BACKEND_NAME, **_init_store(kwargs))
     group = dist.group.WORLD
     if not isinstance(group, ResilientProcessGroup):
         raise RuntimeError(

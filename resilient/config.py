@@ -32,8 +32,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "RESILIENT_"
-# Exit status of a rank that left the job as a straggler (EX_TEMPFAIL: it may come
-# back, elsewhere); the launcher replaces it like any failed rank.
+# A rank that left as a straggler (EX_TEMPFAIL: may come back); replaced like any failed rank.
 EXIT_EVICTED = 75
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -50,13 +49,9 @@ def validate_job_name(job: str) -> str:
 
 
 def etcd_config(spec: str, env: Mapping[str, str] | None = None, **bounds: float) -> EtcdConfig:
-    """An :class:`EtcdConfig` for the endpoints in ``spec`` with the TLS and auth
-    settings of ``env`` (``RESILIENT_ETCD_CA``, ``_CERT``, ``_KEY``, ``_USER``,
-    ``_PASSWORD``); ``bounds`` set its time bounds.
-
-    Raises:
-        ConfigError: an endpoint is malformed.
-    """
+    """An :class:`EtcdConfig` for the endpoints in ``spec``, TLS and auth from ``env``
+    (``RESILIENT_ETCD_CA``, ``_CERT``, ``_KEY``, ``_USER``, ``_PASSWORD``), time bounds
+    ``bounds``. Raises ConfigError: an endpoint is malformed."""
     env = os.environ if env is None else env
     p = ENV_PREFIX
     return EtcdConfig(
@@ -395,8 +390,7 @@ def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def env_token(env: Mapping[str, str] | None = None) -> str | None:
-    """The job token from ``RESILIENT_TOKEN`` (the launcher passes it on; never a flag,
-    so it does not show in ``ps``), or None."""
+    """``RESILIENT_TOKEN`` (passed on by the launcher, never a flag: not in ``ps``), or None."""
     env = os.environ if env is None else env
     return env.get(ENV_PREFIX + "TOKEN") or None
 
@@ -450,6 +444,8 @@ class RankEnv:
     etcd: EtcdConfig | None = None
     lease_ttl_s: float = 5.0
     run_dir: str | None = None
+    # One start of the job (the launcher's): its ranks meet in etcd under it, no init store.
+    run_id: str | None = None
     # Set by `resilient chaos` on loopback runs: apply link faults written to etcd.
     fault_control: bool = False
     # How often a StepReporter writes the latest step to etcd, at most: one write
@@ -469,6 +465,8 @@ class RankEnv:
         if self.incarnation < 0:
             raise ConfigError(f"{ENV_PREFIX}INCARNATION={self.incarnation}: must be >= 0")
         validate_job_name(self.job)
+        if self.run_id is not None and not _JOB_RE.match(self.run_id):
+            raise ConfigError(f"{ENV_PREFIX}RUN_ID={self.run_id!r}: use letters, digits, _ . -")
 
     def membership(self) -> MembershipConfig:
         return MembershipConfig(job=self.job, lease_ttl_s=self.lease_ttl_s)
@@ -506,6 +504,7 @@ class RankEnv:
             etcd=etcd,
             lease_ttl_s=_env_float(env, p + "LEASE_TTL_S", 5.0),
             run_dir=env.get(p + "RUN_DIR") or None,
+            run_id=env.get(p + "RUN_ID") or None,
             fault_control=_env_flag(env, p + "FAULT_CONTROL", False),
             progress_interval_s=_env_float(env, p + "PROGRESS_INTERVAL_S", 0.25),
         )

@@ -53,7 +53,9 @@ class ResilientWork(Work):
     def __init__(self, root: Future[Any], op: str, timeout: timedelta | None = None) -> None:
         super().__init__()
         self._root = root
-        self._future = root.then(_unwrap)
+        # Made on first ask: most works (a p2p ping-pong's) are only waited for, and a
+        # child future costs as much as the rest of a small op's bookkeeping.
+        self._future: Future[Any] | None = None
         self._op = op
         self._timeout = timeout  # the group's (init_process_group's timeout=)
 
@@ -85,6 +87,8 @@ class ResilientWork(Work):
         return bool(self._root.done()) and not isinstance(self._root.value(), Failed)
 
     def get_future(self) -> Future[Any]:
+        if self._future is None:
+            self._future = self._root.then(_unwrap)
         return self._future
 
     def result(self) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ def _replacements_subgroup(_: int) -> tuple[Any, ...]:
     store.set("resilient/roster/0", "2:2,3")  # the survivor's claim, made long ago
     options = SimpleNamespace(
         store=store, group_rank=1, group_size=2, timeout=timedelta(seconds=5),
-        global_ranks_in_group=[2, 3],
+        global_ranks_in_group=[2, 3], group_id="1",
     )  # fmt: skip
     pg = create_group(options)
     try:
