@@ -39,6 +39,26 @@ class JobKeys:
         return f"{self.nodes}{node_rank:06d}"
 
     @property
+    def node_states(self) -> str:
+        """What became of each node rank, without a lease: ``running`` once the
+        agents met (or a spare node took it over), ``done`` once its agent finished
+        with every rank done. A node key gone while its state says ``running`` is a
+        lost node (:mod:`membership.nodes`)."""
+        return self.prefix + "node-state/"
+
+    def node_state(self, node_rank: int) -> str:
+        return f"{self.node_states}{node_rank:06d}"
+
+    @property
+    def spare_nodes(self) -> str:
+        """Spare node agents (``resilient run --spare``), one key each under the
+        agent's lease, named by that lease's id."""
+        return self.prefix + "spare-nodes/"
+
+    def spare_node(self, lease: int) -> str:
+        return f"{self.spare_nodes}{lease:016x}"
+
+    @property
     def departures(self) -> str:
         return self.prefix + "left/"
 

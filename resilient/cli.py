@@ -125,6 +125,13 @@ def _add_node_flags(run: argparse.ArgumentParser) -> None:
         "$JOB_COMPLETION_INDEX, else 0)",
     )
     run.add_argument(
+        "--spare",
+        action="store_true",
+        help="with --nnodes > 1: a spare node agent (no --node-rank): it waits until a "
+        "node's agent is lost (its node lease expired), takes that node rank over and "
+        "starts its ranks as replacements; exits 0 if the job ends without needing it",
+    )
+    run.add_argument(
         "--master-addr",
         metavar="ADDR",
         help="with --nnodes > 1: the address of node 0 the other nodes' ranks reach its "
@@ -185,6 +192,14 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "on without it while at least M ranks run; the survivors wait --shrink-after "
         "seconds for a replacement, then continue with fewer ranks (default: off, "
         "the job stops)",
+    )
+    run.add_argument(
+        "--min-nodes",
+        type=int,
+        metavar="M",
+        help="with --nnodes > 1: --min-ranks in whole nodes (M * ranks per node): a node "
+        "lost with no spare node to take it over is left out, all its ranks in one "
+        "epoch, while at least M nodes' ranks run (default: off)",
     )
     run.add_argument(
         "--shrink-after",
@@ -258,12 +273,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"--nnodes {nnodes}: every node agent needs the same secret in RESILIENT_TOKEN "
             "(e.g. export RESILIENT_TOKEN=$(openssl rand -hex 16) before starting them)"
         )
+    if args.spare and args.node_rank is not None:
+        raise ConfigError("--spare: a spare node takes the node rank of the node it replaces")
+    if args.spare:
+        node_rank = 0  # replaced by the lost node's, once it is taken over
     master = args.master_addr or ("127.0.0.1" if nnodes == 1 else socket.getfqdn())
     names = args.rails if isinstance(args.rails, tuple) else ()
     config = LaunchConfig(
         nproc=args.nproc,
         nnodes=nnodes,
         node_rank=args.node_rank if args.node_rank is not None else node_rank or 0,
+        spare=args.spare,
         master_addr=master,
         join_timeout_s=args.join_timeout,
         script=args.script,
@@ -274,6 +294,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
         min_ranks=args.min_ranks,
+        min_nodes=args.min_nodes,
         shrink_after_s=args.shrink_after,
         evict_stragglers=args.evict_stragglers,
         metrics_port=args.metrics_port,

@@ -10,13 +10,23 @@ from typing import Final
 
 from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
 from resilient.errors import ConfigError
-from resilient.launch.rank_env import _RANK_VAR_NAMES
+from resilient.launch.rank_env import _RANK_VAR_NAMES, RankVar
 
-__all__ = ["MAX_LOCAL_RANKS", "MAX_RAILS", "LaunchConfig", "loopback_rails", "new_job_name"]
+__all__ = [
+    "EXIT_FENCED",
+    "MAX_LOCAL_RANKS",
+    "MAX_RAILS",
+    "LaunchConfig",
+    "loopback_rails",
+    "new_job_name",
+]
 
 # Rail addresses are 127.0.<rail+1>.<rank+1>: one octet each, and .255 is avoided.
 MAX_LOCAL_RANKS: Final = 254
 MAX_RAILS: Final = 254
+# A node agent that could not refresh its node lease killed its ranks and exits
+# with this (sysexits' EX_UNAVAILABLE): the job may have replaced the node by now.
+EXIT_FENCED: Final = 69
 
 
 def loopback_rails(rank: int, rails: int) -> tuple[str, ...]:
@@ -59,7 +69,8 @@ class LaunchConfig:
     this is the agent of node ``node_rank`` (torchrun's ``--node-rank``): its local
     rank L is global rank ``node_rank * nproc + L`` of ``nnodes * nproc``, the agents
     meet in etcd (which must then be given) within ``join_timeout_s``, and node 0's
-    agent hosts torch's init store at ``master_addr``. ``rail_names`` (interface
+    agent hosts torch's init store at ``master_addr``. A ``spare`` agent waits
+    until a node is lost and takes its node rank and ranks over. ``rail_names`` (interface
     names or addresses, the same on every rank of this node) replace the loopback
     rail addresses; ``rails`` is then their count. ``max_restarts`` is one budget for the whole
     job (rank restarts of all ranks together). ``log_dir`` adds a ``rank<N>.log``
@@ -82,6 +93,9 @@ class LaunchConfig:
     node_rank: int = 0
     join_timeout_s: float = 300.0
     rail_names: tuple[str, ...] = ()
+    # A spare node agent: waits until a node of the job is lost and takes its
+    # ranks over (``node_rank`` is then that node's).
+    spare: bool = False
     log_dir: str | None = None
     run_dir: str | None = None
     lease_ttl_s: float = 5.0
@@ -102,6 +116,9 @@ class LaunchConfig:
     # Elastic shrink: once the restart budget is spent, a lost rank is left out and
     # the job goes on while at least this many ranks run (None: the job stops).
     min_ranks: int | None = None
+    # The same floor in whole nodes (nnodes > 1): min_ranks becomes min_nodes * nproc,
+    # so a node lost with no spare to take it over is left out, all its ranks at once.
+    min_nodes: int | None = None
     # How long survivors wait for a replacement before shrinking (with min_ranks).
     shrink_after_s: float = 10.0
     # A confirmed straggler may leave the job, to be replaced (recovery.policy).
@@ -117,6 +134,7 @@ class LaunchConfig:
         _check_int("max_restarts", self.max_restarts, 0, None)
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
+        self._check_min_nodes()
         if self.min_ranks is not None:
             _check_int("min_ranks", self.min_ranks, 1, self.world_size)
         _check_seconds("shrink_after_s", self.shrink_after_s, minimum=0.0, inclusive=False)
@@ -166,6 +184,8 @@ class LaunchConfig:
                 f"{self.world_size} ranks on loopback rails: at most {MAX_LOCAL_RANKS}; "
                 "name the rails (rail_names, --rails eth0,eth1)"
             )
+        if self.spare and self.nnodes < 2:
+            raise ConfigError("spare: a spare node stands by for a job of several (nnodes >= 2)")
         if self.nnodes > 1:
             if self.etcd is None:
                 raise ConfigError(
@@ -179,6 +199,20 @@ class LaunchConfig:
                     "evict_stragglers: not built for several nodes yet (the restart budget "
                     "is per node agent)"
                 )
+
+    def _check_min_nodes(self) -> None:
+        if self.min_nodes is None:
+            return
+        _check_int("min_nodes", self.min_nodes, 1, self.nnodes)
+        if self.nnodes < 2:
+            raise ConfigError("min_nodes: for a job of several nodes (nnodes >= 2); see min_ranks")
+        floor = self.min_nodes * self.nproc
+        if self.min_ranks is not None and self.min_ranks != floor:
+            raise ConfigError(
+                f"min_nodes={self.min_nodes} (min_ranks {floor}) and min_ranks={self.min_ranks}: "
+                "give one of them"
+            )
+        object.__setattr__(self, "min_ranks", floor)
 
     @property
     def world_size(self) -> int:
@@ -211,3 +245,41 @@ class LaunchConfig:
         if self.rank_rails:
             return self.rank_rails[rank - self.first_rank]
         return loopback_rails(rank, self.rails)
+
+    def environ(
+        self, rank: int, incarnation: int, *, master_addr: str, master_port: int, etcd_url: str
+    ) -> dict[str, str]:
+        """The environment of global ``rank``'s process at ``incarnation``: ours,
+        less what an enclosing launch set for its ranks, plus every :class:`RankVar`."""
+        values: dict[RankVar, str] = {
+            RankVar.RANK: str(rank),
+            RankVar.WORLD_SIZE: str(self.world_size),
+            RankVar.LOCAL_RANK: str(rank - self.first_rank),
+            RankVar.LOCAL_WORLD_SIZE: str(self.nproc),
+            RankVar.MASTER_ADDR: master_addr,
+            RankVar.MASTER_PORT: str(master_port),
+            RankVar.ETCD: etcd_url,
+            RankVar.JOB: self.job,
+            RankVar.TOKEN: self.token,
+            RankVar.RAILS: ",".join(self.rails_of(rank)),
+            RankVar.INCARNATION: str(incarnation),
+            RankVar.LEASE_TTL_S: repr(float(self.lease_ttl_s)),
+            RankVar.PYTHONUNBUFFERED: "1",
+            RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
+            RankVar.TORCHELASTIC_USE_AGENT_STORE: "True",
+        }
+        if self.run_dir is not None:
+            values[RankVar.RUN_DIR] = self.run_dir
+        if self.fault_control:
+            values[RankVar.FAULT_CONTROL] = "1"
+        if self.min_ranks is not None:
+            values[RankVar.MIN_RANKS] = str(self.min_ranks)
+            values[RankVar.SHRINK_AFTER_S] = repr(float(self.shrink_after_s))
+        if self.evict_stragglers:
+            values[RankVar.EVICT_STRAGGLERS] = "1"
+        # Values inherited from an enclosing launch (a launcher run inside a rank)
+        # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}
+        env.update(self.rank_env)
+        env.update({var.value: value for var, value in values.items()})
+        return env

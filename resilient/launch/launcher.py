@@ -22,6 +22,7 @@ with a parent-death signal, so none outlives the launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -34,14 +35,15 @@ from typing import TYPE_CHECKING, Any, Final
 from resilient.config import EXIT_EVICTED
 from resilient.errors import LauncherError, MembershipError
 from resilient.launch.launch_config import (
+    EXIT_FENCED,
     MAX_LOCAL_RANKS,
     MAX_RAILS,
     LaunchConfig,
     loopback_rails,
     new_job_name,
 )
-from resilient.launch.node_agent import meet_nodes, node_notice
-from resilient.launch.rank_env import _RANK_VAR_NAMES, RANK_VAR_HELP, RankVar
+from resilient.launch.node_agent import fence_notice, meet_nodes, node_notice, takeover_notice
+from resilient.launch.rank_env import RANK_VAR_HELP, RankVar
 from resilient.launch.rank_procs import (
     RankOutput,
     SignalTrap,
@@ -51,7 +53,15 @@ from resilient.launch.rank_procs import (
     signal_group,
     stop_all,
 )
-from resilient.launch.slots import NEXT_SPARE_S, Slot, SpareTending
+from resilient.launch.slots import (
+    NEXT_SPARE_S,
+    Slot,
+    SpareTending,
+    finished_notice,
+    kill_now,
+    replacement_slots,
+    slot_state,
+)
 from resilient.procs import spawn
 
 if TYPE_CHECKING:
@@ -79,12 +89,6 @@ _POLL_S: Final = 0.05
 _LEASE_POLL_S: Final = 0.25
 # How long to wait for a dead rank's last output before announcing its exit.
 _DRAIN_S: Final = 1.0
-
-
-def _slot_state(slot: Slot) -> str:
-    if slot.done:
-        return "done"
-    return "running" if slot.proc is not None and slot.proc.poll() is None else "restarting"
 
 
 class _Run(SpareTending):
@@ -116,6 +120,7 @@ class _Run(SpareTending):
         self._metrics: MetricsServer | None = None
         self._job_metrics: JobMetrics | None = None
         self._lease_poll_at = 0.0
+        self._fenced: str | None = None  # why the node lease's watchdog fenced us
         self._events: EventLog | None = None
         if config.run_dir is not None:
             from resilient.events import EventLog
@@ -137,13 +142,19 @@ class _Run(SpareTending):
             if (code := self._signalled()) is not None:
                 return code  # SIGINT/SIGTERM while the agents waited for each other
             raise
+        if self._nodes.finished:
+            self._out.notice(f"job {cfg.job} finished (node 0 is done); this spare was not needed")
+            return 0
         self._master_addr = self._nodes.master_addr
         self._master_port = self._nodes.master_port
         if self._etcd_url:
             from resilient.launch.leases import LeaseWatch
 
             self._leases = LeaseWatch(self._etcd_url, cfg.job, cfg.token)
-            self._publish_budget()
+        if self._nodes.took_over is not None:
+            cfg = self._take_over(self._nodes.took_over, self._nodes.incarnations)
+        self._nodes.watch_lease(self._fence)
+        self._publish_budget()
         self._out.notice(
             f"job {cfg.job}: {node_notice(cfg)}{cfg.nproc} rank(s) x {cfg.rails} rail(s), "
             f"etcd {self._etcd_url}"
@@ -155,6 +166,39 @@ class _Run(SpareTending):
             self._start(slot)
         self._serve_metrics()
         return self._supervise()
+
+    def _take_over(self, node: int, incarnations: dict[int, int]) -> LaunchConfig:
+        """This spare took lost ``node`` over: its ranks start as replacements, at
+        the next incarnation each, announced so that the survivors wait for them."""
+        self._cfg = cfg = dataclasses.replace(self._cfg, node_rank=node)
+        self._slots = replacement_slots(cfg, incarnations, self._slots)
+        self._out.notice(takeover_notice(node, self._slots))
+        for slot in self._slots:
+            self._announce(slot, "cold")
+            action = f"spare node took lost node {node} over: incarnation {slot.incarnation}"
+            self._event(
+                "recovery.started", rank=slot.rank, incarnation=slot.incarnation, action=action
+            )
+        return cfg
+
+    def _fence(self, why: str) -> None:
+        """Called from the node lease's watchdog thread: kill every rank and standby
+        now, so none runs once etcd may have let another node take this one's ranks.
+        Set first: a process started after the kill list was read sees it and dies."""
+        self._fenced = why
+        kill_now(self._slots)
+
+    def _fenced_exit(self) -> int | None:
+        if self._fenced is None:
+            return None
+        self._out.notice(fence_notice(self._cfg.node_rank, self._fenced, EXIT_FENCED))
+        for slot in self._slots:
+            self._event(
+                "rank.lost", rank=slot.rank, incarnation=slot.incarnation,
+                reason=f"node {self._cfg.node_rank} fenced: {self._fenced}",
+                action="killed with its node; the node agent exits",
+            )  # fmt: skip
+        return EXIT_FENCED
 
     def shutdown(self) -> None:
         """Stop every live rank, then the embedded etcd; safe to call at any point."""
@@ -179,29 +223,19 @@ class _Run(SpareTending):
 
     def _supervise(self) -> int:
         while True:
-            if (code := self._signalled()) is not None:
+            if (code := self._signalled()) is not None or (code := self._fenced_exit()):
                 return code
             self._poll_leases()
             for slot in self._slots:
                 if (code := self._check(slot)) is not None:
-                    return code
+                    return self._fenced_exit() or code  # a rank the fence killed
                 self._tend_spare(slot)
             if all(slot.done for slot in self._slots):
-                self._out.notice(self._finished())
+                if self._nodes is not None:
+                    self._nodes.mark_done()
+                self._out.notice(finished_notice(self._slots))
                 return 0
             time.sleep(_POLL_S)
-
-    def _finished(self) -> str:
-        left = [s.rank for s in self._slots if s.left]
-        died = {s.rank: s.died_after_leaving for s in self._slots if s.died_after_leaving}
-        return (
-            f"all {len(self._slots) - len(left)} rank(s) finished"
-            + (f" (ranks {left} were left out: the job shrank)" if left else "")
-            + "".join(
-                f"; rank {rank} then exited with {describe_exit(code)}"
-                for rank, code in died.items()
-            )
-        )
 
     def _serve_metrics(self) -> None:
         """Start the Prometheus endpoint, if asked for (resilient.launch.metrics).
@@ -215,7 +249,7 @@ class _Run(SpareTending):
         from resilient.launch.metrics import JobMetrics, MetricsServer
 
         def slots() -> list[tuple[int, int, str]]:
-            return [(s.rank, s.incarnation, _slot_state(s)) for s in self._slots]
+            return [(s.rank, s.incarnation, slot_state(s)) for s in self._slots]
 
         self._job_metrics = JobMetrics(
             job=cfg.job, slots=slots, restarts=lambda: self._restarts,
@@ -249,7 +283,7 @@ class _Run(SpareTending):
 
     def _check(self, slot: Slot) -> int | None:
         """Act on ``slot``'s exit, if it exited; a non-None result ends the job with it."""
-        if slot.done or slot.proc is None:
+        if slot.done or slot.proc is None or self._fenced is not None:
             return None
         code = reap(slot.proc)
         if code is None:
@@ -409,6 +443,8 @@ class _Run(SpareTending):
             )
         except OSError as exc:
             raise LauncherError(f"could not start rank {slot.rank}: {exc}") from exc
+        if self._fenced is not None:  # fenced while it started: see _fence
+            signal_group(slot.proc, signal.SIGKILL)
         try:
             self._out.attach(slot.rank, slot.incarnation, slot.proc)
         except OSError as exc:
@@ -418,39 +454,11 @@ class _Run(SpareTending):
         )
 
     def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]:
-        cfg = self._cfg
-        values: dict[RankVar, str] = {
-            RankVar.RANK: str(slot.rank),
-            RankVar.WORLD_SIZE: str(cfg.world_size),
-            RankVar.LOCAL_RANK: str(slot.rank - cfg.first_rank),
-            RankVar.LOCAL_WORLD_SIZE: str(cfg.nproc),
-            RankVar.MASTER_ADDR: self._master_addr,
-            RankVar.MASTER_PORT: str(self._master_port),
-            RankVar.ETCD: self._etcd_url,
-            RankVar.JOB: cfg.job,
-            RankVar.TOKEN: cfg.token,
-            RankVar.RAILS: ",".join(cfg.rails_of(slot.rank)),
-            RankVar.INCARNATION: str(slot.incarnation if incarnation is None else incarnation),
-            RankVar.LEASE_TTL_S: repr(float(cfg.lease_ttl_s)),
-            RankVar.PYTHONUNBUFFERED: "1",
-            RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1",
-            RankVar.TORCHELASTIC_USE_AGENT_STORE: "True",
-        }
-        if cfg.run_dir is not None:
-            values[RankVar.RUN_DIR] = cfg.run_dir
-        if cfg.fault_control:
-            values[RankVar.FAULT_CONTROL] = "1"
-        if cfg.min_ranks is not None:
-            values[RankVar.MIN_RANKS] = str(cfg.min_ranks)
-            values[RankVar.SHRINK_AFTER_S] = repr(float(cfg.shrink_after_s))
-        if cfg.evict_stragglers:
-            values[RankVar.EVICT_STRAGGLERS] = "1"
-        # Values inherited from an enclosing launch (a launcher run inside a rank)
-        # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
-        env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}
-        env.update(cfg.rank_env)
-        env.update({var.value: value for var, value in values.items()})
-        return env
+        inc = slot.incarnation if incarnation is None else incarnation
+        return self._cfg.environ(
+            slot.rank, inc, master_addr=self._master_addr, master_port=self._master_port,
+            etcd_url=self._etcd_url,
+        )  # fmt: skip
 
     def _stop_ranks(self) -> None:
         procs = [s.proc for s in self._slots if s.proc is not None]

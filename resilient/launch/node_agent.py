@@ -12,13 +12,20 @@ others hand that address to their ranks. That store is used only to start a rank
 links, health, epochs and recovery rendezvous through etcd. So a rank (or a
 restarted one) can start only while node 0's agent runs: documented as not fault
 tolerant (README, docs/DEPLOY.md).
+
+Once its ranks run, an agent is fenced by its node lease
+(:meth:`NodeRendezvous.watch_lease`): unable to refresh it, the agent kills its
+ranks before etcd could expire it, and exits. A spare agent (``--spare``) waits
+until a node is lost (its key gone while it was running), claims that node rank
+and starts its ranks as replacements: each global rank at the next incarnation,
+admitted by the survivors and given the state by a live peer as any replacement.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from resilient.config import etcd_config
@@ -30,8 +37,9 @@ if TYPE_CHECKING:
 
     from membership.nodes import NodeInfo, NodeRendezvous
     from resilient.launch.launch_config import LaunchConfig
+    from resilient.launch.slots import Slot
 
-__all__ = ["NodeMeeting", "meet_nodes", "node_notice"]
+__all__ = ["NodeMeeting", "fence_notice", "meet_nodes", "node_notice", "takeover_notice"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,30 @@ class NodeMeeting:
     master_addr: str
     master_port: int
     store: TCPStore | None  # hosted here (node 0, or a one-node job)
+    # A spare's: the node it took over, and the incarnation each of its ranks
+    # starts at; None and empty otherwise.
+    took_over: int | None = None
+    incarnations: dict[int, int] = field(default_factory=dict)
+    finished: bool = False  # a spare whose job ended without needing it
+
+    def watch_lease(self, fence: Callable[[str], None]) -> None:
+        """Call ``fence(why)`` (another thread) when the node lease may lapse."""
+        if self.rendezvous is not None:
+            self.rendezvous.watch_lease(fence)
+
+    def mark_done(self) -> None:
+        """Record that this node finished (every rank done): no spare takes it over.
+        Never raises: an etcd error is logged."""
+        if self.rendezvous is None:
+            return
+        from membership.nodes import DONE
+
+        try:
+            self.rendezvous.set_state(DONE)
+        except MembershipError as exc:
+            logger.warning(
+                "node %d: recording it done failed: %s", self.rendezvous.me.node_rank, exc
+            )
 
     def close(self) -> None:
         """Leave the job's node list and stop the store this agent hosts."""
@@ -62,6 +94,21 @@ def node_notice(cfg: LaunchConfig) -> str:
     return f"node {cfg.node_rank} of {cfg.nnodes}: ranks {first}..{last} of {cfg.world_size}, "
 
 
+def fence_notice(node: int, why: str, code: int) -> str:
+    """What a fenced agent says as it exits."""
+    return (
+        f"node {node} fenced: {why}; its ranks were killed so that none runs beside a "
+        f"replacement (etcd unreachable, or this machine too slow to refresh?); exiting "
+        f"with {code}"
+    )
+
+
+def takeover_notice(node: int, slots: Sequence[Slot]) -> str:
+    """What a spare agent says as it takes lost ``node`` over."""
+    ranks = ", ".join(f"{s.rank} (incarnation {s.incarnation})" for s in slots)
+    return f"spare node: node {node} was lost; taking it over: ranks {ranks}"
+
+
 def meet_nodes(
     cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | None = None
 ) -> NodeMeeting:
@@ -75,6 +122,8 @@ def meet_nodes(
         LauncherError: the store could not be hosted; etcd refused or did not
             answer; the job has another token; not every agent came in time.
     """
+    if cfg.spare:
+        return _stand_by(cfg, etcd_url, stopping)
     store = host_store(cfg.master_addr) if cfg.node_rank == 0 else None
     if cfg.nnodes == 1:
         assert store is not None
@@ -95,9 +144,62 @@ def meet_nodes(
         nodes = rendezvous.join(cfg.join_timeout_s, stopping)
     except MembershipError as exc:
         raise LauncherError(f"{where}: the node agents did not meet: {exc}") from exc
-    addr, _, port = nodes[0].store.rpartition(":")
+    addr, port = _init_store(rendezvous, nodes, where)
+    logger.info("%s: all %d node agents are there; init store %s", where, cfg.nnodes, addr)
+    return NodeMeeting(rendezvous, nodes, addr, port, store)
+
+
+def _init_store(
+    rendezvous: NodeRendezvous, nodes: dict[int, NodeInfo], where: str
+) -> tuple[str, int]:
+    """Where node 0's agent hosts torch's init store.
+
+    Raises:
+        LauncherError: node 0 is not there or published no address.
+    """
+    published = nodes[0].store if 0 in nodes else ""
+    addr, _, port = published.rpartition(":")
     if not addr or not port.isdigit():
         rendezvous.close()
-        raise LauncherError(f"{where}: node 0 published no init store ({nodes[0].store!r})")
-    logger.info("%s: all %d node agents are there; init store %s", where, cfg.nnodes, addr)
-    return NodeMeeting(rendezvous, nodes, addr, int(port), store)
+        raise LauncherError(f"{where}: node 0 published no init store ({published!r})")
+    return addr, int(port)
+
+
+def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | None) -> NodeMeeting:
+    """A spare node agent: register, wait for a node to be lost, claim it.
+
+    Raises:
+        ConfigError: this spare's ``nnodes``, ranks per node or rail count differ
+            from the node agents'.
+        LauncherError: etcd refused or did not answer; the job has another token;
+            node 0 was lost (not survivable); stopped by a signal.
+    """
+    from membership.nodes import NodeInfo, NodeRendezvous, this_host
+
+    host, pid = this_host()
+    me = NodeInfo(
+        node_rank=-1, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc, rails=cfg.rails,
+        host=host, pid=pid,
+    )  # fmt: skip
+    where = f"job {cfg.job}, spare node"
+    rendezvous = NodeRendezvous(
+        etcd_config(etcd_url), cfg.job, cfg.token, me, lease_ttl_s=cfg.lease_ttl_s, spare=True
+    )
+    try:
+        rendezvous.register_spare()
+        node = rendezvous.wait_for_loss(stopping)
+        if node is None:
+            rendezvous.close()
+            return NodeMeeting(None, {}, "", 0, None, finished=True)
+        first = node * cfg.nproc
+        incarnations = rendezvous.incarnations(range(first, first + cfg.nproc))
+        nodes = rendezvous.agreeing()
+    except MembershipError as exc:
+        rendezvous.close()
+        raise LauncherError(f"{where}: {exc}") from exc
+    except BaseException:
+        rendezvous.close()
+        raise
+    addr, port = _init_store(rendezvous, nodes, where)
+    logger.warning("%s: took node %d over; init store %s", where, node, addr)
+    return NodeMeeting(rendezvous, nodes, addr, port, None, node, incarnations)

@@ -10,19 +10,28 @@ slot to its standby on a restart.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from resilient.launch.rank_procs import RankOutput, describe_exit
+from resilient.launch.rank_procs import RankOutput, describe_exit, signal_group
 from resilient.launch.spares import Spare
 
 if TYPE_CHECKING:
     from resilient.launch.launch_config import LaunchConfig
 
-__all__ = ["NEXT_SPARE_S", "Slot", "SpareTending"]
+__all__ = [
+    "NEXT_SPARE_S",
+    "Slot",
+    "SpareTending",
+    "finished_notice",
+    "kill_now",
+    "replacement_slots",
+    "slot_state",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,48 @@ class Slot:
     died_after_leaving: int = 0  # exit code of a rank that died once it had left the job
 
 
+def slot_state(slot: Slot) -> str:
+    """``done``, ``running`` or ``restarting`` (for the metrics)."""
+    if slot.done:
+        return "done"
+    return "running" if slot.proc is not None and slot.proc.poll() is None else "restarting"
+
+
+def finished_notice(slots: Sequence[Slot]) -> str:
+    """What the launcher says when every rank of ``slots`` is done."""
+    left = [s.rank for s in slots if s.left]
+    died = {s.rank: s.died_after_leaving for s in slots if s.died_after_leaving}
+    return (
+        f"all {len(slots) - len(left)} rank(s) finished"
+        + (f" (ranks {left} were left out: the job shrank)" if left else "")
+        + "".join(
+            f"; rank {rank} then exited with {describe_exit(code)}" for rank, code in died.items()
+        )
+    )
+
+
+def replacement_slots(
+    cfg: LaunchConfig, incarnations: dict[int, int], slots: Sequence[Slot]
+) -> list[Slot]:
+    """The slots of node ``cfg.node_rank`` taken over by a spare node: each global
+    rank at its next incarnation (``incarnations``), spares due as in ``slots``."""
+    return [
+        Slot(cfg.global_rank(local), incarnation=incarnations.get(cfg.global_rank(local), 1),
+             spare_at=old.spare_at)
+        for local, old in enumerate(slots)
+    ]  # fmt: skip
+
+
+def kill_now(slots: Sequence[Slot]) -> None:
+    """SIGKILL every live rank and standby of ``slots`` (their whole sessions); safe
+    from another thread (nothing is reaped here)."""
+    procs = [s.proc for s in slots if s.proc is not None]
+    procs += [s.spare.proc for s in slots if s.spare is not None]
+    for proc in procs:
+        if proc.returncode is None:
+            signal_group(proc, signal.SIGKILL)
+
+
 class SpareTending:
     """Warm spares of the launcher's slots (mixed into the launcher's run)."""
 
@@ -57,6 +108,7 @@ class SpareTending:
     _restarts: int
     _slots: Sequence[Slot]
     _out: RankOutput
+    _fenced: str | None
 
     if TYPE_CHECKING:
 
@@ -99,6 +151,9 @@ class SpareTending:
             slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
         except OSError as exc:
             logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
+            return
+        if self._fenced is not None:  # the node was fenced while it started
+            signal_group(slot.spare.proc, signal.SIGKILL)
 
     def _tend_spare(self, slot: Slot) -> None:
         """Start ``slot``'s next standby when due; report one that exited before it

@@ -4,6 +4,11 @@
 in etcd, node 0's agent hosts torch's init store, and the four ranks all_reduce
 over the resilient backend. While the job runs, a third agent claiming node 1 is
 refused (exit 2, the node named) and the job goes on untouched.
+
+Node loss: the four ranks train (DDP under ``recovery.Session``) beside a spare
+node agent (``--spare``); node 1's agent is SIGKILLed mid-run, its ranks die with
+it, the spare takes node 1 over (its ranks at incarnation 1, in one epoch), and
+every rank ends bitwise equal to a fault-free run of the same job.
 """
 
 from __future__ import annotations
@@ -11,9 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -21,8 +30,9 @@ from typing import IO
 import pytest
 
 from membership.server import EmbeddedEtcd
+from resilient.launch.launch_config import EXIT_FENCED
 from resilient.procs import spawn, stop_process
-from tests._procs import wait_until
+from tests._procs import gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -208,3 +218,278 @@ def test_sigterm_while_waiting_for_the_other_agents_stops_at_once(
     finally:
         client.close()
     assert "received SIGTERM" in (tmp_path / "agent0.log").read_text()
+
+
+TRAIN_SCRIPT = """\
+import functools, hashlib, json, os, sys, time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import resilient
+from recovery.session import Session, TrainState
+
+out, steps = Path(sys.argv[1]), int(sys.argv[2])
+rank, inc = int(os.environ["RANK"]), os.environ["RESILIENT_INCARNATION"]
+(out / f"pid-{rank}-{inc}").write_text(str(os.getpid()))
+torch.set_num_threads(1)
+pg = resilient.init()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+ddp = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+
+def train_step(step, ddp=ddp, opt=opt):
+    gen = torch.Generator().manual_seed(rank * 1_000 + step)
+    loss = ddp(torch.randn(16, 64, generator=gen)).square().mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach()
+
+
+session = Session(pg, TrainState(model, opt), warmup=functools.partial(train_step, 0), ddp=ddp)
+for step in session.steps(steps):
+    with session.step(step):
+        loss = train_step(step)
+        dist.all_reduce(loss)
+    (out / f"step-{rank}").write_text(str(step))
+    time.sleep(0.1)  # a run long enough to lose a node in
+h = hashlib.sha256()
+for p in model.parameters():
+    h.update(p.detach().numpy().tobytes())
+record = {"digest": h.hexdigest(), "replayed": session.replayed, "epoch": pg.epoch,
+          "members": list(session.members)}
+(out / f"digest-{rank}-{inc}.json").write_text(json.dumps(record))
+del session, train_step, ddp, opt
+dist.barrier()
+dist.destroy_process_group()
+"""
+TRAIN_STEPS = 40
+
+
+def _train(
+    tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]], *, spare: bool,
+    more: tuple[str, ...] = (), etcd1: str | None = None,
+) -> tuple[Path, list[subprocess.Popen[bytes]]]:  # fmt: skip
+    """Start nodes 0 and 1 (and a spare node) training, each with flags ``more``
+    too (node 1 on etcd ``etcd1``, if given); returns where the ranks write and
+    the agents, in that order."""
+    script, out = tmp / "train.py", tmp / "out"
+    script.write_text(TRAIN_SCRIPT)
+    out.mkdir()
+    flags = ("--lease-ttl", "2", "--run-dir", str(tmp / "run"), *more)
+    started = []
+    nodes: list[tuple[str, tuple[str, ...]]] = [
+        ("0", ("--node-rank", "0")),
+        ("1", ("--node-rank", "1")),
+    ]
+    for name, extra in nodes + ([("spare", ("--spare",))] if spare else []):
+        with open(tmp / f"agent{name}.log", "wb") as log:
+            argv = [sys.executable, "-m", "resilient", "run", "--nnodes", "2", *extra]
+            url = etcd1 if etcd1 is not None and name == "1" else etcd
+            argv += ["--nproc-per-node", "2", "--etcd", url, "--job", job, *flags]
+            argv += ["--master-addr", "127.0.0.1", "--join-timeout", "60"]
+            argv += [str(script), str(out), str(TRAIN_STEPS)]
+            env = {**os.environ, "RESILIENT_TOKEN": "node-test-token"}
+            env["RESILIENT_OP_TIMEOUT_S"] = "20"
+            proc = spawn(argv, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
+        agents.append(proc)
+        started.append(proc)
+    return out, started
+
+
+def _digests(out: Path) -> dict[tuple[int, int], dict[str, object]]:
+    found = {}
+    for path in out.glob("digest-*.json"):
+        _, rank, inc = path.stem.split("-")
+        found[(int(rank), int(inc))] = json.loads(path.read_text())
+    return found
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("agent*.log"))
+    )
+
+
+def _stepped(out: Path, at: int) -> bool:
+    """Whether rank 0 finished step ``at``."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((out / "step-0").read_text() or -1) >= at
+    return False
+
+
+@pytest.fixture(scope="module")
+def fault_free(etcd_server: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameters' digest of a fault-free run of the training job (every rank's).
+    Its spare node is not needed, and leaves when the nodes are done."""
+    import uuid
+
+    tmp = tmp_path_factory.mktemp("fault-free")
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        out, (node0, node1, spare) = _train(
+            tmp, etcd_server.url, f"test-{uuid.uuid4().hex[:12]}", agents, spare=True
+        )
+        codes = (node0.wait(timeout=150), node1.wait(timeout=150), spare.wait(timeout=30))
+        assert codes == (0, 0, 0), _logs(tmp)
+    finally:
+        for proc in agents:
+            stop_process(proc, grace_s=5.0)
+    said = (tmp / "agentspare.log").read_text()
+    assert "finished (node 0 is done); this spare was not needed" in said, said
+    found = _digests(out)
+    assert sorted(found) == [(r, 0) for r in range(4)], _logs(tmp)
+    digests = {str(rec["digest"]) for rec in found.values()}
+    assert len(digests) == 1, found
+    return digests.pop()
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_node_takes_a_killed_node_over_and_the_job_matches_a_fault_free_run(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+    fault_free: str,
+) -> None:
+    out, (node0, node1, spare) = _train(tmp_path, etcd_server.url, job_name, agents, spare=True)
+    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+    victims = [int((out / f"pid-{r}-0").read_text()) for r in (2, 3)]
+    node1.kill()  # the machine is gone: its agent and, with it, its ranks
+    assert node1.wait(timeout=10) == -signal.SIGKILL
+    assert wait_until(lambda: all(gone(pid) for pid in victims), 5.0), "orphan ranks"
+    codes = (node0.wait(timeout=180), spare.wait(timeout=60))
+    assert codes == (0, 0), _logs(tmp_path)
+
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0), (2, 1), (3, 1)], _logs(tmp_path)
+    for who, rec in found.items():
+        assert rec["digest"] == fault_free, f"rank {who} differs from the fault-free run"
+        # One epoch for the whole node: both replacements were admitted together.
+        assert rec["epoch"] == 1, (who, rec)
+        assert int(str(rec["replayed"])) <= (1 if who[1] == 0 else 0), (who, rec)
+    said = (tmp_path / "agentspare.log").read_text()
+    assert "spare node: node 1 was lost; taking it over: ranks 2 (incarnation 1), " in said
+
+
+@pytest.mark.timeout(240)
+def test_without_a_spare_the_job_shrinks_by_the_lost_node(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+) -> None:
+    more = ("--min-nodes", "1", "--shrink-after", "3")
+    out, (node0, node1) = _train(
+        tmp_path, etcd_server.url, job_name, agents, spare=False, more=more
+    )
+    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+    node1.kill()
+    assert node1.wait(timeout=10) == -signal.SIGKILL
+    assert node0.wait(timeout=120) == 0, _logs(tmp_path)
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0)], _logs(tmp_path)
+    assert found[(0, 0)]["digest"] == found[(1, 0)]["digest"]
+    for who, rec in found.items():
+        # Both of node 1's ranks were left out in one epoch.
+        assert rec["epoch"] == 1 and rec["members"] == [0, 1], (who, rec)
+
+
+class _Blackhole:
+    """A TCP forwarder to etcd that can be cut: after :meth:`cut` it forwards
+    nothing more, leaving every connection open and unanswered, as a network
+    partition does (no reset, no error: calls just time out)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.removeprefix("http://").rpartition(":")
+        self._upstream = (host, int(port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._cut = threading.Event()
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = [self._server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        self._cut.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                down, _ = self._server.accept()
+                up = socket.create_connection(self._upstream)
+            except OSError:
+                return
+            self._socks += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        while not self._closed.is_set():
+            if self._cut.is_set():
+                time.sleep(0.1)
+                continue
+            try:
+                ready, _, _ = select.select([a], [], [], 0.1)
+                if not ready or self._cut.is_set():
+                    continue
+                data = a.recv(65536)
+                if not data:
+                    return
+                b.sendall(data)
+            except OSError:
+                return
+
+
+@pytest.mark.timeout(300)
+def test_a_node_cut_off_from_etcd_is_fenced_before_the_spare_replaces_it(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+    fault_free: str,
+) -> None:
+    # Node 1 (its agent and its ranks) reaches etcd only through the blackhole.
+    hole = _Blackhole(etcd_server.url)
+    try:
+        out, (node0, node1, spare) = _train(
+            tmp_path, etcd_server.url, job_name, agents, spare=True, etcd1=hole.url
+        )
+        assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+        victims = [int((out / f"pid-{r}-0").read_text()) for r in (2, 3)]
+        cut = time.monotonic()
+        hole.cut()
+        assert wait_until(lambda: all(gone(pid) for pid in victims), 2.0 + 1.0), "not fenced"
+        fenced_at, fenced_after = time.time(), time.monotonic() - cut
+        assert node1.wait(timeout=60) == EXIT_FENCED, _logs(tmp_path)
+        codes = (node0.wait(timeout=180), spare.wait(timeout=60))
+        assert codes == (0, 0), _logs(tmp_path)
+    finally:
+        hole.close()
+    assert (
+        "node 1 fenced: its node lease was not refreshed" in (tmp_path / "agent1.log").read_text()
+    )
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0), (2, 1), (3, 1)], _logs(tmp_path)
+    for who, rec in found.items():
+        assert rec["digest"] == fault_free, f"rank {who} differs from the fault-free run"
+        assert rec["epoch"] == 1, (who, rec)
+    # No split brain: node 1's ranks were dead before the spare took node 1 over
+    # (so before any replacement could be admitted).
+    events = [
+        json.loads(line)
+        for path in (tmp_path / "run" / "events").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    took = [e["ts"] for e in events if "spare node took lost node 1" in str(e.get("action"))]
+    assert took and min(took) > fenced_at, (fenced_after, min(took) - fenced_at)

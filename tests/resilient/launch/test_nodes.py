@@ -61,6 +61,10 @@ def test_rail_names_are_handed_to_every_rank_of_the_node(script: str) -> None:
             {"nnodes": 2, "etcd": ETCD, "evict_stragglers": True, "max_restarts": 1},
             "not built for several nodes",
         ),
+        ({"spare": True}, "a spare node stands by for a job of several"),
+        ({"min_nodes": 1}, "min_nodes: for a job of several nodes"),
+        ({"nnodes": 2, "etcd": ETCD, "min_nodes": 3}, "min_nodes=3: must be between 1 and 2"),
+        ({"nnodes": 2, "etcd": ETCD, "min_nodes": 1, "min_ranks": 3}, "give one of them"),
     ],
 )
 def test_bad_node_settings_are_refused(script: str, kwargs: dict[str, Any], match: str) -> None:
@@ -158,3 +162,24 @@ def test_cli_refuses_several_nodes_without_a_shared_token(
     monkeypatch.delenv("RESILIENT_TOKEN")
     assert cli.main(["run", "--nnodes", "2", "--etcd", ETCD, script]) == 2
     assert "RESILIENT_TOKEN" in capsys.readouterr().err and not captured
+
+
+def test_min_nodes_is_min_ranks_in_whole_nodes(script: str) -> None:
+    cfg = LaunchConfig(nproc=4, nnodes=3, etcd=ETCD, script=script, min_nodes=2)
+    assert cfg.min_ranks == 8
+    assert LaunchConfig(nproc=4, nnodes=3, etcd=ETCD, script=script, min_nodes=2, min_ranks=8)
+
+
+def test_cli_spare_and_min_nodes(
+    captured: list[LaunchConfig],
+    script: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SLURM_NODEID", "2")  # a spare's own place in Slurm means nothing
+    argv = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--etcd", ETCD, "--job", "s"]
+    assert cli.main([*argv, "--spare", "--min-nodes", "1", script]) == 0
+    (cfg,) = captured
+    assert cfg.spare and cfg.node_rank == 0 and cfg.min_ranks == 2
+    assert cli.main([*argv, "--spare", "--node-rank", "1", script]) == 2
+    assert "a spare node takes the node rank of the node it replaces" in capsys.readouterr().err
