@@ -4,7 +4,8 @@ what the fault hit.
 A fault hits a rank (``kill``, ``hang``, ``slow``: the process), the links of one
 rank on one rail (``nic-down``, ``nic-up``, ``flap``, ``throttle``, ``drop``:
 ``[rank, -1, rail]``, -1 = every peer) or one link (``partition``, ``slow-link``:
-``[rank, peer, rail]``). An event names a rank when its ``rank``, ``straggler`` or
+``[rank, peer, rail]``), or every rank of a node (``node-kill``, ``node-partition``:
+their ``ranks``). An event names a rank when its ``rank``, ``straggler`` or
 ``donor`` field is that rank or one of its ``links`` triples has it at either end;
 it names a link when one of its triples is that link in either direction, or the
 same rail (or every rail, -1) at one of its ends with peer -1 (a rail-wide
@@ -40,6 +41,9 @@ DETECT_KINDS: Final = {
     "slow": frozenset({"straggler.suspected", "straggler.confirmed"}),
     "slow-cpu": frozenset({"straggler.suspected", "straggler.confirmed"}),
     "etcd-kill": frozenset(),
+    "etcd-leader-kill": frozenset(),
+    "node-kill": frozenset({"rank.lost", "link.down"}),
+    "node-partition": frozenset({"rank.lost", "link.down", "link.degraded"}),
     **{
         k: _LINK_SIGNS
         for k in ("nic-down", "nic-up", "flap", "throttle", "slow-link", "drop", "partition")
@@ -62,6 +66,12 @@ class Target:
 
     rank: int
     link: Link | None = None
+    # A node fault hits every rank of the node: ``rank`` and these.
+    others: tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.rank, *self.others)
 
 
 @dataclass(slots=True)
@@ -75,7 +85,10 @@ class Attribution:
 
 def fault_target(kind: str, params: Mapping[str, Any]) -> Target | None:
     """The rank or link a fault of ``kind`` with ``params`` hit; None where it names
-    no rank (``etcd-kill``)."""
+    no rank (``etcd-kill``). A node fault (its ``ranks``) hits each of its ranks."""
+    ranks = [int(r) for r in params.get("ranks", ())]
+    if ranks:
+        return Target(ranks[0], others=tuple(ranks[1:]))
     rank = params.get("rank")
     if rank is None:
         return None
@@ -113,9 +126,10 @@ def names_target(event: Mapping[str, Any], target: Target) -> bool:
     if target.link is not None:
         # A network fault hits one rail: the event's writer alone does not say which.
         return any(_link_names(t, target.link) for t in _triples(event))
-    if any(event.get(name) == target.rank for name in _RANK_FIELDS):
+    ranks = target.ranks
+    if any(event.get(name) in ranks for name in _RANK_FIELDS):
         return True
-    return any(target.rank in (a, b) for a, b, _ in _triples(event))
+    return any(a in ranks or b in ranks for a, b, _ in _triples(event))
 
 
 def attribute(

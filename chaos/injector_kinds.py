@@ -1,14 +1,17 @@
 """Which injector a fault gets: a real one, or a record for the loopback testbed.
 
-On the netns testbed every fault kind has a real injector (:mod:`chaos.injectors`).
+On the netns testbed every fault kind has a real injector (:mod:`chaos.injectors`,
+:mod:`chaos.slow_link`, :mod:`chaos.node_faults` for whole nodes).
 On the loopback testbed there is no NIC to take down, so network faults become
 records that the ranks' in-process fault hook applies (:mod:`chaos.loopback_faults`).
 """
 
 from __future__ import annotations
 
+from chaos.etcd_leader import EtcdLeaderKill
 from chaos.injectors import NETNS_KINDS, InjectionContext, Injector, needs_netns
 from chaos.loopback_faults import LOOPBACK_KINDS
+from chaos.node_faults import NODE_INJECTORS
 from chaos.scenario import Fault
 from chaos.slow_link import SlowLink
 from resilient.errors import ChaosError
@@ -30,8 +33,11 @@ def make_injector(fault: Fault, ctx: InjectionContext) -> Injector:
                 "the loopback testbed has no per-link shaping"
             )
         return LOOPBACK_KINDS[fault.kind](fault, ctx)
+    kinds: dict[str, type[Injector]] = {
+        **NETNS_KINDS, **NODE_INJECTORS, "slow-link": SlowLink, "etcd-leader-kill": EtcdLeaderKill,
+    }  # fmt: skip
     try:
-        cls = SlowLink if fault.kind == "slow-link" else NETNS_KINDS[fault.kind]
+        cls = kinds[fault.kind]
     except KeyError as exc:
         raise ChaosError(f"no injector for fault kind {fault.kind!r}") from exc
     return cls(fault, ctx)

@@ -70,6 +70,9 @@ class InjectionContext:
     # Writes (None: deletes) an in-process fault record for the ranks' fault hook;
     # how network faults reach ranks on the loopback testbed.
     control: Callable[[str, Mapping[str, Any] | None], None] | None = None
+    # The pid of node K's agent (``resilient run``), where the job runs node agents;
+    # raises ChaosError when that agent is not running.
+    agent_pid: Callable[[int], int] | None = None
 
 
 class Injector:
@@ -132,8 +135,9 @@ class Injector:
                 f"{self.fault.kind}: network faults need the netns testbed (topology = "
                 f'"netns", as root); this run uses {self.ctx.testbed.kind!r}'
             )
-        hosts = self.ctx.testbed.hosts
-        return hosts[self._index(key, len(hosts), "host(s) up")]
+        hosts, per = self.ctx.testbed.hosts, self.ctx.testbed.ranks_per_host
+        # Node agents put several ranks on a host: a rank's network fault is its host's.
+        return hosts[self._index(key, len(hosts) * per, "rank(s) on its hosts") // per]
 
     def _rail_iface(self) -> tuple[Host, str]:
         host = self._host()
@@ -397,8 +401,8 @@ class _Partition(_Iptables):
         _, iface = self._rail_iface()
         rail = int(self.fault.param("rail"))
         peer = self._host("peer")
-        if peer.index == int(self.fault.param("rank")):
-            raise ChaosError(f"{self.description}: peer must differ from rank")
+        if peer.index == self._host().index:
+            raise ChaosError(f"{self.description}: peer must be on another host than rank")
         addr = peer.rails[rail]
         return [
             ["INPUT", "-i", iface, "-s", addr, "-j", "DROP"],

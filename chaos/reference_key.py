@@ -43,6 +43,9 @@ def torch_version() -> str:
 
 def _job_fields(scenario: Scenario, script_args: Iterable[str]) -> str:
     fields = {k: v for k, v in dataclasses.asdict(scenario.job).items() if k not in _NOT_IN_KEY}
+    if scenario.job.nodes == 1:
+        # One launcher, as before these keys existed: its cached references stay valid.
+        del fields["nodes"], fields["ranks_per_node"]
     # The arguments as the script gets them (--steps and --seed added).
     fields["args"] = tuple(script_args)
     return repr(sorted(fields.items()))

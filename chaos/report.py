@@ -13,7 +13,7 @@ attributed by :mod:`chaos.attribution`, its recovery time measured by
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
@@ -22,7 +22,7 @@ from chaos._progress_watch import RankTrack
 from chaos.attribution import DETECT_KINDS, attribute, event_summary, unrelated_summary
 from chaos.recovery_time import recovery_time
 from chaos.report_text import render
-from chaos.scenario import Scenario
+from chaos.scenario import NODE_KINDS, Scenario
 
 __all__ = ["DETECT_KINDS", "FaultRecord", "RunFacts", "build_report", "render"]
 
@@ -159,10 +159,14 @@ def replayed_by_survivors(events: Sequence[Mapping[str, Any]]) -> int:
 
 def _window_end(fault: FaultRecord, faults: Sequence[FaultRecord]) -> float | None:
     """Where a fault's detections and actions stop counting: when it was undone;
-    for one without a duration (kill, hang), when the next fault fired, if any."""
+    for one without a duration (kill, hang), when the next fault that events can
+    name fired, if any (an etcd fault, which none names, claims no event)."""
     if fault.duration_s is not None or fault.fired_s is None:
         return fault.stopped_s
-    later = [g.fired_s for g in faults if g.fired_s is not None and g.fired_s > fault.fired_s]
+    later = [
+        g.fired_s for g in faults
+        if g.fired_s is not None and g.fired_s > fault.fired_s and DETECT_KINDS.get(g.kind)
+    ]  # fmt: skip
     return min(later, default=None)
 
 
@@ -182,7 +186,7 @@ def _events_for(fault: FaultRecord, facts: RunFacts, until: float | None) -> dic
         for e in after
         if e.get("kind") == "recovery.finished" and e.get("duration_ms") is not None
     ]
-    training = set(facts.progress) - left_out(facts.events)
+    training = set(facts.progress) - _left(facts)
     recovery = recovery_time(facts.progress, start, sorted(training))
     return {
         "detected": detect.get("kind") if detect else None,
@@ -204,14 +208,29 @@ def _final_stats(progress: Mapping[int, RankTrack]) -> dict[int, list[float] | N
     return {r: t.last.get("params_stats") if t.done else None for r, t in progress.items()}
 
 
-def left_out(events: Sequence[Mapping[str, Any]]) -> set[int]:
-    """Ranks the launcher left out after a loss (the job shrank without them)."""
-    return {int(e["rank"]) for e in events if e.get("kind") == "rank.lost" and e.get("left")}
+def left_out(events: Sequence[Mapping[str, Any]], node_lost: Iterable[int] = ()) -> set[int]:
+    """Ranks the job shrank without: those the launcher left out after a loss, and
+    of ``node_lost`` (the ranks of nodes a fault killed or cut off, whose agent
+    could say nothing) those outside the newest epoch's members."""
+    left = {int(e["rank"]) for e in events if e.get("kind") == "rank.lost" and e.get("left")}
+    epochs = [e for e in events if e.get("kind") == "epoch.changed" and "members" in e]
+    if epochs:
+        newest = max(epochs, key=lambda e: int(e.get("epoch", 0)))
+        left |= set(node_lost) - {int(r) for r in newest["members"]}
+    return left
+
+
+def _left(facts: RunFacts) -> set[int]:
+    lost = [
+        int(r) for f in facts.faults
+        if f.kind in NODE_KINDS and f.fired_s is not None for r in f.params.get("ranks", ())
+    ]  # fmt: skip
+    return left_out(facts.events, lost)
 
 
 def _completes(facts: RunFacts, steps: int, nproc: int) -> bool:
     """Every rank (but those the job shrank without) finished all steps, exit 0."""
-    left = left_out(facts.events)
+    left = _left(facts)
     done = [
         r for r, t in facts.progress.items() if t.done and t.step >= steps - 1 and r not in left
     ]
@@ -400,7 +419,7 @@ def build_report(scenario: Scenario, facts: RunFacts, *, source: str = "") -> di
         "steps_replayed": max(steps_replayed(facts.progress), replayed_by_survivors(facts.events)),
         "params_sha256": _final_hashes(facts.progress),
         "params_stats": _final_stats(facts.progress),
-        "left_out": sorted(left_out(facts.events)),
+        "left_out": sorted(_left(facts)),
         "step_ms": step_times(facts),
         "events": len(facts.events),
         "faults": faults,

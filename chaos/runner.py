@@ -4,7 +4,8 @@
 scenario's own etcd (1 or 3 members, in the root namespace on the management
 network), runs the fault-free reference job when an expectation needs it (cached
 under :func:`chaos.reference_key.reference_key`), then runs the job under the
-local launcher while a controller thread fires each fault at its time or step,
+local launcher (or, with ``[job] nodes``, one ``resilient run`` agent per testbed
+host: :mod:`chaos.multinode`) while a controller thread fires each fault at its time or step,
 undoes it after ``duration_s``, and draws progress. Everything is torn down
 afterwards, also on error, Ctrl-C and (under a :class:`~chaos.signals.SignalGuard`,
 as ``resilient chaos`` installs) SIGTERM and SIGHUP; a signal during the reference
@@ -32,6 +33,7 @@ from chaos._progress_watch import ProgressWatch
 from chaos.etcd_security import ROOT_PASSWORD, client_env, etcd_security
 from chaos.injector_kinds import make_injector
 from chaos.injectors import InjectionContext, Injector, needs_netns
+from chaos.multinode import NodeAgents, excused_nodes, job_exit_code
 from chaos.reference_key import reference_key
 from chaos.report import FaultRecord, RunFacts, build_report
 from chaos.scenario import Fault, Scenario
@@ -65,9 +67,11 @@ def make_testbed(scenario: Scenario) -> Testbed:
     """The testbed the scenario asks for: netns hosts, or loopback rails (network
     faults then go through the ranks' in-process fault hook)."""
     job = scenario.job
+    # One host per node agent (each with its ranks), else one per rank.
+    hosts = job.nodes + job.spare_nodes if job.nodes > 1 else job.nproc
     if job.topology == "netns":
-        return NetnsTestbed(job.nproc, job.rails)
-    return LoopbackTestbed(job.nproc, job.rails)
+        return NetnsTestbed(hosts, job.rails, ranks_per_host=job.ranks_per_node)
+    return LoopbackTestbed(hosts, job.rails, ranks_per_host=job.ranks_per_node)
 
 
 def _control(client: EtcdClient, job: str) -> Callable[[str, Mapping[str, Any] | None], None]:
@@ -110,7 +114,7 @@ class _Controller:
         self,
         faults: tuple[Fault, ...],
         ctx: InjectionContext,
-        launcher: Launcher,
+        launcher: Launcher | NodeAgents,
         watch: ProgressWatch,
         display: Display,
         timeout_s: float,
@@ -204,6 +208,9 @@ class _Controller:
         self._injectors[rec.index] = inj
         try:
             inj.start()
+            rec.detail.update(getattr(inj, "detail", {}))  # a node-kill's pids, say
+            if (at := getattr(inj, "fired_at", None)) is not None:  # took effect then
+                rec.fired_s = at - self.t0
         except ChaosError as exc:
             rec.error = str(exc)
             # Undo what a start that failed midway did (one of two rules, say).
@@ -267,7 +274,7 @@ class _Controller:
                 self._launcher.request_stop()
 
 
-def _pid_lookup(launcher: Launcher, watch: ProgressWatch) -> Any:
+def _pid_lookup(launcher: Launcher | NodeAgents, watch: ProgressWatch) -> Any:
     def pid_of(rank: int) -> int:
         pid = launcher.rank_pids().get(rank) or watch.pid_of(rank)
         if pid is None:
@@ -287,8 +294,12 @@ def _run_job(
     source: str,
 ) -> RunFacts:
     job, hosts = scenario.job, testbed.hosts
+    launcher: Launcher | NodeAgents
+    # Faults fire at a step: the ranks report each one (the default is 4/s).
+    rank_env = (("RESILIENT_PROGRESS_INTERVAL_S", "0.02"),)
     config = LaunchConfig(
-        nproc=job.nproc,
+        nproc=job.ranks_per_node if job.nodes > 1 else job.nproc,
+        nnodes=job.nodes,
         script=_script_path(scenario, source),
         script_args=_script_args(scenario),
         rails=job.rails,
@@ -302,17 +313,20 @@ def _run_job(
         shrink_after_s=job.shrink_after_s,
         log_dir=str(out / "logs"),
         run_dir=str(out / "run"),
-        rank_rails=tuple(h.rails for h in hosts),
-        rank_wrap=tuple(tuple(h.wrap([])) for h in hosts),
+        rank_rails=tuple(h.rails for h in hosts) if job.nodes == 1 else (),
+        rank_wrap=tuple(tuple(h.wrap([])) for h in hosts) if job.nodes == 1 else (),
         # The launcher hosts torch's rendezvous store: the ranks reach it where
-        # they reach etcd, on the control plane.
-        master_addr=testbed.control_addr,
+        # they reach etcd, on the control plane; node agents: node 0's, on its host.
+        master_addr=testbed.control_addr if job.nodes == 1 else hosts[0].mgmt_addr,
         echo=False,
-        fault_control=testbed.kind == "loopback",
-        # Faults fire at a step: the ranks report each one (the default is 4/s).
-        rank_env=(("RESILIENT_PROGRESS_INTERVAL_S", "0.02"),),
+        fault_control=testbed.kind == "loopback" and job.nodes == 1,
+        rank_env=rank_env if job.nodes == 1 else (),
     )
-    launcher = Launcher(config)
+    launcher = (
+        Launcher(config)
+        if job.nodes == 1
+        else NodeAgents(config, testbed, dict(rank_env), spares=job.spare_nodes)
+    )
     watch = ProgressWatch(etcd.endpoints, config.job).start()
     # The fault records are the job's keys: written under its token (membership.guarded).
     control_client = job_client(
@@ -325,6 +339,7 @@ def _run_job(
         pid_of=_pid_lookup(launcher, watch),
         etcd=etcd,
         control=_control(control_client, config.job),
+        agent_pid=launcher.agent_pid if isinstance(launcher, NodeAgents) else None,
     )
     log = EventLog(out / "run", job=config.job, rank=-1, name="chaos")
     ctl = _Controller(faults, ctx, launcher, watch, display, job.timeout_s, log)
@@ -332,6 +347,8 @@ def _run_job(
     code: int | None = None
     try:
         code = launcher.run()
+        if isinstance(launcher, NodeAgents):  # nodes a fault killed or cut off fail on purpose
+            code = job_exit_code(launcher.codes, excused_nodes(ctl.records, launcher.codes))
     finally:
         ctl.finish()
         watch.stop()

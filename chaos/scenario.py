@@ -5,7 +5,7 @@
     [job]
     script = "examples/train_ddp.py"
     args = ["--steps", "200"]
-    nproc = 4
+    nproc = 4                 # or nodes = 2, ranks_per_node = 2 (spare_nodes = 1): agents
     rails = 2
     steps = 200               # passed as --steps unless args hold it; scripts take --seed too
     topology = "netns"        # or "loopback"
@@ -46,6 +46,7 @@ from resilient.errors import ConfigError
 
 __all__ = [
     "FAULT_KINDS",
+    "NODE_KINDS",
     "Expectations",
     "Fault",
     "JobSpec",
@@ -79,7 +80,18 @@ FAULT_KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "drop": (frozenset({"rank", "rail", "percent"}), frozenset()),
     "partition": (frozenset({"rank", "peer", "rail"}), frozenset()),
     "etcd-kill": (frozenset(), frozenset({"member"})),
+    "node-kill": (frozenset({"node"}), frozenset()),
+    "node-partition": (frozenset({"node"}), frozenset()),
+    "etcd-leader-kill": (frozenset(), frozenset()),
 }
+# Faults on a whole node (a [job] with ``nodes``): the parser adds ``ranks``, the
+# node's global ranks, for the report's attribution.
+NODE_KINDS = frozenset({"node-kill", "node-partition"})
+# Faults that reach ranks on the loopback testbed only through the launcher's
+# in-process fault hook, which node agents started as ``resilient run`` lack.
+_HOOK_KINDS = frozenset(
+    {"nic-down", "nic-up", "flap", "throttle", "slow-link", "drop", "partition", "node-partition"}
+)
 _COMMON = frozenset({"kind", "at_step", "at_s", "duration_s", "max_detect_ms"})
 _PARAM_TYPES: dict[str, type] = {
     "max_detect_ms": float,
@@ -87,6 +99,7 @@ _PARAM_TYPES: dict[str, type] = {
     "peer": int,
     "rail": int,
     "member": int,
+    "node": int,
     "count": int,
     "at_step": int,
     "at_s": float,
@@ -114,6 +127,9 @@ _JOB_TYPES: dict[str, type] = {
     "script": str,
     "args": list,
     "nproc": int,
+    "nodes": int,
+    "ranks_per_node": int,
+    "spare_nodes": int,
     "rails": int,
     "steps": int,
     "topology": str,
@@ -131,9 +147,19 @@ _JOB_TYPES: dict[str, type] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobSpec:
+    """The job; ``nproc`` is always the world size. With ``nodes`` (2 or more) the
+    job runs one ``resilient run`` agent per node with ``ranks_per_node`` ranks each,
+    global rank ``K * ranks_per_node + L`` on node K, host K of the testbed, and
+    ``spare_nodes`` more agents (``resilient run --spare``) on the hosts after them
+    stand by to take a lost node over. Without
+    (``nodes = 1``) one launcher runs every rank, one rank per testbed host."""
+
     script: str
     args: tuple[str, ...] = ()
     nproc: int = 4
+    nodes: int = 1
+    ranks_per_node: int = 1
+    spare_nodes: int = 0
     rails: int = 1
     steps: int = 100
     topology: str = "loopback"
@@ -228,6 +254,7 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
     args = values.pop("args", [])
     for i, a in enumerate(args):
         _typed(source, f"job.args[{i}]", a, str)
+    _node_counts(source, values)
     spec = JobSpec(args=tuple(args), **values)
     for key in ("nproc", "rails", "steps", "etcd_members", "timeout_s"):
         if getattr(spec, key) <= 0:
@@ -247,7 +274,49 @@ def _parse_job(source: str, raw: Any) -> JobSpec:
         raise ScenarioError(
             source, "job.topology", f"must be netns or loopback, got {spec.topology!r}"
         )
+    if spec.nodes > 1:
+        _check_node_job(source, spec)
     return spec
+
+
+def _node_counts(source: str, values: dict[str, Any]) -> None:
+    """With ``nodes``: check it and ``ranks_per_node``, and set ``nproc`` to the
+    world size (``nproc`` itself is refused there: it would be ambiguous)."""
+    if "nodes" not in values:
+        for key in ("ranks_per_node", "spare_nodes"):
+            if key in values:
+                raise ScenarioError(source, f"job.{key}", "only with nodes (node agents)")
+        return
+    if values.get("spare_nodes", 0) < 0:
+        raise ScenarioError(source, "job.spare_nodes", f"must be >= 0, got {values['spare_nodes']}")
+    nodes = values["nodes"]
+    if nodes < 2:
+        raise ScenarioError(
+            source, "job.nodes", f"must be >= 2 (leave it out for one launcher), got {nodes}"
+        )
+    if "nproc" in values:
+        raise ScenarioError(
+            source, "job.nproc",
+            "not with nodes: give ranks_per_node (the world size is nodes x ranks_per_node)",
+        )  # fmt: skip
+    per = values.get("ranks_per_node")
+    if per is None:
+        raise ScenarioError(source, "job.ranks_per_node", "missing (ranks on each node)")
+    if per < 1:
+        raise ScenarioError(source, "job.ranks_per_node", f"must be >= 1, got {per}")
+    values["nproc"] = nodes * per
+    # Machines with their own control plane: etcd as deployed, three members.
+    values.setdefault("etcd_members", 3)
+
+
+def _check_node_job(source: str, spec: JobSpec) -> None:
+    """What the node agents (``resilient run --nnodes``) cannot do from a scenario."""
+    if spec.warm_spares:
+        why = "not with nodes: the runner cannot tell when another agent's spares stand ready"
+        raise ScenarioError(source, "job.warm_spares", why)
+    if spec.evict_stragglers:
+        why = "not with nodes: resilient run refuses --evict-stragglers with --nnodes > 1"
+        raise ScenarioError(source, "job.evict_stragglers", why)
 
 
 def _parse_fault(source: str, index: int, raw: Any, job: JobSpec) -> Fault:
@@ -270,7 +339,11 @@ def _parse_fault(source: str, index: int, raw: Any, job: JobSpec) -> Fault:
     if ("at_step" in values) == ("at_s" in values):
         raise ScenarioError(source, f"{where}.at_step", "give exactly one of at_step or at_s")
     _check_ranges(source, where, values, job)
+    _check_node_fault(source, where, kind, values, job)
     params = {k: v for k, v in values.items() if k not in _COMMON}
+    if kind in NODE_KINDS:
+        first = values["node"] * job.ranks_per_node
+        params["ranks"] = tuple(range(first, first + job.ranks_per_node))
     return Fault(
         kind=kind,
         at_step=values.get("at_step"),
@@ -290,6 +363,7 @@ def _check_ranges(source: str, where: str, v: Mapping[str, Any], job: JobSpec) -
         "factor": (1e-9, 1.0 - 1e-9, "a fraction of normal speed, 0 < factor < 1"),
         "percent": (0.0, 100.0, "a percentage, 0..100"),
         "member": (0, job.etcd_members - 1, f"an etcd member (0..{job.etcd_members - 1})"),
+        "node": (0, job.nodes - 1, f"a node of the job (0..{job.nodes - 1})"),
     }
     for key, (lo, hi, what) in limits.items():
         if key in v and not lo <= v[key] <= hi:
@@ -299,6 +373,28 @@ def _check_ranges(source: str, where: str, v: Mapping[str, Any], job: JobSpec) -
             raise ScenarioError(source, f"{where}.{key}", f"must be >= 0, got {v[key]}")
     if "peer" in v and v.get("peer") == v.get("rank"):
         raise ScenarioError(source, f"{where}.peer", "must differ from rank")
+
+
+def _check_node_fault(
+    source: str, where: str, kind: str, v: Mapping[str, Any], job: JobSpec
+) -> None:
+    """Node faults need nodes; on several nodes a rank's network fault hits its host
+    (every rank there), so two ranks of one host cannot be cut apart."""
+    if kind in NODE_KINDS and job.nodes < 2:
+        raise ScenarioError(source, f"{where}.kind", f"{kind} needs [job] nodes >= 2")
+    if kind == "etcd-leader-kill" and job.etcd_members < 3:
+        why = f"needs [job] etcd_members >= 3 to elect another leader, got {job.etcd_members}"
+        raise ScenarioError(source, f"{where}.kind", why)
+    if job.nodes < 2:
+        return
+    if job.topology == "loopback" and kind in _HOOK_KINDS:
+        why = f'{kind} with nodes needs topology = "netns" (node agents have no fault hook)'
+        raise ScenarioError(source, f"{where}.kind", why)
+    per = job.ranks_per_node
+    if "peer" in v and v["peer"] // per == v.get("rank", -per) // per:
+        node = v["peer"] // per
+        why = f"rank {v.get('rank')} and peer {v['peer']} share node {node}: no link to cut"
+        raise ScenarioError(source, f"{where}.peer", why)
 
 
 def _parse_expect(source: str, raw: Any) -> Expectations:

@@ -72,6 +72,7 @@ class Host:
     mgmt_addr: str = "127.0.0.1"
     rail_ifaces: tuple[str, ...] = ()
     switch_ports: tuple[str, ...] = ()
+    mgmt_iface: str = ""  # the control-plane interface inside the namespace
 
     def wrap(self, argv: list[str]) -> list[str]:
         """``argv`` as run on this host (inside its namespace)."""
@@ -79,16 +80,23 @@ class Host:
 
 
 class Testbed:
-    """Hosts and the address the control plane listens on; a context manager."""
+    """Hosts and the address the control plane listens on; a context manager.
+
+    Global rank r runs on host ``r // ranks_per_host`` (one rank per host unless
+    the scenario runs node agents, each with several ranks).
+    """
 
     kind: str = ""
 
-    def __init__(self, hosts: int, rails: int) -> None:
+    def __init__(self, hosts: int, rails: int, *, ranks_per_host: int = 1) -> None:
         if not 1 <= hosts <= _MAX_HOSTS:
             raise ChaosError(f"testbed: hosts={hosts} must be between 1 and {_MAX_HOSTS}")
         if not 1 <= rails <= _MAX_RAILS:
             raise ChaosError(f"testbed: rails={rails} must be between 1 and {_MAX_RAILS}")
+        if ranks_per_host < 1:
+            raise ChaosError(f"testbed: ranks_per_host={ranks_per_host} must be >= 1")
         self.n_hosts, self.n_rails = hosts, rails
+        self.ranks_per_host = ranks_per_host
         self.hosts: tuple[Host, ...] = ()
         self.control_addr = "127.0.0.1"
 
@@ -142,8 +150,8 @@ class NetnsTestbed(Testbed):
 
     kind = "netns"
 
-    def __init__(self, hosts: int, rails: int) -> None:
-        super().__init__(hosts, rails)
+    def __init__(self, hosts: int, rails: int, *, ranks_per_host: int = 1) -> None:
+        super().__init__(hosts, rails, ranks_per_host=ranks_per_host)
         self._names: list[str] = []
         self._set_id(secrets.token_hex(2))
 
@@ -257,6 +265,7 @@ class NetnsTestbed(Testbed):
             mgmt_addr=f"10.213.{subnet}.{i + 1}",
             rail_ifaces=tuple(f"r{j}" for j in range(self.n_rails)),
             switch_ports=tuple(f"h{i}r{j}" for j in range(self.n_rails)),
+            mgmt_iface="mgmt",
         )
 
 

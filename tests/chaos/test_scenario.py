@@ -119,3 +119,94 @@ def test_load_from_file_and_missing_file(tmp_path: Path) -> None:
 def test_every_shipped_scenario_parses(path: Path) -> None:
     scenario = load(path)
     assert scenario.faults or scenario.name == "demo", path
+
+
+NODES = """
+[job]
+script = "examples/train_ddp.py"
+nodes = 2
+ranks_per_node = 2
+rails = 2
+topology = "netns"
+min_ranks = 2
+
+[[fault]]
+kind = "node-kill"
+node = 1
+at_step = 40
+"""
+
+
+@pytest.mark.timeout(10)
+def test_nodes_give_the_world_size_and_node_faults_their_ranks() -> None:
+    sc = parse(NODES)
+    assert (sc.job.nodes, sc.job.ranks_per_node, sc.job.nproc) == (2, 2, 4)
+    assert sc.faults[0].params == {"node": 1, "ranks": (2, 3)}
+    assert sc.job.etcd_members == 3  # machines get etcd as deployed, unless told
+    assert parse(_nodes_with("min_ranks = 2", "etcd_members = 1")).job.etcd_members == 1
+    assert sc.job.spare_nodes == 0
+    assert parse(_nodes_with("min_ranks = 2", "spare_nodes = 1")).job.spare_nodes == 1
+    one = parse(GOOD)
+    assert (one.job.nodes, one.job.ranks_per_node) == (1, 1)  # one rank per host
+    assert one.job.etcd_members == 1
+
+
+@pytest.mark.timeout(10)
+def test_etcd_leader_kill_needs_three_members() -> None:
+    leader = '[[fault]]\nkind = "etcd-leader-kill"\nat_s = 1.0\n'
+    assert parse(NODES + leader).faults[1].kind == "etcd-leader-kill"
+    with pytest.raises(ScenarioError) as err:
+        parse(_nodes_with("min_ranks = 2", "etcd_members = 1") + leader, source="s.toml")
+    assert err.value.key == "fault[1].kind" and "etcd_members >= 3" in str(err.value)
+
+
+def _nodes_with(old: str, new: str) -> str:
+    assert old in NODES
+    return NODES.replace(old, new, 1)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("text", "key", "words"),
+    [
+        (_nodes_with("nodes = 2", "nodes = 1"), "job.nodes", "must be >= 2"),
+        (_nodes_with("ranks_per_node = 2", "nproc = 4"), "job.nproc", "give ranks_per_node"),
+        (_nodes_with("ranks_per_node = 2\n", ""), "job.ranks_per_node", "missing"),
+        (_nodes_with("ranks_per_node = 2", "ranks_per_node = 0"), "job.ranks_per_node", ">= 1"),
+        (_nodes_with("nodes = 2\n", ""), "job.ranks_per_node", "only with nodes"),
+        (_nodes_with("min_ranks = 2", "spare_nodes = -1"), "job.spare_nodes", ">= 0"),
+        (_with("nproc = 4", "nproc = 4\nspare_nodes = 1"), "job.spare_nodes", "only with nodes"),
+        (_nodes_with("min_ranks = 2", "warm_spares = true"), "job.warm_spares", "not with nodes"),
+        (
+            _nodes_with("min_ranks = 2", "evict_stragglers = true\nmax_restarts = 1"),
+            "job.evict_stragglers",
+            "--nnodes",
+        ),
+        (_nodes_with("min_ranks = 2", "min_ranks = 5"), "job.min_ranks", "1..nproc (4)"),
+        (_nodes_with("node = 1", "node = 2"), "fault[0].node", "a node of the job (0..1)"),
+        (_nodes_with("node = 1\n", ""), "fault[0].node", "missing"),
+        (
+            _with('kind = "nic-down"\nrank = 1\nrail = 0', 'kind = "node-kill"\nnode = 0'),
+            "fault[0].kind",
+            "needs [job] nodes >= 2",
+        ),
+        (
+            _nodes_with(
+                'kind = "node-kill"\nnode = 1', 'kind = "partition"\nrank = 2\npeer = 3\nrail = 0'
+            ),
+            "fault[0].peer",
+            "share node 1",
+        ),
+        (
+            _nodes_with('topology = "netns"', 'topology = "loopback"').replace(
+                'kind = "node-kill"\nnode = 1', 'kind = "node-partition"\nnode = 1'
+            ),
+            "fault[0].kind",
+            'needs topology = "netns"',
+        ),
+    ],
+)
+def test_node_mistakes_name_the_key(text: str, key: str, words: str) -> None:
+    with pytest.raises(ScenarioError) as err:
+        parse(text, source="s.toml")
+    assert err.value.key == key and words in str(err.value), str(err.value)
