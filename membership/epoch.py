@@ -7,8 +7,10 @@ message tags with it. There is exactly one such counter per run of a job:
 
 * it lives in the store the job's links rendezvous through: with ``RESILIENT_ETCD``
   that is an :class:`~membership.store.EtcdStore` under
-  ``/resilient/<job>/store/links-<nonce>/`` (the nonce is agreed per run, so a
-  second run under the same job name starts again at 0), the counter is the key
+  ``/resilient/<job>/store/run-<run id>/g0/`` (``resilient run``'s RESILIENT_RUN_ID)
+  or, without a run id, ``/resilient/<job>/store/links-<nonce>/`` (the nonce agreed
+  through torch's init store); either is new per run, so a second run under the
+  same job name starts again at 0. The counter is the key
   ``epoch`` there and the history record of epoch ``n`` is ``epochs/<n>``
   (twelve digits). Without etcd it is the store torch gave the group (a TCPStore),
   under the same two names.

@@ -82,8 +82,9 @@ _MUST_AGREE: Final = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NodeInfo:
-    """What a node agent registers: its place in the job and where torch's init
-    store is (``store``, ``host:port``, set by node 0 only)."""
+    """What a node agent registers: its place in the job, where torch's init store
+    is (``store``, ``host:port``) and this start's run id (``run``, RESILIENT_RUN_ID);
+    those two are set by node 0 only."""
 
     node_rank: int
     nnodes: int
@@ -92,6 +93,7 @@ class NodeInfo:
     host: str = ""
     pid: int = 0
     store: str = ""
+    run: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -108,6 +110,7 @@ class NodeInfo:
             host=str(d.get("host", "")),
             pid=int(d.get("pid", 0)),
             store=str(d.get("store", "")),
+            run=str(d.get("run", "")),
         )
 
     def where(self) -> str:

@@ -247,10 +247,18 @@ class LaunchConfig:
         return loopback_rails(rank, self.rails)
 
     def environ(
-        self, rank: int, incarnation: int, *, master_addr: str, master_port: int, etcd_url: str
+        self,
+        rank: int,
+        incarnation: int,
+        *,
+        master_addr: str,
+        master_port: int,
+        etcd_url: str,
+        run_id: str = "",
     ) -> dict[str, str]:
         """The environment of global ``rank``'s process at ``incarnation``: ours,
-        less what an enclosing launch set for its ranks, plus every :class:`RankVar`."""
+        less what an enclosing launch set for its ranks, plus every :class:`RankVar`
+        (``run_id``: this start of the job, RESILIENT_RUN_ID, when there is one)."""
         values: dict[RankVar, str] = {
             RankVar.RANK: str(rank),
             RankVar.WORLD_SIZE: str(self.world_size),
@@ -270,6 +278,8 @@ class LaunchConfig:
         }
         if self.run_dir is not None:
             values[RankVar.RUN_DIR] = self.run_dir
+        if run_id:
+            values[RankVar.RUN_ID] = run_id
         if self.fault_control:
             values[RankVar.FAULT_CONTROL] = "1"
         if self.min_ranks is not None:

@@ -457,7 +457,7 @@ class _Run(SpareTending):
         inc = slot.incarnation if incarnation is None else incarnation
         return self._cfg.environ(
             slot.rank, inc, master_addr=self._master_addr, master_port=self._master_port,
-            etcd_url=self._etcd_url,
+            etcd_url=self._etcd_url, run_id=self._nodes.run_id if self._nodes else "",
         )  # fmt: skip
 
     def _stop_ranks(self) -> None:

@@ -24,6 +24,7 @@ admitted by the survivors and given the state by a live peer as any replacement.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ class NodeMeeting:
     master_addr: str
     master_port: int
     store: TCPStore | None  # hosted here (node 0, or a one-node job)
+    run_id: str = ""  # this start of the job (node 0's, RESILIENT_RUN_ID)
     # A spare's: the node it took over, and the incarnation each of its ranks
     # starts at; None and empty otherwise.
     took_over: int | None = None
@@ -125,16 +127,17 @@ def meet_nodes(
     if cfg.spare:
         return _stand_by(cfg, etcd_url, stopping)
     store = host_store(cfg.master_addr) if cfg.node_rank == 0 else None
+    run = secrets.token_hex(8) if cfg.node_rank == 0 else ""
     if cfg.nnodes == 1:
         assert store is not None
-        return NodeMeeting(None, {}, cfg.master_addr, store.port, store)
+        return NodeMeeting(None, {}, cfg.master_addr, store.port, store, run_id=run)
     from membership.nodes import NodeInfo, NodeRendezvous, this_host
 
     host, pid = this_host()
     me = NodeInfo(
         node_rank=cfg.node_rank, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc,
         rails=cfg.rails, host=host, pid=pid,
-        store=f"{cfg.master_addr}:{store.port}" if store is not None else "",
+        store=f"{cfg.master_addr}:{store.port}" if store is not None else "", run=run,
     )  # fmt: skip
     where = f"job {cfg.job}, node {cfg.node_rank} of {cfg.nnodes}"
     try:
@@ -146,7 +149,7 @@ def meet_nodes(
         raise LauncherError(f"{where}: the node agents did not meet: {exc}") from exc
     addr, port = _init_store(rendezvous, nodes, where)
     logger.info("%s: all %d node agents are there; init store %s", where, cfg.nnodes, addr)
-    return NodeMeeting(rendezvous, nodes, addr, port, store)
+    return NodeMeeting(rendezvous, nodes, addr, port, store, run_id=nodes[0].run)
 
 
 def _init_store(
@@ -202,4 +205,7 @@ def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | N
         raise
     addr, port = _init_store(rendezvous, nodes, where)
     logger.warning("%s: took node %d over; init store %s", where, node, addr)
-    return NodeMeeting(rendezvous, nodes, addr, port, None, node, incarnations)
+    return NodeMeeting(
+        rendezvous, nodes, addr, port, None, run_id=nodes[0].run, took_over=node,
+        incarnations=incarnations,
+    )  # fmt: skip

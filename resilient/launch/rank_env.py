@@ -32,6 +32,7 @@ class RankVar(StrEnum):
     INCARNATION = ENV_PREFIX + "INCARNATION"
     LEASE_TTL_S = ENV_PREFIX + "LEASE_TTL_S"
     RUN_DIR = ENV_PREFIX + "RUN_DIR"
+    RUN_ID = ENV_PREFIX + "RUN_ID"
     FAULT_CONTROL = ENV_PREFIX + "FAULT_CONTROL"
     MIN_RANKS = ENV_PREFIX + "MIN_RANKS"
     SHRINK_AFTER_S = ENV_PREFIX + "SHRINK_AFTER_S"
@@ -60,6 +61,9 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         RankVar.INCARNATION: "0 at first start, +1 each time this rank is restarted",
         RankVar.LEASE_TTL_S: "seconds a silent rank stays listed in etcd (--lease-ttl)",
         RankVar.RUN_DIR: "directory for event logs and run state (only with --run-dir)",
+        RankVar.RUN_ID: "this start of the job (random, the same on every node and restart): "
+        "ranks meet in etcd under it, so no rank needs MASTER_ADDR's store to start "
+        "when it calls resilient.init()",
         RankVar.FAULT_CONTROL: "1 when 'resilient chaos' injects link faults in-process "
         "through etcd (loopback runs without root); unset otherwise",
         RankVar.MIN_RANKS: "fewest ranks the job may shrink to (only with --min-ranks)",

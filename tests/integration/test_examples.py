@@ -120,6 +120,8 @@ def test_membership_demo_restarts_one_rank_and_moves_the_one_epoch() -> None:
         assert f"rank {r} inc 0: finished 10 steps at epoch 1 (replayed 1)" in out, out
     assert "rank 2: member as incarnation 1" in out, out
     # The recovery moved the job's one epoch in etcd, with its history record.
-    assert re.search(r"the job's epoch lives at /resilient/[\w.-]+/store/links-\w+/epoch", out), out
+    # Under the launcher's run id (RESILIENT_RUN_ID): the world group's keys of this run.
+    where = r"the job's epoch lives at /resilient/[\w.-]+/store/run-\w+/g0/epoch"
+    assert re.search(where, out), out
     assert "epoch history (final epoch 1)" in out, out
     assert re.search(r"epoch 1: members \[0, 1, 2, 3\] of 4, joined \[2\], resumed after", out), out
