@@ -15,6 +15,7 @@ from resilient.collectives.engine import RingEngine
 from resilient.errors import LinkError, RecoveryError
 from resilient.group.epoch_control import EpochControl
 from resilient.links import repair, transfer
+from resilient.links.build_turns import Wanted
 from resilient.links.table import Link, LinkTable
 
 __all__ = ["StateTransfer"]
@@ -55,31 +56,35 @@ class StateTransfer:
         data = everyone if engine.mesh else sorted({engine.left, engine.right} - {pos})
         plan = [(ep.checks.engine.links, everyone)] if ep.checks is not None else []
         plan.append((ep.links, data))
+        rails = range(len(ep.rails))
+        # Said here, before the replayed step's calls ask for links: their builds
+        # then wait for their turn behind these, in the one global order, instead
+        # of running ahead of them (a two-rail ring asks for its neighbours only;
+        # see resilient.links.build_turns).
+        wanted = [
+            (table, table.want((p, r) for p in peers for r in rails)) for table, peers in plan
+        ]
         thread = threading.Thread(
-            target=self._build, args=(plan, ep.epoch), name=f"prebuild-{ep.rank}", daemon=True
+            target=self._build, args=(wanted,), name=f"prebuild-{ep.rank}", daemon=True
         )
         thread.start()
         repair.strand(thread)  # the group's shutdown waits for it
         return thread
 
-    def _build(self, plan: list[tuple[LinkTable, list[int]]], epoch: int) -> None:
-        """Build ``plan``'s links (table, peers) on every rail while ``epoch`` lasts."""
+    def _build(self, plan: list[tuple[LinkTable, Wanted]]) -> None:
+        """Build ``plan``'s links (table, wanted) while their epoch lasts (a later
+        epoch numbers its members anew and builds its own links: ``ensure`` raises)."""
         ep = self._epochs
-        rails = range(len(ep.rails))
-        for table, peers in plan:
-            try:
-                for pair in table.in_order((p, r) for p in peers for r in rails):
-                    # One at a time: a later epoch (another loss) numbers its
-                    # members anew and builds its own links.
-                    if ep.epoch != epoch or table.closed or table.abandoned:
-                        return
-                    table.ensure([pair])
-            except (LinkError, RuntimeError) as exc:  # first use tries again
-                logger.info(
-                    "rank %d (epoch %d): building %s links ahead failed: %s",
-                    ep.rank, ep.epoch, table.name, exc,
-                )  # fmt: skip
-                return
+        try:
+            for table, wanted in plan:
+                table.ensure(wanted=wanted)
+        except (LinkError, RuntimeError) as exc:  # first use tries again
+            logger.info(
+                "rank %d (epoch %d): building links ahead failed: %s", ep.rank, ep.epoch, exc
+            )  # fmt: skip
+        finally:
+            for table, wanted in plan:
+                table.unwant(wanted)
 
     def send_state(
         self,

@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 
 from torch._C._distributed_c10d import Store
-from torch.distributed import DistError
 
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
+from resilient.links.build_turns import BuildTurns, Wanted
+from resilient.links.handshake import Handshake
 from resilient.links.ledger import salt_of
 from resilient.links.lending import BorrowedLink, usable
 from resilient.links.link import Link
@@ -75,7 +75,9 @@ class LinkTable:
         # (peer, rail) pairs whose traffic goes through the store (resilient.collectives.relay):
         # reported once, until the link is back in service.
         self.relayed: set[tuple[int, int]] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the dicts above; never held across a rendezvous
+        self._turns = BuildTurns(self._build_order)
+        self._shake = Handshake(self)
         self.on_broken: Callable[[Link], None] | None = None
         # Why this rank will not build its link to (peer, rail) now (its NIC there is
         # down, or the peer's), or None; see ensure.
@@ -136,28 +138,65 @@ class LinkTable:
         if self.on_broken is not None:
             self.on_broken(link)
 
-    def ensure(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Create the missing links among ``(peer, rail)`` pairs.
+    def ensure(
+        self, pairs: Iterable[tuple[int, int]] = (), *, wanted: Wanted | None = None
+    ) -> None:
+        """Create the missing links among ``(peer, rail)`` pairs (or ``wanted``'s, which
+        the caller said ahead with :meth:`want` and unwants).
 
         Links are built in one global order (lowest rank pair first, then rail) on
-        every rank, so blocking rendezvous can never wait in a cycle around a ring.
-        """
-        todo = self.in_order({(p, r) for p, r in pairs if (p, r) not in self._links})
-        for peer, rail in todo:
-            with self._lock:
-                if (peer, rail) in self._links:
-                    continue
-                link, why = self._build(peer, rail)
-                self._links[(peer, rail)] = link
-            if why is None:
-                logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
-            else:  # outside the lock: marking it broken publishes the table's state
-                link.refused(why)
+        every rank, whichever thread asks (:mod:`resilient.links.build_turns`), so
+        blocking rendezvous can never wait in a cycle around a ring. The table's
+        lock is not held while a rendezvous waits: the health board and the calls
+        read the table meanwhile (a link that breaks publishes the record).
 
-    def in_order(self, pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``(peer, rail)`` pairs in the order every rank builds links in: lowest
-        rank pair first, then rail."""
-        return sorted(pairs, key=lambda pr: (min(self.rank, pr[0]), max(self.rank, pr[0]), pr[1]))
+        Raises:
+            LinkError: a rendezvous failed with one rail, a peer did not come within
+                ``connect_timeout_s``, or the table left its epoch meanwhile.
+        """
+        own, epoch = wanted is None, self.epoch
+        if wanted is None:
+            missing = [k for k in pairs if k not in self._links]
+            if not missing:  # every call asks; its links were built long ago
+                return
+            wanted = self._turns.want(missing)
+        try:
+            for key in wanted.keys:
+                if not self._turns.take(key, wanted.era, self._links.__contains__):
+                    continue
+                try:
+                    link, why = self._build(*key)
+                    with self._lock:
+                        stale = self.closed or self.epoch != epoch
+                        if not stale:
+                            self._links[key] = link
+                finally:
+                    self._turns.done()
+                if stale:
+                    link.close(background=True)
+                    raise LinkError(f"rank {self.rank}: {link!r} was built for an ended epoch")
+                if why is None:
+                    logger.debug("rank %d: %r up in %.3f s", self.rank, link, link.connect_s)
+                else:  # marking it broken publishes the table's state
+                    link.refused(why)
+        finally:
+            if own:
+                self._turns.drop(wanted)
+
+    def want(self, pairs: Iterable[tuple[int, int]]) -> Wanted:
+        """Say now that this rank will build the missing links among ``pairs`` (then
+        pass it to :meth:`ensure`): no build of this table gets ahead of them
+        meanwhile. A build in the background says so before any call needs links.
+        Whoever wants must :meth:`unwant` once done (built, failed or given up)."""
+        return self._turns.want(k for k in pairs if k not in self._links)
+
+    def unwant(self, wanted: Wanted) -> None:
+        self._turns.drop(wanted)
+
+    def _build_order(self, pr: tuple[int, int]) -> tuple[int, int, int]:
+        """Where ``(peer, rail)`` comes in the order every rank builds links in:
+        lowest rank pair first, then rail."""
+        return min(self.rank, pr[0]), max(self.rank, pr[0]), pr[1]
 
     def _build(self, peer: int, rail: int) -> tuple[Link, str | None]:
         """The link to ``peer`` on ``rail``, and None; or, with another rail to fail
@@ -181,7 +220,7 @@ class LinkTable:
         if len(self.rails) == 1:
             return self._new_link(peer, rail), None
         why = self.refuse(peer, rail) if self.refuse is not None else None
-        theirs = self._meet(prefix, peer, rail, why)
+        theirs = self._shake.meet(prefix, peer, rail, why)
         if why is None and theirs:
             why = f"rank {peer} does not build it: {theirs}"
         if why is None:
@@ -200,7 +239,7 @@ class LinkTable:
             # One end may give up at the bound just as the other gets through (a
             # flapping NIC): both say how it went, and only a link built at both
             # ends goes into service (else one end would wait on it for a deadline).
-            agreed = self._agree_built(prefix, peer, rail, built is not None)
+            agreed = self._shake.agree_built(prefix, peer, rail, built is not None)
             why = why or agreed
             if why is None and built is not None:
                 return built, None
@@ -214,70 +253,6 @@ class LinkTable:
             device_type=self.device_type, salt=salt_of(self.epoch),
         )  # fmt: skip
         return self._wire(link)
-
-    def _meet(
-        self, prefix: str, peer: int, rail: int, why: str | None = None,
-        timeout_s: float | None = None,
-    ) -> str:  # fmt: skip
-        """Say whether this end builds the link under ``prefix`` (``build<rank>``:
-        empty, or ``why`` not); what the peer said once it did (empty: it builds).
-
-        Raises:
-            LinkError: the store failed, or the peer did not say within ``timeout_s``
-                (default ``connect_timeout_s``).
-        """
-        return self._tell(f"{prefix}build", "" if why is None else why, peer, rail, timeout_s)
-
-    def _tell(
-        self, key: str, value: str, peer: int, rail: int, timeout_s: float | None = None
-    ) -> str:
-        """Write ``value`` under ``key<rank>`` and return what the peer wrote under
-        ``key<peer>`` once it did.
-
-        Raises:
-            LinkError: the store failed, or the peer did not write within
-                ``timeout_s`` (default ``connect_timeout_s``).
-        """
-        try:
-            self.store.set(f"{key}{self.rank}", value)
-            return self._poll(f"{key}{peer}", peer, rail, timeout_s)
-        except (RuntimeError, DistError) as exc:
-            raise LinkError(f"rank {self.rank}: link to rank {peer} rail {rail}: {exc}") from exc
-
-    def _agree_built(self, prefix: str, peer: int, rail: int, ok: bool) -> str | None:
-        """Tell the peer whether this end's rendezvous succeeded; why the link is not
-        usable (ours or the peer's failed), or None."""
-        try:
-            self.store.set(f"{prefix}built{self.rank}", "1" if ok else "0")
-            theirs = self._poll(f"{prefix}built{peer}", peer, rail)
-        except (RuntimeError, DistError, LinkError) as exc:
-            return f"its rendezvous could not be confirmed: {exc}"
-        if not ok:
-            return "its rendezvous failed here"
-        return None if theirs == "1" else f"its rendezvous failed at rank {peer}"
-
-    def _poll(self, key: str, peer: int, rail: int, timeout_s: float | None = None) -> str:
-        """The value of ``key`` once the peer wrote it (a non-blocking poll: the
-        store client is shared with the health board).
-
-        Raises:
-            LinkError: not within ``timeout_s`` (default ``connect_timeout_s``), or
-                the table closed or its epoch was given up meanwhile.
-        """
-        timeout_s = self.config.connect_timeout_s if timeout_s is None else timeout_s
-        end = time.monotonic() + timeout_s
-        nap = 0.0005
-        while not self.store.check([key]):
-            if self.closed or self.abandoned is not None:
-                raise LinkError(f"rank {self.rank}: link to rank {peer} on rail {rail} given up")
-            if time.monotonic() > end:
-                raise LinkError(
-                    f"rank {self.rank}: rank {peer} did not come to build the link on rail "
-                    f"{rail} within {timeout_s:.1f} s"
-                )
-            time.sleep(nap)
-            nap = min(nap * 2, 0.02)
-        return bytes(self.store.get(key)).decode()
 
     def borrowed(self, peer: int, rail: int, timeout_s: float | None = None) -> Link | None:
         """The link to ``peer`` on ``rail`` over the world group's connection
@@ -303,7 +278,7 @@ class LinkTable:
             slot = owner.pg.take_slot()  # the lower end hands slots out
         mine = "" if owner is None else f"{owner.prefix} {slot or 0}"
         prefix = self.prefix(peer, rail)
-        theirs = self._tell(f"{prefix}share", mine, peer, rail, timeout_s)
+        theirs = self._shake.tell(f"{prefix}share", mine, peer, rail, timeout_s)
         if owner is None or not theirs or theirs.split(" ")[0] != owner.prefix:
             return None
         agreed = max(int(theirs.split(" ")[1]), slot or 0)  # the lower end's
@@ -353,7 +328,7 @@ class LinkTable:
         # (``met``): an end that waits for a connection never sits out five times
         # the bound across a partition (resilient.links.gloo_connects ends the other side's
         # attempt, which alone was the hazard of a short gloo timeout).
-        self._meet(self.prefix(peer, rail), peer, rail, timeout_s=timeout_s)
+        self._shake.meet(self.prefix(peer, rail), peer, rail, timeout_s=timeout_s)
         return self._new_link(peer, rail, config, met=True, background=True)
 
     def install(self, link: Link) -> bool:
@@ -487,6 +462,7 @@ class LinkTable:
             self._links, self._generation = kept, gens
             self._staged = {}
             self.relayed = set()
+        self._turns.reset()  # builds of the epoch before end (Handshake.poll), wants are void
         for link in kept.values():
             link.renew(epoch)
         for link in drop:
@@ -495,6 +471,7 @@ class LinkTable:
 
     def close(self) -> None:
         self.closed = True
+        self._turns.reset()
         with self._lock:
             links, self._links = list(self._links.values()), {}
             links += [link for link, _ in self._staged.values()]
