@@ -27,6 +27,11 @@ report for the next epoch, and the next epoch takes in every record present. A
 replacement never decides: it waits for the members' decision, and if it was
 left out it asks again at the next epoch.
 
+**Finished.** A replacement may come after every other member finished the job
+and left (its rank was killed or hung at the last step): nobody is left to
+decide. ``finished`` (:func:`recovery.joining.job_finished`), polled while it
+waits, says so, and it raises :class:`~resilient.errors.JobFinished`.
+
 The plan keeps a link if both ends still hold it and no thread at either end is
 blocked on one of its ops. Ops the given-up call left half done may stay pending
 (unmatched, unwaited): every epoch salts its tags (:mod:`resilient.links.ledger`), so a
@@ -55,7 +60,7 @@ from torch._C._distributed_c10d import Store
 
 from membership.epoch import EPOCH_KEY, advance_epoch
 from resilient.detect.doorbell import watch_or_poll
-from resilient.errors import RecoveryError, StaleEpoch
+from resilient.errors import JobFinished, RecoveryError, StaleEpoch
 from resilient.links.ledger import salt_of
 from resilient.links.table import Counters
 
@@ -254,6 +259,7 @@ def agree(
     min_ranks: int = 1,
     give_up: Callable[[], Collection[int]] | None = None,
     rollback: bool = False,
+    finished: Callable[[], bool] | None = None,
 ) -> Plan:
     """Publish ``record`` for leaving ``epoch``, wait for the records of the ranks in
     ``expect`` (default: all ``world``; after ``shrink_after_s``, of those that
@@ -265,8 +271,11 @@ def agree(
     policy found no replacement coming for them, or shrinking cheaper): once every
     other expected rank reported, the next epoch goes on without them.
     ``rollback``: every rank goes back to a checkpoint (:func:`make_plan`).
+    ``finished`` (polled while a replacement, ``decide`` False, waits for the
+    decision): every other member finished the job and left (module doc).
 
     Raises:
+        JobFinished: ``finished`` said so before any decision.
         RecoveryError: ranks did not report within ``timeout_s`` (named), or the
             next epoch was decided without this rank.
         StaleEpoch: the epoch counter is neither ``epoch`` nor ``epoch + 1``.
@@ -277,6 +286,7 @@ def agree(
         store, epoch=epoch, world=world, me=record.rank, timeout_s=timeout_s,
         expect=set(range(world) if expect is None else expect) if decide else None,
         shrink_after_s=shrink_after_s, min_ranks=min_ranks, give_up=give_up,
+        finished=None if decide else finished,
     )  # fmt: skip
     if record.rank not in members:
         raise RecoveryError(
@@ -308,9 +318,15 @@ def _decide(
     shrink_after_s: float | None,
     min_ranks: int,
     give_up: Callable[[], Collection[int]] | None = None,
+    finished: Callable[[], bool] | None = None,
 ) -> tuple[int, ...]:
     """The ranks of epoch ``epoch + 1``, decided once for every rank (module doc);
-    ``expect`` None: wait for someone else's decision."""
+    ``expect`` None: wait for someone else's decision, or for ``finished``.
+
+    Raises:
+        JobFinished: ``finished`` said so before any decision (``expect`` None).
+        RecoveryError: not decided within ``timeout_s``.
+    """
     prefix, decided = f"recovery/e{epoch}/r", f"recovery/e{epoch}/members"
     # Through etcd a watch wakes the loop on every record; a 10 ms poll there took
     # CPU (gRPC, etcd) from the replacement starting on the same machine.
@@ -321,6 +337,13 @@ def _decide(
         while True:
             if store.check([decided]):
                 return _members(store.get(decided))
+            # Asked only after the decision key: members that decided and then
+            # finished did take this rank in.
+            if expect is None and finished is not None and finished():
+                raise JobFinished(
+                    f"rank {me} (epoch {epoch}): every other member finished the job and "
+                    "left; nobody is left to admit this replacement"
+                )
             seen |= {r for r in range(world) if r not in seen and store.check([f"{prefix}{r}"])}
             present = sorted(seen)
             waited = time.monotonic() - start

@@ -41,7 +41,9 @@ numbers its members anew (only links to the lost rank go), all_reduce reduces ov
 the members, and :attr:`Session.shard` tells each rank which part of the data is
 its now (deterministic: the same on every rank). Pass the DDP module as ``ddp=``
 so gradients are averaged over the members, not over the original world size.
-Shrinking, growing back and evicting a straggler live in :mod:`recovery._resize`.
+Shrinking, growing back and evicting a straggler live in :mod:`recovery._resize`;
+a replacement's joining (and its exit 0 when the job finished without it: a rank
+whose :meth:`Session.steps` ran to the end says so) in :mod:`recovery.joining`.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from membership.epoch import current_epoch
 from recovery import subgroups
 from recovery._resize import Resizing, link_rate
 from recovery._wire import Packed, pack, size_of
-from recovery.agree import NO_STATE, Plan, Record, agree, request_join
+from recovery.agree import Plan, Record, agree
+from recovery.joining import WARMUP_PASSES, Joining, mark_finished
 from recovery.policy import Policy
 from recovery.replicas import check_replicas, may_hold_dtensors, replica_key
 from recovery.restore import Rollback, roll_back, transfer_state
@@ -73,20 +75,17 @@ from recovery.state import (
     reset_reducer,
 )
 from resilient import events
-from resilient.collectives.solo import SoloEngine
 from resilient.config import RecoveryConfig
 from resilient.errors import PeerLost, RecoveryError
-from resilient.launch import standby as standby
 
 __all__ = ["Rollback", "Session", "StateHook", "TrainState"]
 
 logger = logging.getLogger(__name__)
 
-_WARMUP_PASSES = 2
 _RECENT_STEPS = 64
 
 
-class Session(Resizing):
+class Session(Resizing, Joining):
     """Steps with commit and replay over a resilient process group (see the module doc).
 
     ``pg`` may be any process group: without the resilient one (e.g. gloo) steps
@@ -214,7 +213,8 @@ class Session(Resizing):
             RecoveryError: a step was not run under :meth:`step` (it would repeat
                 forever), or joining the job failed (a replacement).
             MembershipError: a replacement could not take its member key in etcd.
-            SystemExit: a warm spare the launcher no longer needs (code 0).
+            SystemExit: code 0, a warm spare the launcher no longer needs, or a
+                replacement that found the job finished without it.
         """
         self._total = total
         if start > self._next:
@@ -234,6 +234,10 @@ class Session(Resizing):
                     f"step {self._next} was not run under `with session.step({self._next}):`; "
                     "Session.steps() moves on only when a step commits or recovers"
                 )
+        # Every step committed: a replacement that comes now finds the job done
+        # (recovery.joining), instead of waiting for this rank to report.
+        if self.pg is not None:
+            mark_finished(self.pg.store, epoch=self.pg.epoch, rank=self._rank, step=self.committed)
 
     @contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -274,7 +278,7 @@ class Session(Resizing):
         if self.pg is None or self._warmup is None:
             return
         try:
-            for _ in range(_WARMUP_PASSES):
+            for _ in range(WARMUP_PASSES):
                 self._warmup()
         except Exception as exc:
             lost = self.pg.lost
@@ -320,69 +324,6 @@ class Session(Resizing):
             restore_ms=round((done - agreed) * 1e3, 1),
         )  # fmt: skip
 
-    def _join(self) -> None:
-        """A replacement: warm DDP up alone (a warm spare then waits for its rank to
-        be lost), take the member key, report, receive the state."""
-        assert self.pg is not None
-        pg, began = self.pg, time.monotonic()
-        self._primed = True  # its warm-up comes first, alone
-        engine = pg.engine
-        if isinstance(engine, SoloEngine):
-            engine.warming = True
-        try:
-            for _ in range(_WARMUP_PASSES if self._warmup is not None else 0):
-                self._warmup()  # type: ignore[misc]
-        finally:
-            if isinstance(engine, SoloEngine):
-                engine.warming = False
-        ready_s = None
-        if standby.standing_by():
-            # A warm spare stops here, ready, until its rank is lost; what it does
-            # from now on is what the job waits for.
-            logger.info("rank %d (epoch -, step -): warm spare ready", self._rank)
-            ready_s = round(standby.wait_for_go(), 3)
-            began = time.monotonic()
-        pg.join_members()
-        plan = self._admission()
-        at = self._restore(plan)
-        events.emit(
-            "rank.joined", epoch=plan.epoch, step=at + 1,
-            duration_ms=(time.monotonic() - began) * 1e3,
-            action=f"incarnation {pg.incarnation} admitted; trains from step {at + 1}",
-            standby_s=ready_s,
-        )  # fmt: skip
-
-    def _admission(self) -> Plan:
-        """Report at the job's epoch until the members take this replacement in: at
-        their recovery, or (the group shrank without it) at a step boundary after
-        it asked to join.
-
-        Raises:
-            RecoveryError: not admitted within ``replace_timeout_s``.
-        """
-        assert self.pg is not None
-        pg = self.pg
-        deadline = time.monotonic() + self.config.replace_timeout_s
-        record = Record(
-            rank=self._rank, incarnation=pg.incarnation, step=NO_STATE, data=[], ctl=[],
-            replica=self._replica,
-        )  # fmt: skip
-        while True:
-            epoch = current_epoch(pg.store)
-            left = deadline - time.monotonic()
-            try:
-                store = pg.store
-                store.set(f"recovery/e{epoch}/r{self._rank}", record.to_json())
-                request_join(store, epoch, self._rank)
-                return self._enter(record, epoch, decide=False, timeout_s=max(left, 0.1))
-            except RecoveryError:
-                if time.monotonic() >= deadline or current_epoch(pg.store) == epoch:
-                    raise
-                logger.info(
-                    "rank %d (epoch %d, step %d): not taken into epoch %d; asking again",
-                    self._rank, epoch, self._next, epoch + 1,
-                )  # fmt: skip
-
     def _stop_and_report(self) -> tuple[Record, float]:
         """Finish the epoch's calls, pack the state (a rollback sends none) and
         build this rank's record; also returns when the calls had finished.
@@ -412,7 +353,14 @@ class Session(Resizing):
         decide: bool = True,
         timeout_s: float | None = None,
         give_up: Callable[[], set[int]] | None = None,
+        finished: Callable[[], bool] | None = None,
     ) -> Plan:
+        """Agree on the epoch after ``epoch`` (recovery.agree) and enter it.
+
+        Raises:
+            JobFinished: ``finished`` (a replacement's) said the job is done.
+            RecoveryError: no agreement within the timeout, or left out.
+        """
         assert self.pg is not None
         plan = agree(
             self.pg.store,
@@ -425,6 +373,7 @@ class Session(Resizing):
             shrink_after_s=self.config.shrink_after_s,
             min_ranks=self.config.min_ranks,
             give_up=give_up,
+            finished=finished,
             rollback=self._rolls_back,  # the same on every rank: the layout decides it
         )
         joining = self.pg.joining

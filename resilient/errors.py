@@ -21,6 +21,7 @@ so the original cause stays attached.
     │   ├── CollectiveMismatch      ranks called a collective with different arguments
     │   └── PeerLost                a rank of the group is gone (crash, kill, hang)
     ├── RecoveryError               a recovery action could not complete
+    │   └── JobFinished             a replacement found the job finished without it
     ├── LauncherError               the local launcher could not start or supervise ranks
     └── ChaosError                  the chaos testbed or a fault injector failed (not root,
                                     a command failed, a target process is gone)
@@ -35,6 +36,7 @@ __all__ = [
     "CommunicationError",
     "ConfigError",
     "EtcdUnavailable",
+    "JobFinished",
     "JobTokenMismatch",
     "LauncherError",
     "LeaseLost",
@@ -140,6 +142,12 @@ class PeerLost(CommunicationError):
 
 class RecoveryError(ResilientError):
     """A recovery action (repair, restore, replay) could not complete."""
+
+
+class JobFinished(RecoveryError):
+    """A replacement waiting to be admitted found that every other member of the
+    epoch finished all its steps and shut its group down: nobody is left to admit
+    it, and there is nothing left to train (:mod:`recovery.finish`)."""
 
 
 class LauncherError(ResilientError):

@@ -33,7 +33,7 @@ from resilient.failures import FailureSite
 from resilient.links.repair import LinkRepair
 from resilient.links.table import Link, LinkTable
 
-__all__ = ["HealthBoard", "PeerState"]
+__all__ = ["HealthBoard", "PeerState", "left_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,22 @@ class PeerState:
     nic_down: set[int] = field(default_factory=set)
     broken: set[tuple[int, int]] = field(default_factory=set)  # (peer, rail)
     lost: set[int] = field(default_factory=set)  # ranks it saw gone this epoch
+
+
+def left_after(store: Store, epoch: int, rank: int) -> int | None:
+    """How many of ``epoch``'s calls had succeeded at group rank ``rank`` (its
+    position in the epoch's members) when it shut its group down
+    (:meth:`HealthBoard.leave`), read from ``store`` now; None: it has not left.
+    For readers with no board of that epoch (a replacement waiting to be admitted).
+
+    Raises:
+        Exception: whatever the store raises (an outage).
+    """
+    key = f"health/e{epoch}/r{rank}"
+    if not store.check([key]):
+        return None
+    left = json.loads(bytes(store.get(key)).decode()).get("left")
+    return int(left) if left is not None else None
 
 
 class HealthBoard:
