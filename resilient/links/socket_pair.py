@@ -25,9 +25,12 @@ fails every op still pending on it, with a
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
+import fcntl
 import socket
+import termios
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Final
@@ -92,6 +95,7 @@ class SocketPair:
         # A large message came while no receive at all was posted here: its header
         # stays in the buffer and its body in the socket until one is (see _deliver).
         self._parked = False
+        self._draining = False  # the peer closed: read all it sent, park nothing (drain)
         # Tags of given-up calls by tag slot (see forget): their messages are discarded.
         self._forgotten: dict[int, Callable[[int], bool]] = {}
         # The last tag slot handed out (take_slot): groups sharing this connection.
@@ -241,6 +245,32 @@ class SocketPair:
         except OSError:
             return None
 
+    def unread(self) -> int:
+        """Bytes the peer sent that wait in the socket, unread (0 once it is closed)."""
+        count = array.array("i", [0])
+        try:
+            fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, count)
+        except (OSError, ValueError):  # closed: nothing left to read
+            return 0
+        return count[0]
+
+    def drain(self) -> None:
+        """Read everything the peer sent into its receives, or the stash (a large
+        message too, parked or not), up to its close, which then fails the pair.
+        For a peer the kernel saw close: what it sent before is delivered, as when
+        a driver reads up to the close itself. Nothing happens while a C step
+        holds the pair (it reads up to the close itself) or once it failed."""
+        with self.engine.lock:
+            if self.claimed or self.error is not None:
+                return
+            self._draining = True
+            try:
+                self.unpark()
+                self.read_some()
+            finally:
+                self._draining = False
+            self.engine.handed_over()  # waiters whose receives completed look again
+
     def allreduce(self, tensors: list[torch.Tensor]) -> _ProbeWork:
         """A two-rank sum of ``tensors[0]`` in place (the repair probe)."""
         return _ProbeWork(self, tensors[0])
@@ -383,7 +413,7 @@ class SocketPair:
             begin = self._start + head
             have = min(self._end - begin, nbytes)
             if have < nbytes and nbytes >= _DIRECT_BYTES:
-                if park and not self._pending and self.error is None:
+                if park and not self._pending and self.error is None and not self._draining:
                     self._parked = True
                     return
                 part = memoryview(self._buf)[begin : begin + have]
