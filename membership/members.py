@@ -369,6 +369,18 @@ class Membership:
         kv = self._kv.get(self.keys.replacement(rank))
         return json.loads(kv.value) if kv is not None else None
 
+    def replacements(self) -> dict[int, dict[str, Any]]:
+        """Every announcement the supervisors made (see :meth:`replacement`), by rank,
+        in one read; malformed records are skipped."""
+        kvs, _ = self._kv.get_prefix(self.keys.replacements)
+        out: dict[int, dict[str, Any]] = {}
+        for kv in kvs:
+            try:
+                out[int(kv.key.rsplit("/", 1)[1])] = json.loads(kv.value)
+            except (ValueError, TypeError):
+                continue
+        return out
+
     def supervisor(self) -> dict[str, Any] | None:
         """What the supervisor publishes about replacing ranks (``restarts_left``,
         ``warm_spares``), or None without one (torchrun, Slurm)."""

@@ -170,6 +170,10 @@ class NodeRendezvous:
         self._fence: threading.Thread | None = None
         self.fenced: str | None = None  # why this agent fenced itself, once it did
         self._incarnations: dict[int, int] = {}  # rank -> highest seen (spares)
+        # The last record read of each node: who ran a node once its key is gone;
+        # a spare's ``took_from``: the record of the node it claimed, before that.
+        self.seen: dict[int, NodeInfo] = {}
+        self.took_from: NodeInfo | None = None
 
     def join(
         self, timeout_s: float, stopping: Callable[[], bool] | None = None
@@ -269,6 +273,7 @@ class NodeRendezvous:
         for _, info in self._read():
             if info.mismatch(self.me) is None and 0 <= info.node_rank < self.me.nnodes:
                 out[info.node_rank] = info
+        self.seen.update(out)
         return out
 
     def set_state(self, state: str) -> None:
@@ -295,42 +300,64 @@ class NodeRendezvous:
         self._check_agreement()
         logger.info("job %s: spare node registered (lease %x)", self.job, lease)
 
-    def wait_for_loss(self, stopping: Callable[[], bool] | None = None) -> int | None:
+    def wait_for_loss(
+        self, stopping: Callable[[], bool] | None = None, store: Callable[[], str] | None = None
+    ) -> int | None:
         """Wait (a spare) until a node is lost and this spare claims it: returns its
         node rank. None once node 0 finished (``done``): the job ended without
-        needing this spare.
+        needing this spare. Node 0 is taken over only when the job has a run id
+        (ranks under ``resilient.init()`` then never use torch's init store) and
+        ``store`` hosts a new init store here (returns ``host:port``, published
+        with the run id in this spare's node-0 record).
 
         Raises:
-            MembershipError: ``stopping()`` said to stop, or node 0 was lost (it
-                hosts torch's init store: not survivable, see docs/DEPLOY.md).
+            MembershipError: ``stopping()`` said to stop, or node 0 was lost in a
+                job without a run id (not survivable, see docs/DEPLOY.md).
         """
         while True:
-            states, held = self.states(), self.agreeing()
-            members = self._note_incarnations()
-            # Node 0 done: the job ended (its init store, which any replacement
-            # needs to start, went with it), even if a node lost before never is.
-            if states.get(0) == DONE:
+            states = self.states()
+            if states.get(0) == DONE:  # the job ended, even if a node lost before never is
                 return None
-            lost = sorted(
-                k for k, v in states.items()
-                if v == RUNNING and k not in held and not self._ranks_of(k) & members
-            )  # fmt: skip
-            if 0 in lost:
+            lost = self.lost_nodes(states)
+            run = self.seen[0].run if 0 in self.seen else ""
+            if 0 in lost and not (run and store):
                 raise MembershipError(
-                    f"job {self.job!r}: node 0 was lost; it hosts torch's init store, so no "
-                    "spare node can take it over (not survivable yet)"
+                    f"job {self.job!r}: node 0 was lost; it hosts torch's init store and the "
+                    "job has no run id, so no spare node can take it over"
                 )
             for node in lost:
-                if self.claim(node):
+                before, new = self.seen.get(node), {"run": run} if node == 0 else {}
+                if self.claim(node, **new, **({"store": store()} if new and store else {})):
+                    self.took_from = before
                     return node
             self._pause(stopping)
 
-    def claim(self, node_rank: int) -> bool:
+    def lost_nodes(self, states: dict[int, str] | None = None) -> list[int]:
+        """The nodes lost now: key gone while the state record says ``running``, and
+        none of its ranks holding a member key (see :meth:`_note_incarnations`)."""
+        states = self.states() if states is None else states
+        held, members = self.agreeing(), self._note_incarnations()
+        return sorted(
+            k for k, v in states.items()
+            if v == RUNNING and k not in held and not self._ranks_of(k) & members
+        )  # fmt: skip
+
+    def spares(self) -> int:
+        """How many spare node agents are registered (waiting to take a node over)."""
+        rows, _ = self._client.get_prefix(self._keys.spare_nodes)
+        return len(rows)
+
+    def incarnation_of(self, rank: int) -> int:
+        """The highest incarnation of ``rank`` seen in a member key (0 if none)."""
+        return self._incarnations.get(rank, 0)
+
+    def claim(self, node_rank: int, **record: str) -> bool:
         """Take lost ``node_rank`` over (its key gone, its state ``running``) in one
-        transaction; False when another spare won it or it is not lost."""
+        transaction, ``record`` (node 0's ``store``, ``run``) in its new record;
+        False when another spare won it or it is not lost."""
         lease = self._lease
         assert lease is not None, "register_spare() first"
-        me = NodeInfo(**{**asdict(self.me), "node_rank": node_rank})
+        me = NodeInfo(**{**asdict(self.me), "node_rank": node_rank, **record})
         key, state = self._keys.node(node_rank), self._keys.node_state(node_rank)
         ok, responses = self._client.txn(
             f"claim node {node_rank}",

@@ -187,17 +187,19 @@ class Resizing:
     def _shrink_check(self, lost: int | None, n: int) -> Callable[[], set[int]]:
         """Polled while survivors wait for a replacement: asks the policy (with what
         the launcher announced for the lost rank) whether to shrink now, and then
-        names the rank not to wait for; records each new choice as a
+        names the ranks not to wait for: the lost one and every member announced
+        "none" (a whole node lost); records each new choice as a
         ``policy.decision`` event."""
         assert self.pg is not None
         pg, allowed = self.pg, self._may_shrink()
         due, last = 0.0, ""
+        gone: set[int] = set()
 
         def check() -> set[int]:
-            nonlocal due, last
+            nonlocal due, last, gone
             now = time.monotonic()
             if now < due or lost is None:
-                return {lost} if last == "shrink" and lost is not None else set()
+                return gone if last == "shrink" else set()
             due = now + 0.1  # an etcd read per check: 10 per second
             how = _announced(pg, lost)
             job = JobView(
@@ -209,7 +211,10 @@ class Resizing:
             if choice.action != last:
                 last = choice.action
                 self.policy.record(choice, epoch=pg.epoch, step=n)
-            return {lost} if choice.action == "shrink" else set()
+            # With a whole node lost, its other ranks go too, in this same epoch:
+            # the agreement shrinks only once every rank not given up reported.
+            gone = {lost} | _unreplaced(pg) if choice.action == "shrink" else set()
+            return gone
 
         return check
 
@@ -249,6 +254,21 @@ def _budget(pg: Any, rank: int) -> str | None:
         return "cold"
     ready = record.get("ready")
     return "warm" if ready is None or rank in ready else "cold"
+
+
+def _unreplaced(pg: Any) -> set[int]:
+    """Members the supervisors announced no replacement for ("none"): the ranks of a
+    node lost with no spare node (resilient.launch.node_watch), or of a rank with
+    no restart left. None of them will report for the next epoch."""
+    membership = getattr(pg, "membership", None)
+    if membership is None or not hasattr(membership, "replacements"):
+        return set()
+    try:
+        said = membership.replacements()
+    except ResilientError as exc:
+        logger.debug("reading the launcher's announcements failed: %s", exc)
+        return set()
+    return {r for r in pg.members if said.get(r, {}).get("how") == "none"}
 
 
 def _announced(pg: Any, rank: int | None) -> str | None:

@@ -43,6 +43,7 @@ from resilient.launch.launch_config import (
     new_job_name,
 )
 from resilient.launch.node_agent import fence_notice, meet_nodes, node_notice, takeover_notice
+from resilient.launch.node_watch import NodeWatch, fenced_events, takeover_events
 from resilient.launch.rank_env import RANK_VAR_HELP, RankVar
 from resilient.launch.rank_procs import (
     RankOutput,
@@ -121,6 +122,8 @@ class _Run(SpareTending):
         self._job_metrics: JobMetrics | None = None
         self._lease_poll_at = 0.0
         self._fenced: str | None = None  # why the node lease's watchdog fenced us
+        self._fenced_at = 0.0  # when (time.time(): its events are dated then)
+        self._node_watch: NodeWatch | None = None
         self._events: EventLog | None = None
         if config.run_dir is not None:
             from resilient.events import EventLog
@@ -154,6 +157,9 @@ class _Run(SpareTending):
         if self._nodes.took_over is not None:
             cfg = self._take_over(self._nodes.took_over, self._nodes.incarnations)
         self._nodes.watch_lease(self._fence)
+        self._node_watch = NodeWatch(
+            cfg, self._nodes, self._leases, emit=self._event, notice=self._out.notice
+        )
         self._publish_budget()
         self._out.notice(
             f"job {cfg.job}: {node_notice(cfg)}{cfg.nproc} rank(s) x {cfg.rails} rail(s), "
@@ -175,29 +181,22 @@ class _Run(SpareTending):
         self._out.notice(takeover_notice(node, self._slots))
         for slot in self._slots:
             self._announce(slot, "cold")
-            action = f"spare node took lost node {node} over: incarnation {slot.incarnation}"
-            self._event(
-                "recovery.started", rank=slot.rank, incarnation=slot.incarnation, action=action
-            )
+        assert self._nodes is not None
+        takeover_events(self._event, self._nodes, node, self._slots)
         return cfg
 
     def _fence(self, why: str) -> None:
         """Called from the node lease's watchdog thread: kill every rank and standby
         now, so none runs once etcd may have let another node take this one's ranks.
         Set first: a process started after the kill list was read sees it and dies."""
-        self._fenced = why
+        self._fenced_at, self._fenced = time.time(), why
         kill_now(self._slots)
 
     def _fenced_exit(self) -> int | None:
         if self._fenced is None:
             return None
         self._out.notice(fence_notice(self._cfg.node_rank, self._fenced, EXIT_FENCED))
-        for slot in self._slots:
-            self._event(
-                "rank.lost", rank=slot.rank, incarnation=slot.incarnation,
-                reason=f"node {self._cfg.node_rank} fenced: {self._fenced}",
-                action="killed with its node; the node agent exits",
-            )  # fmt: skip
+        fenced_events(self._event, self._cfg.node_rank, self._slots, self._fenced, self._fenced_at)
         return EXIT_FENCED
 
     def shutdown(self) -> None:
@@ -226,6 +225,8 @@ class _Run(SpareTending):
             if (code := self._signalled()) is not None or (code := self._fenced_exit()):
                 return code
             self._poll_leases()
+            if self._node_watch is not None:
+                self._node_watch.poll()
             for slot in self._slots:
                 if (code := self._check(slot)) is not None:
                     return self._fenced_exit() or code  # a rank the fence killed

@@ -7,11 +7,15 @@ for all N. Global ranks need no agreement: node K's local rank L is rank
 
 torch's ``init_process_group`` still needs a TCPStore at MASTER_ADDR:MASTER_PORT
 (``env://``); node 0's agent hosts it and publishes where in its node record, the
-others hand that address to their ranks. That store is used only to start a rank
-(torch's init, the links' store nonce) and to make subgroups (their rosters); the
-links, health, epochs and recovery rendezvous through etcd. So a rank (or a
-restarted one) can start only while node 0's agent runs: documented as not fault
-tolerant (README, docs/DEPLOY.md).
+others hand that address to their ranks. Under the run id (``RESILIENT_RUN_ID``,
+always set by these agents) ranks that call ``resilient.init()`` never use it:
+torch's init, the links and subgroup rosters meet in etcd. A rank started with
+``env://`` needs it to start or restart, so only while node 0's agent runs.
+
+A spare may take node 0 over too: it hosts an init store of its own (every
+interface, named by its host name) and publishes it, with the run id, in its
+node-0 record; its ranks get that address. Ranks of other nodes keep the old one:
+only ``resilient.init()`` ranks restart without node 0's first agent.
 
 Once its ranks run, an agent is fenced by its node lease
 (:meth:`NodeRendezvous.watch_lease`): unable to refresh it, the agent kills its
@@ -175,7 +179,8 @@ def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | N
         ConfigError: this spare's ``nnodes``, ranks per node or rail count differ
             from the node agents'.
         LauncherError: etcd refused or did not answer; the job has another token;
-            node 0 was lost (not survivable); stopped by a signal.
+            node 0 was lost in a job without a run id (not survivable); stopped by a
+            signal; an init store could not be hosted (taking node 0 over).
     """
     from membership.nodes import NodeInfo, NodeRendezvous, this_host
 
@@ -188,9 +193,18 @@ def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | N
     rendezvous = NodeRendezvous(
         etcd_config(etcd_url), cfg.job, cfg.token, me, lease_ttl_s=cfg.lease_ttl_s, spare=True
     )
+    # An init store of its own if it takes node 0 over, on every interface, named
+    # by this machine's host name: --master-addr names node 0's first machine.
+    hosted: list[TCPStore] = []
+
+    def store() -> str:
+        if not hosted:
+            hosted.append(host_store(host))
+        return f"{host}:{hosted[0].port}"
+
     try:
         rendezvous.register_spare()
-        node = rendezvous.wait_for_loss(stopping)
+        node = rendezvous.wait_for_loss(stopping, store)
         if node is None:
             rendezvous.close()
             return NodeMeeting(None, {}, "", 0, None, finished=True)
@@ -206,6 +220,6 @@ def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | N
     addr, port = _init_store(rendezvous, nodes, where)
     logger.warning("%s: took node %d over; init store %s", where, node, addr)
     return NodeMeeting(
-        rendezvous, nodes, addr, port, None, run_id=nodes[0].run, took_over=node,
-        incarnations=incarnations,
+        rendezvous, nodes, addr, port, hosted[0] if node == 0 and hosted else None,
+        run_id=nodes[0].run, took_over=node, incarnations=incarnations,
     )  # fmt: skip

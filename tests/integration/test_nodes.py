@@ -8,7 +8,10 @@ refused (exit 2, the node named) and the job goes on untouched.
 Node loss: the four ranks train (DDP under ``recovery.Session``) beside a spare
 node agent (``--spare``); node 1's agent is SIGKILLed mid-run, its ranks die with
 it, the spare takes node 1 over (its ranks at incarnation 1, in one epoch), and
-every rank ends bitwise equal to a fault-free run of the same job.
+every rank ends bitwise equal to a fault-free run of the same job. The same for
+node 0, whose agent hosted torch's init store (the ranks use resilient.init()).
+Without a spare the survivors shrink by the whole node in one epoch as soon as
+node 0's agent finds node 1 lost. The agents' node events are checked in each.
 """
 
 from __future__ import annotations
@@ -309,6 +312,17 @@ def _digests(out: Path) -> dict[tuple[int, int], dict[str, object]]:
     return found
 
 
+def _events(tmp: Path) -> list[dict[str, object]]:
+    """Every event the agents and ranks wrote under ``tmp/run``, by time."""
+    from resilient.events import read_events
+
+    return read_events(tmp / "run")
+
+
+def _node_events(tmp: Path, kind: str) -> list[dict[str, object]]:
+    return [e for e in _events(tmp) if e["kind"] == kind]
+
+
 def _logs(tmp: Path) -> str:
     return "\n".join(
         f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("agent*.log"))
@@ -372,8 +386,40 @@ def test_a_spare_node_takes_a_killed_node_over_and_the_job_matches_a_fault_free_
         # One epoch for the whole node: both replacements were admitted together.
         assert rec["epoch"] == 1, (who, rec)
         assert int(str(rec["replayed"])) <= (1 if who[1] == 0 else 0), (who, rec)
+    # One line each for the node: lost (named by its old agent), taken over by the spare.
+    (lost,) = _node_events(tmp_path, "node.lost")
+    assert (lost["node"], lost["ranks"], lost["pid"]) == (1, [2, 3], node1.pid), lost
+    assert "lease lapsed" in str(lost["reason"]) and lost["host"], lost
+    (took,) = _node_events(tmp_path, "node.taken_over")
+    assert (took["node"], took["ranks"], took["pid"]) == (1, [2, 3], spare.pid), took
+    assert took["lost_pid"] == node1.pid and took["incarnations"] == {"2": 1, "3": 1}, took
     said = (tmp_path / "agentspare.log").read_text()
     assert "spare node: node 1 was lost; taking it over: ranks 2 (incarnation 1), " in said
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_node_takes_node_0_over_under_the_run_id(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+    fault_free: str,
+) -> None:
+    # Node 0's agent hosted torch's init store; the ranks use resilient.init(), so
+    # under the run id nothing of theirs needs it, and the spare hosts its own.
+    out, (node0, node1, spare) = _train(tmp_path, etcd_server.url, job_name, agents, spare=True)
+    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+    node0.kill()
+    assert node0.wait(timeout=10) == -signal.SIGKILL
+    codes = (node1.wait(timeout=180), spare.wait(timeout=60))
+    assert codes == (0, 0), _logs(tmp_path)
+    found = _digests(out)
+    assert sorted(found) == [(0, 1), (1, 1), (2, 0), (3, 0)], _logs(tmp_path)
+    for who, rec in found.items():
+        assert rec["digest"] == fault_free, f"rank {who} differs from the fault-free run"
+        assert rec["epoch"] == 1, (who, rec)
+    (took,) = _node_events(tmp_path, "node.taken_over")
+    assert (took["node"], took["ranks"], took["lost_pid"]) == (0, [0, 1], node0.pid), took
 
 
 @pytest.mark.timeout(240)
@@ -383,11 +429,15 @@ def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     job_name: str,
     agents: list[subprocess.Popen[bytes]],
 ) -> None:
-    more = ("--min-nodes", "1", "--shrink-after", "3")
+    # --shrink-after far beyond the loss's detection: node 0's agent finds node 1
+    # lost (its lease, 2 s, lapsed), announces that no one replaces ranks 2 and 3,
+    # and the survivors give both up at once rather than waiting 30 s.
+    more = ("--min-nodes", "1", "--shrink-after", "30")
     out, (node0, node1) = _train(
         tmp_path, etcd_server.url, job_name, agents, spare=False, more=more
     )
     assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+    killed_at = time.time()
     node1.kill()
     assert node1.wait(timeout=10) == -signal.SIGKILL
     assert node0.wait(timeout=120) == 0, _logs(tmp_path)
@@ -397,6 +447,17 @@ def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     for who, rec in found.items():
         # Both of node 1's ranks were left out in one epoch.
         assert rec["epoch"] == 1 and rec["members"] == [0, 1], (who, rec)
+    (lost,) = _node_events(tmp_path, "node.lost")
+    assert (lost["node"], lost["ranks"], lost["pid"], lost["seen_by"]) == (1, [2, 3], node1.pid, 0)
+    assert lost["host"], lost
+    assert "goes on without ranks [2, 3]" in str(lost["action"]), lost
+    left = {e["rank"] for e in _node_events(tmp_path, "rank.lost") if e.get("left")}
+    assert left == {2, 3}, _events(tmp_path)
+    changed = [e for e in _node_events(tmp_path, "epoch.changed") if e["rank"] in (0, 1)]
+    assert [e["epoch"] for e in changed] == [1, 1], changed
+    # Quietly ~3 s (2 s leases, a 0.5 s poll); bound 3x, far below --shrink-after.
+    after = max(float(str(e["ts"])) for e in changed) - killed_at
+    assert after < 10.0, (after, _events(tmp_path))
 
 
 class _Blackhole:
@@ -493,3 +554,8 @@ def test_a_node_cut_off_from_etcd_is_fenced_before_the_spare_replaces_it(
     ]
     took = [e["ts"] for e in events if "spare node took lost node 1" in str(e.get("action"))]
     assert took and min(took) > fenced_at, (fenced_after, min(took) - fenced_at)
+    (fenced,) = _node_events(tmp_path, "node.fenced")
+    assert (fenced["node"], fenced["ranks"], fenced["pid"]) == (1, [2, 3], node1.pid), fenced
+    assert "not refreshed" in str(fenced["reason"]), fenced
+    (over,) = _node_events(tmp_path, "node.taken_over")
+    assert float(str(over["ts"])) > float(str(fenced["ts"])), (fenced, over)

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -237,6 +238,27 @@ def test_a_lost_node_0_is_not_survivable(
     agents[0].close()
     with pytest.raises(MembershipError, match="node 0 was lost; it hosts torch's init store"):
         spare.wait_for_loss()
+
+
+@pytest.mark.timeout(60)
+def test_under_a_run_id_a_spare_takes_node_0_over_with_an_init_store_of_its_own(
+    etcd_config: EtcdConfig, job_name: str, made: list[NodeRendezvous]
+) -> None:
+    agents = [node(made, etcd_config, job_name, replace(info(0), run="run-1"))]
+    agents.append(node(made, etcd_config, job_name, info(1)))
+    threads = [threading.Thread(target=a.join, args=(20.0,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(25.0)
+    spare = node(made, etcd_config, job_name, info(-1), spare=True)
+    spare.register_spare()
+    assert sorted(spare.agreeing()) == [0, 1]  # a waiting spare has read node 0's record
+    agents[0].close()
+    assert spare.wait_for_loss(store=lambda: "127.0.0.1:4242") == 0
+    now = agents[1].agreeing()[0]
+    assert (now.store, now.run, now.pid) == ("127.0.0.1:4242", "run-1", spare.me.pid)
+    assert spare.took_from is not None and spare.took_from.pid == 1000
 
 
 @pytest.mark.timeout(30)
