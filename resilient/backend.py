@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilient.config import DataPlaneConfig, RankEnv
+from resilient.config import ENV_PREFIX, DataPlaneConfig, RankEnv
 from resilient.errors import ConfigError
 from resilient.group.roster import agree_roster
 from resilient.links.rails import resolve_rails
@@ -241,8 +242,8 @@ def _init_store(kwargs: dict[str, Any]) -> dict[str, Any]:
     sets RESILIENT_RUN_ID and RESILIENT_ETCD) and with no store or init_method given,
     torch's init store is the run's etcd store, so a rank starts (or restarts) with no
     TCPStore on any machine; otherwise as given (``env://``: MASTER_ADDR's store)."""
-    if "store" in kwargs or "init_method" in kwargs:
-        return kwargs
+    if "store" in kwargs or "init_method" in kwargs or not os.environ.get(ENV_PREFIX + "RUN_ID"):
+        return kwargs  # RANK may be unset here: torch's env:// or the caller names it
     env = RankEnv.from_env(rank=kwargs.get("rank"), world_size=kwargs.get("world_size"))
     if env.etcd is None or env.run_id is None:
         return kwargs
