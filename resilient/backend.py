@@ -245,7 +245,7 @@ def _init_store(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "store" in kwargs or "init_method" in kwargs or not os.environ.get(ENV_PREFIX + "RUN_ID"):
         return kwargs  # RANK may be unset here: torch's env:// or the caller names it
     env = RankEnv.from_env(rank=kwargs.get("rank"), world_size=kwargs.get("world_size"))
-    if env.etcd is None or env.run_id is None:
+    if env.etcd is None:
         return kwargs
     return {**kwargs, "store": run_store(env, "init"), "rank": env.rank,
             "world_size": env.world_size}  # fmt: skip

@@ -337,8 +337,13 @@ class Link:
         self.socket_gone = bool(states) and all(s is None for s in states)
         if not any(s in gloo_sockets.PEER_GONE_STATES for s in states):
             return False
+        self._read_before_close()
         self._failed(f"{self}: connection closed by peer (seen by the kernel)", "marked broken")
         return True
+
+    def _read_before_close(self) -> None:
+        """Deliver what a peer the kernel saw close sent before it, where the
+        transport can (socket links); gloo pairs read it themselves."""
 
     def _publish_finished(self) -> None:
         """Tell senders still waiting on this link that our receives here had finished."""
