@@ -112,10 +112,12 @@ def _add_job_flags(run: argparse.ArgumentParser) -> None:
 def _add_node_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--nnodes",
-        type=int,
-        metavar="N",
+        type=_nnodes,
+        metavar="N|MIN:MAX",
         help="node agents in the job, one per machine; they meet in etcd (--etcd) "
-        "(default: $SLURM_NNODES, else 1)",
+        "(default: $SLURM_NNODES, else 1). MIN:MAX as torchrun's: the job starts with "
+        "MAX nodes and goes on while at least MIN run (the same as --nnodes MAX "
+        "--min-nodes MIN; a node lost with no spare is left out)",
     )
     run.add_argument(
         "--node-rank",
@@ -144,6 +146,37 @@ def _add_node_flags(run: argparse.ArgumentParser) -> None:
         metavar="S",
         help="with --nnodes > 1: seconds to wait for every node agent (default: 300)",
     )
+
+
+def _nnodes(text: str) -> tuple[int, int | None]:
+    """``--nnodes``: N, or torchrun's MIN:MAX; returns (nodes at start, floor or None)."""
+    low, colon, high = text.strip().partition(":")
+    if not low.isdigit() or (colon and not high.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a node count N or a range MIN:MAX")
+    if not colon:
+        return int(low), None
+    lo, hi = int(low), int(high)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    # MIN == MAX is a fixed size, as torchrun reads it: no floor below it.
+    return hi, (lo if lo < hi else None)
+
+
+def _min_nodes(nnodes: tuple[int, int | None] | None, flag: int | None) -> int | None:
+    """The node floor from ``--nnodes MIN:MAX`` and ``--min-nodes``.
+
+    Raises:
+        ConfigError: both are given and disagree.
+    """
+    if nnodes is None or nnodes[1] is None:
+        return flag
+    size, floor = nnodes
+    if flag is not None and flag != floor:
+        raise ConfigError(
+            f"--nnodes {floor}:{size} and --min-nodes {flag} disagree on the node floor: "
+            "give one of them"
+        )
+    return floor
 
 
 def _rails(text: str) -> int | tuple[str, ...]:
@@ -266,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_run(args: argparse.Namespace) -> int:
     """Raises: ConfigError, LauncherError (printed by :func:`main`)."""
     node_rank, nnodes, slurm_job = scheduler_env()
-    nnodes = args.nnodes if args.nnodes is not None else nnodes or 1
+    min_nodes = _min_nodes(args.nnodes, args.min_nodes)
+    nnodes = args.nnodes[0] if args.nnodes is not None else nnodes or 1
     token = env_token()
     if nnodes > 1 and not token:
         raise ConfigError(
@@ -294,7 +328,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
         min_ranks=args.min_ranks,
-        min_nodes=args.min_nodes,
+        min_nodes=min_nodes,
         shrink_after_s=args.shrink_after,
         evict_stragglers=args.evict_stragglers,
         metrics_port=args.metrics_port,

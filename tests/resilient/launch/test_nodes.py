@@ -170,6 +170,50 @@ def test_min_nodes_is_min_ranks_in_whole_nodes(script: str) -> None:
     assert LaunchConfig(nproc=4, nnodes=3, etcd=ETCD, script=script, min_nodes=2, min_ranks=8)
 
 
+@pytest.mark.parametrize(
+    ("nnodes", "extra", "want"),
+    [
+        ("3", [], (3, None)),
+        ("2:3", [], (3, 4)),  # torchrun's MIN:MAX: three nodes start, two must stay
+        ("3:3", [], (3, None)),  # a fixed size
+        ("2:3", ["--min-nodes", "2"], (3, 4)),
+    ],
+)
+def test_cli_nnodes_takes_torchruns_min_max(
+    captured: list[LaunchConfig],
+    script: str,
+    nnodes: str,
+    extra: list[str],
+    want: tuple[int, int | None],
+) -> None:
+    argv = ["run", "--nnodes", nnodes, "--nproc-per-node", "2", "--etcd", ETCD, *extra, script]
+    assert cli.main(argv) == 0
+    (cfg,) = captured
+    assert (cfg.nnodes, cfg.min_ranks) == want
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "extra", "error"),
+    [
+        ("3:2", [], "'3:2': need 1 <= MIN <= MAX"),
+        ("0:2", [], "'0:2': need 1 <= MIN <= MAX"),
+        ("2:x", [], "'2:x': a node count N or a range MIN:MAX"),
+        ("2:3", ["--min-nodes", "1"], "--nnodes 2:3 and --min-nodes 1 disagree"),
+    ],
+)
+def test_cli_nnodes_range_errors_name_the_flag(
+    captured: list[LaunchConfig],
+    script: str,
+    capsys: pytest.CaptureFixture[str],
+    nnodes: str,
+    extra: list[str],
+    error: str,
+) -> None:
+    argv = ["run", "--nnodes", nnodes, "--nproc-per-node", "2", "--etcd", ETCD, *extra, script]
+    assert cli.main(argv) == 2
+    assert error in capsys.readouterr().err and not captured
+
+
 def test_cli_spare_and_min_nodes(
     captured: list[LaunchConfig],
     script: str,
