@@ -43,13 +43,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection
+from dataclasses import asdict, replace
 from typing import Final
 
 from membership.etcd_client import EtcdClient, KeyValue
 from membership.guarded import first_row, job_client
 from membership.keys import JobKeys
+from membership.node_info import NodeInfo
+from membership.node_probe import Beacon, evict, refused
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
 
@@ -61,6 +63,8 @@ _POLL_S: Final = 0.2
 # A keep-alive that failed is tried again this soon (not a whole period later): the
 # lease must be refreshed before the fence deadline, not merely within its TTL.
 _RETRY_S: Final = 0.2
+# How often a spare or the lowest live agent knocks on the others' beacons.
+_PROBE_S: Final = 0.5
 RUNNING: Final = "running"
 DONE: Final = "done"
 
@@ -70,60 +74,6 @@ def fence_margin(ttl_s: float) -> float:
     a fifth of the TTL, 0.5 to 2 s (killing a process group and reaping it takes
     milliseconds; the rest covers a busy machine's scheduling delays)."""
     return min(max(0.2 * ttl_s, 0.5), 2.0)
-
-
-# What must agree between the agents of one job, with the flag that sets it.
-_MUST_AGREE: Final = (
-    ("nnodes", "--nnodes"),
-    ("nproc_per_node", "--nproc-per-node"),
-    ("rails", "rail count (--rails)"),
-)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class NodeInfo:
-    """What a node agent registers: its place in the job, where torch's init store
-    is (``store``, ``host:port``) and this start's run id (``run``, RESILIENT_RUN_ID);
-    those two are set by node 0 only."""
-
-    node_rank: int
-    nnodes: int
-    nproc_per_node: int
-    rails: int
-    host: str = ""
-    pid: int = 0
-    store: str = ""
-    run: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> NodeInfo:
-        """Raises: ValueError, KeyError, TypeError: not a node record."""
-        d = json.loads(raw)
-        return cls(
-            node_rank=int(d["node_rank"]),
-            nnodes=int(d["nnodes"]),
-            nproc_per_node=int(d["nproc_per_node"]),
-            rails=int(d["rails"]),
-            host=str(d.get("host", "")),
-            pid=int(d.get("pid", 0)),
-            store=str(d.get("store", "")),
-            run=str(d.get("run", "")),
-        )
-
-    def where(self) -> str:
-        return f"node {self.node_rank} (agent pid {self.pid} on {self.host or '?'})"
-
-    def mismatch(self, other: NodeInfo) -> str | None:
-        """How ``other`` disagrees with this node, or None when they agree."""
-        diffs = [
-            f"{flag} {getattr(other, name)} there, {getattr(self, name)} here"
-            for name, flag in _MUST_AGREE
-            if getattr(other, name) != getattr(self, name)
-        ]
-        return "; ".join(diffs) or None
 
 
 class NodeRendezvous:
@@ -153,8 +103,9 @@ class NodeRendezvous:
         if not lease_ttl_s >= 2.0:
             raise ConfigError(f"lease_ttl_s={lease_ttl_s}: must be >= 2 s")
         self.job = job
-        self.me = me
         self.spare = spare
+        self._beacon = _beacon(etcd.endpoints[0], job) if not me.probe else None
+        self.me = replace(me, probe=self._beacon.address) if self._beacon is not None else me
         self._keys = JobKeys(job)
         self._ttl_s = lease_ttl_s
         self.fence_margin_s = fence_margin(lease_ttl_s)
@@ -174,6 +125,10 @@ class NodeRendezvous:
         # a spare's ``took_from``: the record of the node it claimed, before that.
         self.seen: dict[int, NodeInfo] = {}
         self.took_from: NodeInfo | None = None
+        # Why a lost node was found lost, where a beacon proved it (node_probe);
+        # the others: their leases lapsed.
+        self.lost_why: dict[int, str] = {}
+        self._probe_due = 0.0
 
     def join(
         self, timeout_s: float, stopping: Callable[[], bool] | None = None
@@ -318,7 +273,7 @@ class NodeRendezvous:
             states = self.states()
             if states.get(0) == DONE:  # the job ended, even if a node lost before never is
                 return None
-            lost = self.lost_nodes(states)
+            lost = self.lost_nodes(states, probe=None)
             run = self.seen[0].run if 0 in self.seen else ""
             if 0 in lost and not (run and store):
                 raise MembershipError(
@@ -332,11 +287,30 @@ class NodeRendezvous:
                     return node
             self._pause(stopping)
 
-    def lost_nodes(self, states: dict[int, str] | None = None) -> list[int]:
+    def lost_nodes(
+        self, states: dict[int, str] | None = None, *, probe: Collection[int] | None = ()
+    ) -> list[int]:
         """The nodes lost now: key gone while the state record says ``running``, and
-        none of its ranks holding a member key (see :meth:`_note_incarnations`)."""
+        none of its ranks holding a member key (see :meth:`_note_incarnations`).
+        ``probe``: the nodes whose beacons to knock on as well (None: every
+        other node), at most every ``_PROBE_S``; one proven dead is evicted now
+        (membership.node_probe)."""
         states = self.states() if states is None else states
-        held, members = self.agreeing(), self._note_incarnations()
+        held = self.agreeing()
+        if probe != () and time.monotonic() >= self._probe_due:
+            self._probe_due = time.monotonic() + _PROBE_S
+            for k, info in held.items():
+                if probe is not None and k not in probe:
+                    continue
+                if states.get(k) == RUNNING and k != self.me.node_rank and refused(info.probe):
+                    try:
+                        evict(self._client, self._keys, k, self._ranks_of(k))
+                    except MembershipError as exc:  # its leases lapse in time anyway
+                        logger.warning("job %s: evicting dead node %d failed: %s", self.job, k, exc)
+                        continue
+                    self.lost_why[k] = "its machine refused its agent's beacon: the agent died"
+            held = self.agreeing()
+        members = self._note_incarnations()
         return sorted(
             k for k, v in states.items()
             if v == RUNNING and k not in held and not self._ranks_of(k) & members
@@ -487,6 +461,8 @@ class NodeRendezvous:
         for thread in (self._keepalive, self._fence):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(5.0)
+        if self._beacon is not None:
+            self._beacon.close()
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
@@ -509,6 +485,16 @@ def _parse(row: KeyValue | None) -> NodeInfo | None:
         return NodeInfo.from_json(row.value)
     except (ValueError, KeyError, TypeError):
         logger.warning("ignoring a malformed node record at %s", row.key)
+        return None
+
+
+def _beacon(toward: str, job: str) -> Beacon | None:
+    """This agent's beacon, or None (logged) when no socket could be bound: the
+    node is then found lost by its lease alone."""
+    try:
+        return Beacon(toward)
+    except OSError as exc:
+        logger.warning("job %s: no node beacon (%s); a dead node is known by its lease", job, exc)
         return None
 
 

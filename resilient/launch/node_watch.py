@@ -6,9 +6,11 @@ of these events names the node (``node``), its global ranks (``ranks``), the age
 it concerns (``host``, ``pid``) and why (``reason``):
 
 * ``node.lost``: a node's lease lapsed while it was running and none of its ranks
-  holds a member key. Written by the spare agent that claims it, or, with no spare
-  registered, by the live node agent of the lowest node rank (one line per loss),
-  which also announces "none" for each of the lost ranks: no agent is left to
+  holds a member key, or its machine refused a connect to its agent's beacon (the
+  agent died; :mod:`membership.node_probe`: known in well under a second).
+  Written by the spare agent that claims it, or, with no spare registered, by
+  the live node agent of the lowest node rank (one line per loss), which also
+  announces "none" for each of the lost ranks: no agent is left to
   restart them, and the survivors' recovery gives every rank announced "none" up
   at once (recovery's shrink check), so the job shrinks by the whole node in one
   epoch as soon as the loss is known rather than after ``--shrink-after``;
@@ -46,6 +48,10 @@ _POLL_S: Final = 0.5
 
 Emit = Callable[..., None]
 
+_LEASE_LAPSED: Final = (
+    "its node lease lapsed while it was running and none of its ranks holds a member key"
+)
+
 
 def fenced_events(emit: Emit, node: int, slots: Sequence[Slot], why: str, at: float) -> None:
     """A fenced agent's events: one ``node.fenced`` (naming this agent's host and
@@ -72,7 +78,7 @@ def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence
     before = rendezvous.took_from if rendezvous is not None else None
     me = rendezvous.me if rendezvous is not None else None
     ranks = [s.rank for s in slots]
-    why = "its node lease lapsed while it was running and none of its ranks holds a member key"
+    why = rendezvous.lost_why.get(node, _LEASE_LAPSED) if rendezvous is not None else _LEASE_LAPSED
     lost = {"host": before.host if before else "", "pid": before.pid if before else 0}
     emit(
         "node.lost", node=node, ranks=ranks, **lost, reason=why,
@@ -115,7 +121,8 @@ class NodeWatch:
             return
         self._due = now + _POLL_S
         try:
-            lost = [k for k in rendezvous.lost_nodes() if k not in self._handled]
+            probe = self._neighbour(rendezvous)
+            lost = [k for k in rendezvous.lost_nodes(probe=probe) if k not in self._handled]
             if not lost or rendezvous.spares():
                 return  # a spare claims it, and says so (takeover_events)
         except MembershipError as exc:
@@ -127,6 +134,15 @@ class NodeWatch:
             return  # the live agent of the lowest node rank speaks for all
         for node in lost:
             self._report(rendezvous, node)
+
+    def _neighbour(self, rendezvous: Any) -> tuple[int, ...]:
+        """The node whose beacon this agent knocks on: the next live one below it
+        (the lowest agent takes the highest), so each node has one prober and a
+        node lost with its prober is probed by the next one up once that is known."""
+        me = self._cfg.node_rank
+        others = sorted(set(rendezvous.seen) - self._handled - {me})
+        below = [k for k in others if k < me]
+        return (below[-1],) if below else tuple(others[-1:])
 
     def _report(self, rendezvous: Any, node: int) -> None:
         """``node`` is lost and no spare comes: say so once, and announce "none"
@@ -146,8 +162,7 @@ class NodeWatch:
         self._emit(
             "node.lost", node=node, ranks=ranks, host=before.host if before else "",
             pid=before.pid if before else 0, seen_by=cfg.node_rank,
-            reason="its node lease lapsed while it was running and none of its ranks "
-            "holds a member key", action=action,
+            reason=rendezvous.lost_why.get(node, _LEASE_LAPSED), action=action,
         )  # fmt: skip
         for rank in ranks:
             inc = rendezvous.incarnation_of(rank)

@@ -29,9 +29,12 @@ class _Rendezvous:
             for k in range(3)
         }
         self.reads = 0
+        self.probed: list[tuple[int, ...]] = []
+        self.lost_why: dict[int, str] = {}
 
-    def lost_nodes(self) -> list[int]:
+    def lost_nodes(self, probe: tuple[int, ...] = ()) -> list[int]:
         self.reads += 1
+        self.probed.append(tuple(probe))
         return self._lost
 
     def spares(self) -> int:
@@ -160,3 +163,13 @@ def test_survivors_give_up_every_member_announced_none() -> None:
     said = {2: {"how": "none"}, 3: {"how": "none"}, 1: {"how": "cold"}, 7: {"how": "none"}}
     assert _unreplaced(_Pg((0, 1, 2, 3), said)) == {2, 3}  # 7: not a member any more
     assert _unreplaced(object()) == set()  # no membership (torchrun)
+
+
+@pytest.mark.parametrize(("me", "probed"), [(0, (2,)), (1, (0,)), (2, (1,))])
+def test_each_agent_knocks_on_the_beacon_of_the_next_node_below_it(
+    tmp_path: Path, me: int, probed: tuple[int, ...]
+) -> None:
+    rendezvous = _Rendezvous(lost=[])
+    watch, _, _ = _watch(tmp_path, rendezvous, node_rank=me)
+    watch.poll()
+    assert rendezvous.probed == [probed]  # one prober per node, the lowest takes the highest
