@@ -389,7 +389,10 @@ def test_a_spare_node_takes_a_killed_node_over_and_the_job_matches_a_fault_free_
     # One line each for the node: lost (named by its old agent), taken over by the spare.
     (lost,) = _node_events(tmp_path, "node.lost")
     assert (lost["node"], lost["ranks"], lost["pid"]) == (1, [2, 3], node1.pid), lost
-    assert "lease lapsed" in str(lost["reason"]) and lost["host"], lost
+    # Its agent died, which its machine tells at once (the beacon); a starved spare
+    # may look only after the short test lease lapsed (membership.node_probe).
+    assert any(why in str(lost["reason"]) for why in ("beacon", "lease lapsed")), lost
+    assert lost["host"], lost
     (took,) = _node_events(tmp_path, "node.taken_over")
     assert (took["node"], took["ranks"], took["pid"]) == (1, [2, 3], spare.pid), took
     assert took["lost_pid"] == node1.pid and took["incarnations"] == {"2": 1, "3": 1}, took
