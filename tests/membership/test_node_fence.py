@@ -18,29 +18,14 @@ import pytest
 
 from membership.etcd_client import EtcdClient
 from membership.keys import JobKeys
-from membership.nodes import DONE, RUNNING, NodeInfo, NodeRendezvous, fence_margin
+from membership.nodes import DONE, NodeInfo, NodeRendezvous, fence_margin
 from membership.server import EmbeddedEtcd
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
+from tests.membership import _nodes
+from tests.membership._nodes import TOKEN, info
 
-TOKEN = "t0ken"
 TTL_S = 2.0
-
-
-def info(node_rank: int, *, nproc: int = 2, pid: int = 0) -> NodeInfo:
-    return NodeInfo(
-        node_rank=node_rank, nnodes=2, nproc_per_node=nproc, rails=1, host="host",
-        pid=pid or 1000 + node_rank, store="127.0.0.1:29500" if node_rank == 0 else "",
-    )  # fmt: skip
-
-
-@pytest.fixture
-def made() -> Iterator[list[NodeRendezvous]]:
-    """Every rendezvous a test makes is closed after it."""
-    out: list[NodeRendezvous] = []
-    yield out
-    for r in out:
-        r.close()
 
 
 def node(
@@ -52,15 +37,7 @@ def node(
 
 
 def running_job(made: list[NodeRendezvous], cfg: EtcdConfig, job: str) -> list[NodeRendezvous]:
-    """Nodes 0 and 1 met (each joins in its own thread) and are ``running``."""
-    agents = [node(made, cfg, job, info(k)) for k in (0, 1)]
-    threads = [threading.Thread(target=a.join, args=(20.0,), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(25.0)
-    assert agents[0].states() == {0: RUNNING, 1: RUNNING}
-    return agents
+    return _nodes.running_job(made, cfg, job, ttl_s=TTL_S)
 
 
 @pytest.fixture

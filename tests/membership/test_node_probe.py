@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
@@ -17,19 +16,12 @@ import pytest
 from membership.etcd_client import EtcdClient
 from membership.keys import JobKeys
 from membership.node_probe import Beacon, refused
-from membership.nodes import RUNNING, NodeInfo, NodeRendezvous
+from membership.nodes import NodeRendezvous
 from resilient.config import EtcdConfig
+from tests.membership._nodes import TOKEN, info, running_job
 
-TOKEN = "t0ken"
 # Long, so that a node found lost within a couple of seconds was found by its beacon.
 TTL_S = 10.0
-
-
-def info(node_rank: int, probe: str = "") -> NodeInfo:
-    return NodeInfo(
-        node_rank=node_rank, nnodes=2, nproc_per_node=2, rails=1, host="host",
-        pid=1000 + node_rank, store="127.0.0.1:29500" if node_rank == 0 else "", probe=probe,
-    )  # fmt: skip
 
 
 @pytest.fixture
@@ -53,29 +45,10 @@ def silent() -> Iterator[str]:
         server.close()
 
 
-@pytest.fixture
-def made() -> Iterator[list[NodeRendezvous]]:
-    out: list[NodeRendezvous] = []
-    yield out
-    for r in out:
-        r.close()
-
-
 def running(
     made: list[NodeRendezvous], cfg: EtcdConfig, job: str, probe_of_1: str = ""
 ) -> list[NodeRendezvous]:
-    agents = [
-        NodeRendezvous(cfg, job, TOKEN, info(k, probe_of_1 if k else ""), lease_ttl_s=TTL_S)
-        for k in (0, 1)
-    ]
-    made.extend(agents)
-    threads = [threading.Thread(target=a.join, args=(20.0,), daemon=True) for a in agents]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(25.0)
-    assert agents[0].states() == {0: RUNNING, 1: RUNNING}
-    return agents
+    return running_job(made, cfg, job, ttl_s=TTL_S, probe_of_1=probe_of_1)
 
 
 def member(client: EtcdClient, keys: JobKeys, rank: int) -> None:
