@@ -21,6 +21,7 @@ agents, the survivors' recovery) sees what the lease expiry would have shown.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import threading
@@ -112,25 +113,31 @@ def refused(address: str, *, tries: int = 2) -> bool:
     return True
 
 
-def evict(client: EtcdClient, keys: JobKeys, node: int, ranks: Iterable[int]) -> None:
+def evict(client: EtcdClient, keys: JobKeys, node: int, ranks: Iterable[int], probed: str) -> bool:
     """Revoke dead ``node``'s lease and its ``ranks``' member leases (see the module
-    docstring), so their keys go now rather than when the leases lapse.
+    docstring), so their keys go now rather than when the leases lapse. Only the
+    leases of the agent whose beacon at ``probed`` refused: False (nothing done)
+    when the node's key is gone or held by another agent already (a spare that
+    claimed it after another prober evicted it: its lease must live).
 
     Raises:
         MembershipError: etcd refused or did not answer (a lease already gone is
             fine: etcd reports it as not found, which counts as done).
     """
     wanted = set(ranks)
-    leases = set()
-    row = client.get(keys.node(node))
-    if row is not None and row.lease:
-        leases.add(row.lease)
+    # The members first, then the node key: while the dead agent's key is still
+    # there no spare has claimed the node, so no replacement holds a member key
+    # yet, and every member lease read here is of the dead node's ranks.
     members, _ = client.get_prefix(keys.members)
+    row = client.get(keys.node(node))
+    if row is None or _probe_of(row.value) != probed:
+        return False
+    leases = [row.lease] if row.lease else []
     for kv in members:
         rank = kv.key.rsplit("/", 1)[-1]
         if rank.isdigit() and int(rank) in wanted and kv.lease:
-            leases.add(kv.lease)
-    for lease in sorted(leases):
+            leases.append(kv.lease)
+    for lease in leases:
         try:
             client.revoke_lease(lease)
         except MembershipError as exc:
@@ -141,3 +148,12 @@ def evict(client: EtcdClient, keys: JobKeys, node: int, ranks: Iterable[int]) ->
         "%d lease(s) of the node and its ranks %s",
         node, len(leases), sorted(wanted),
     )  # fmt: skip
+    return True
+
+
+def _probe_of(raw: bytes) -> str:
+    """The beacon address in a node record ('' when unreadable)."""
+    try:
+        return str(json.loads(raw).get("probe", ""))
+    except (ValueError, AttributeError):
+        return ""

@@ -304,7 +304,8 @@ class NodeRendezvous:
                     continue
                 if states.get(k) == RUNNING and k != self.me.node_rank and refused(info.probe):
                     try:
-                        evict(self._client, self._keys, k, self._ranks_of(k))
+                        if not evict(self._client, self._keys, k, self._ranks_of(k), info.probe):
+                            continue  # claimed or evicted meanwhile by another
                     except MembershipError as exc:  # its leases lapse in time anyway
                         logger.warning("job %s: evicting dead node %d failed: %s", self.job, k, exc)
                         continue

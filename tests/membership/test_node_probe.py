@@ -15,8 +15,8 @@ import pytest
 
 from membership.etcd_client import EtcdClient
 from membership.keys import JobKeys
-from membership.node_probe import Beacon, refused
-from membership.nodes import NodeRendezvous
+from membership.node_probe import Beacon, evict, refused
+from membership.nodes import NodeInfo, NodeRendezvous
 from resilient.config import EtcdConfig
 from tests.membership._nodes import TOKEN, info, running_job
 
@@ -123,6 +123,16 @@ def test_a_spare_claims_a_dead_agents_node_at_once(
     assert spare.wait_for_loss(lambda: time.monotonic() - began > 5.0) == 1
     assert time.monotonic() - began < TTL_S / 3
     assert spare.me.node_rank == 1 and spare.me.probe  # it publishes a beacon of its own
+    # A slower prober that also found the old agent dead comes after the claim: it
+    # must leave the spare's lease alone (it revoked the spare once, fencing it).
+    keys, client = JobKeys(job_name), EtcdClient(etcd_config)
+    try:
+        assert not evict(client, keys, 1, (2, 3), agents[1].me.probe)
+        held = client.get(keys.node(1))
+        assert held is not None and NodeInfo.from_json(held.value).probe == spare.me.probe
+        assert agents[0].lost_nodes(probe=(1,)) == []  # the spare's beacon answers
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(60)
