@@ -191,6 +191,7 @@ def _events_for(fault: FaultRecord, facts: RunFacts, until: float | None) -> dic
     return {
         "detected": detect.get("kind") if detect else None,
         "detect_ms": (float(detect["ts"]) - start) * 1e3 if detect else None,
+        "detect_steps": _steps_from(facts, fault, float(detect["ts"])) if detect else None,
         "detection": event_summary(detect, start) if detect else None,
         "unrelated": unrelated_summary(att, start),
         "actions": sorted({str(e.get("kind")) for e in after if e.get("kind") in ACTION_KINDS}),
@@ -338,16 +339,17 @@ def _timing_rows(scenario: Scenario, summary: dict[str, Any]) -> list[dict[str, 
     no_log = "" if summary["events"] else "no recovery event log: the library reported nothing"
     if exp.max_slowdown is not None:
         slow = summary["step_ms"]["slowdown"]
+        ok, why = slow is not None and slow <= exp.max_slowdown, "too few step samples"
         rows.append(
-            _row(
-                "max_slowdown",
-                exp.max_slowdown,
-                slow,
-                slow is not None and slow <= exp.max_slowdown,
-                "" if slow is not None else "too few step samples",
-            )
+            _row("max_slowdown", exp.max_slowdown, slow, ok, "" if slow is not None else why)
         )
     fired = [f for f in summary["faults"] if f.get("fired_s") is not None]
+    if exp.max_detect_steps is not None:
+        steps = [f.get("detect_steps") for f in fired]
+        worst = None if not steps or None in steps else max(steps)
+        ok = worst is not None and worst <= exp.max_detect_steps
+        note = no_log or _undetected_note(fired) or ("no fault fired" if not fired else "")
+        rows.append(_row("max_detect_steps", exp.max_detect_steps, worst, ok, note))
     own = [f for f in fired if f.get("max_detect_ms") is not None]
     if exp.max_detect_ms is not None and (len(own) < len(fired) or not fired):
         shared = [f for f in fired if f.get("max_detect_ms") is None]
@@ -487,9 +489,11 @@ def _straggler_confirmed(facts: RunFacts) -> int | None:
         if e.get("kind") == "straggler.confirmed" and float(e["ts"]) >= start
         and (slowed is None or e.get("rank") == slowed)
     ]  # fmt: skip
-    if not confirmed:
-        return None
-    when = float(confirmed[0]["ts"])
-    # The step the job had reached then (the furthest rank), from the progress samples.
+    return _steps_from(facts, fired[0], float(confirmed[0]["ts"])) if confirmed else None
+
+
+def _steps_from(facts: RunFacts, fault: FaultRecord, when: float) -> int:
+    """Steps from the one ``fault`` fired at to the furthest any rank had reached at
+    ``when`` (absolute), from the progress samples."""
     reached = [s for t in facts.progress.values() for ts, s, _ in t.samples if ts <= when]
-    return max(reached, default=0) - int(fired[0].fired_step or 0)
+    return max(reached, default=0) - int(fault.fired_step or 0)

@@ -119,6 +119,7 @@ _EXPECT_TYPES: dict[str, type] = {
     "params_close_fault_free": float,
     "max_recovery_s": float,
     "max_detect_ms": float,
+    "max_detect_steps": int,
     "max_slowdown": float,
     "straggler_confirmed_within_steps": int,
     "min_fast_path_share": float,
@@ -205,6 +206,10 @@ class Expectations:
     params_close_fault_free: float | None = None
     max_recovery_s: float | None = None
     max_detect_ms: float | None = None
+    # The same in training steps: from the step the fault fired at to the furthest
+    # step any rank had reached when its detection was logged (a slow link's
+    # bound is in steps, as a straggler's is).
+    max_detect_steps: int | None = None
     max_slowdown: float | None = None
     straggler_confirmed_within_steps: int | None = None
     # Rail passes moved whole in C / all, outside every fault's window, summed over

@@ -464,3 +464,24 @@ def test_each_progress_record_carries_the_newest_commit_times() -> None:
     assert [s for s, _ in final["commits"]] == list(range(4, 20))  # the newest 16
     times = [t for _, t in final["commits"]]
     assert times == sorted(times) and final["commits"][-1][0] == final["step"] == 19
+
+
+@pytest.mark.timeout(10)
+def test_a_detection_bound_in_steps_counts_the_steps_from_the_fault() -> None:
+    # A step every 20 ms: the fault fired at 1.0 s with step 49 done, rank 1's rail 0
+    # was reported degraded 200 ms later, when the ranks had reached step 59.
+    tracks = {r: _track(20.0, 20.0, fault_s=1.0, end_step=100) for r in range(2)}
+    events = [{"ts": T0 + 1.2, "kind": "link.degraded", "rank": 1, "links": [[1, -1, 0]]}]
+    facts = _facts(tracks, events=events)
+    facts.faults[0].fired_step = 49
+    report = build_report(_scenario("max_detect_steps = 20"), facts)
+    (row,) = [r for r in report["expectations"] if r["name"] == "max_detect_steps"]
+    assert report["faults"][0]["detect_steps"] == 10
+    assert (row["measured"], row["passed"]) == (10, True)
+    assert build_report(_scenario("max_detect_steps = 9"), facts)["passed"] is False
+    # Another rank's trouble is no detection of this fault: unmeasured, failed, said why.
+    facts.events[:] = [{**events[0], "rank": 0, "links": [[0, -1, 1]]}]
+    report = build_report(_scenario("max_detect_steps = 20"), facts)
+    (row,) = [r for r in report["expectations"] if r["name"] == "max_detect_steps"]
+    assert (row["measured"], row["passed"]) == (None, False)
+    assert "named other ranks or links" in row["note"]

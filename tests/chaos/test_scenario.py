@@ -210,3 +210,13 @@ def test_node_mistakes_name_the_key(text: str, key: str, words: str) -> None:
     with pytest.raises(ScenarioError) as err:
         parse(text, source="s.toml")
     assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+@pytest.mark.timeout(10)
+def test_a_detection_bound_in_steps_is_a_whole_number() -> None:
+    sc = parse(_with("max_detect_ms = 100", "max_detect_steps = 20"))
+    assert sc.expect.max_detect_steps == 20 and sc.expect.max_detect_ms is None
+    assert parse(GOOD).expect.max_detect_steps is None
+    with pytest.raises(ScenarioError) as info:
+        parse(_with("max_detect_ms = 100", "max_detect_steps = 2.5"), source="bad.toml")
+    assert info.value.key == "expect.max_detect_steps"

@@ -142,3 +142,54 @@ def test_a_meter_that_cannot_start_reads_zero_and_says_so(
     assert len(warned) == 1, caplog.records
     meter.close()
     assert meter.total_us == 0
+
+
+_BUSY = """
+import sys, time
+from resilient.detect.stolen_time import StolenTime
+meter = StolenTime("test-quota")
+print(meter.pid, flush=True)
+sys.stdin.readline()
+t0, s0 = time.monotonic(), meter.total_us
+while time.monotonic() - t0 < float(sys.argv[1]):
+    pass
+time.sleep(0.05)  # the meter's next look
+print(int((time.monotonic() - t0) * 1e6), meter.total_us - s0, flush=True)
+meter.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_throttled_by_its_cgroup_counts_the_throttle() -> None:
+    # A CPU quota slows a process that keeps running (a throttled node, the chaos
+    # slow-cpu fault): the meter counts the time its cgroup was throttled, whether
+    # or not one of its own wake-ups fell in a throttled stretch.
+    if os.geteuid() != 0:
+        pytest.skip("cgroups need root")
+    from chaos.cpu_throttle import CpuQuota
+    from resilient.errors import ChaosError
+
+    try:
+        quota = CpuQuota("test-stolen", 0.05)
+    except ChaosError as exc:
+        pytest.skip(str(exc))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BUSY, "1.0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        meter = int(proc.stdout.readline())
+        assert quota.add(proc.pid) and meter in quota.pids()
+        time.sleep(0.25)  # the meter looks its cgroup up again every CGROUP_EVERY_S
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        elapsed_us, stolen_us = (int(x) for x in proc.stdout.readline().split())
+    finally:
+        _end(proc)
+        quota.remove()
+    # At 0.05 of a CPU it is throttled most of the time; 40 % leaves room for a
+    # crowded host, where it would not have had a whole CPU anyway.
+    assert stolen_us >= 0.4 * elapsed_us, (stolen_us, elapsed_us)
+    # A throttle delays the meter too: it is counted once, not as lateness as well.
+    assert stolen_us <= 1.05 * elapsed_us, (stolen_us, elapsed_us)
