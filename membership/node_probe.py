@@ -21,7 +21,6 @@ agents, the survivors' recovery) sees what the lease expiry would have shown.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -32,9 +31,10 @@ from urllib.parse import urlsplit
 
 from membership.etcd_client import EtcdClient
 from membership.keys import JobKeys
+from membership.node_info import NodeInfo
 from resilient.errors import MembershipError
 
-__all__ = ["Beacon", "evict", "refused"]
+__all__ = ["Beacon", "evict", "open_beacon", "refused"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,16 @@ class Beacon:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def open_beacon(toward: str, job: str) -> Beacon | None:
+    """A :class:`Beacon`, or None (logged) when no socket could be bound: the node
+    is then found lost by its lease alone."""
+    try:
+        return Beacon(toward)
+    except OSError as exc:
+        logger.warning("job %s: no node beacon (%s); a dead node is known by its lease", job, exc)
+        return None
 
 
 def _source_address(toward: str) -> str:
@@ -130,7 +140,11 @@ def evict(client: EtcdClient, keys: JobKeys, node: int, ranks: Iterable[int], pr
     # yet, and every member lease read here is of the dead node's ranks.
     members, _ = client.get_prefix(keys.members)
     row = client.get(keys.node(node))
-    if row is None or _probe_of(row.value) != probed:
+    try:
+        holder = NodeInfo.from_json(row.value).probe if row is not None else None
+    except (ValueError, KeyError, TypeError):
+        holder = None
+    if row is None or holder != probed:
         return False
     leases = [row.lease] if row.lease else []
     for kv in members:
@@ -149,11 +163,3 @@ def evict(client: EtcdClient, keys: JobKeys, node: int, ranks: Iterable[int], pr
         node, len(leases), sorted(wanted),
     )  # fmt: skip
     return True
-
-
-def _probe_of(raw: bytes) -> str:
-    """The beacon address in a node record ('' when unreadable)."""
-    try:
-        return str(json.loads(raw).get("probe", ""))
-    except (ValueError, AttributeError):
-        return ""

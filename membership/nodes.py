@@ -51,7 +51,7 @@ from membership.etcd_client import EtcdClient, KeyValue
 from membership.guarded import first_row, job_client
 from membership.keys import JobKeys
 from membership.node_info import NodeInfo
-from membership.node_probe import Beacon, evict, refused
+from membership.node_probe import evict, open_beacon, refused
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
 
@@ -66,6 +66,11 @@ _RETRY_S: Final = 0.2
 # How often a spare or the lowest live agent knocks on the others' beacons.
 _PROBE_S: Final = 0.5
 RUNNING: Final = "running"
+# What a lost node's events give as the reason (see why_lost).
+LEASE_LAPSED: Final = (
+    "its node lease lapsed while it was running and none of its ranks holds a member key"
+)
+BEACON_REFUSED: Final = "its machine refused its agent's beacon: the agent died"
 DONE: Final = "done"
 
 
@@ -104,7 +109,7 @@ class NodeRendezvous:
             raise ConfigError(f"lease_ttl_s={lease_ttl_s}: must be >= 2 s")
         self.job = job
         self.spare = spare
-        self._beacon = _beacon(etcd.endpoints[0], job) if not me.probe else None
+        self._beacon = open_beacon(etcd.endpoints[0], job) if not me.probe else None
         self.me = replace(me, probe=self._beacon.address) if self._beacon is not None else me
         self._keys = JobKeys(job)
         self._ttl_s = lease_ttl_s
@@ -299,23 +304,38 @@ class NodeRendezvous:
         held = self.agreeing()
         if probe != () and time.monotonic() >= self._probe_due:
             self._probe_due = time.monotonic() + _PROBE_S
-            for k, info in held.items():
-                if probe is not None and k not in probe:
-                    continue
-                if states.get(k) == RUNNING and k != self.me.node_rank and refused(info.probe):
-                    try:
-                        if not evict(self._client, self._keys, k, self._ranks_of(k), info.probe):
-                            continue  # claimed or evicted meanwhile by another
-                    except MembershipError as exc:  # its leases lapse in time anyway
-                        logger.warning("job %s: evicting dead node %d failed: %s", self.job, k, exc)
-                        continue
-                    self.lost_why[k] = "its machine refused its agent's beacon: the agent died"
-            held = self.agreeing()
+            if self._evict_dead(held, states, probe):
+                held = self.agreeing()
         members = self._note_incarnations()
         return sorted(
             k for k, v in states.items()
             if v == RUNNING and k not in held and not self._ranks_of(k) & members
         )  # fmt: skip
+
+    def _evict_dead(
+        self, held: dict[int, NodeInfo], states: dict[int, str], probe: Collection[int] | None
+    ) -> bool:
+        """Knock on the beacons of the running nodes in ``probe`` (None: all others)
+        and evict each one proven dead (membership.node_probe); whether any was."""
+        evicted = False
+        for k, info in held.items():
+            if (probe is not None and k not in probe) or k == self.me.node_rank:
+                continue
+            if states.get(k) != RUNNING or not refused(info.probe):
+                continue
+            try:
+                if not evict(self._client, self._keys, k, self._ranks_of(k), info.probe):
+                    continue  # claimed or evicted meanwhile by another
+            except MembershipError as exc:  # its leases lapse in time anyway
+                logger.warning("job %s: evicting dead node %d failed: %s", self.job, k, exc)
+                continue
+            self.lost_why[k] = BEACON_REFUSED
+            evicted = True
+        return evicted
+
+    def why_lost(self, node: int) -> str:
+        """Why ``node`` was found lost: its beacon refused, else its leases lapsed."""
+        return self.lost_why.get(node, LEASE_LAPSED)
 
     def spares(self) -> int:
         """How many spare node agents are registered (waiting to take a node over)."""
@@ -486,16 +506,6 @@ def _parse(row: KeyValue | None) -> NodeInfo | None:
         return NodeInfo.from_json(row.value)
     except (ValueError, KeyError, TypeError):
         logger.warning("ignoring a malformed node record at %s", row.key)
-        return None
-
-
-def _beacon(toward: str, job: str) -> Beacon | None:
-    """This agent's beacon, or None (logged) when no socket could be bound: the
-    node is then found lost by its lease alone."""
-    try:
-        return Beacon(toward)
-    except OSError as exc:
-        logger.warning("job %s: no node beacon (%s); a dead node is known by its lease", job, exc)
         return None
 
 

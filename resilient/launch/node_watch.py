@@ -48,10 +48,6 @@ _POLL_S: Final = 0.5
 
 Emit = Callable[..., None]
 
-_LEASE_LAPSED: Final = (
-    "its node lease lapsed while it was running and none of its ranks holds a member key"
-)
-
 
 def fenced_events(emit: Emit, node: int, slots: Sequence[Slot], why: str, at: float) -> None:
     """A fenced agent's events: one ``node.fenced`` (naming this agent's host and
@@ -78,7 +74,12 @@ def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence
     before = rendezvous.took_from if rendezvous is not None else None
     me = rendezvous.me if rendezvous is not None else None
     ranks = [s.rank for s in slots]
-    why = rendezvous.lost_why.get(node, _LEASE_LAPSED) if rendezvous is not None else _LEASE_LAPSED
+    if rendezvous is not None:
+        why = rendezvous.why_lost(node)
+    else:
+        from membership.nodes import LEASE_LAPSED  # etcd's client is slow to import
+
+        why = LEASE_LAPSED
     lost = {"host": before.host if before else "", "pid": before.pid if before else 0}
     emit(
         "node.lost", node=node, ranks=ranks, **lost, reason=why,
@@ -162,7 +163,7 @@ class NodeWatch:
         self._emit(
             "node.lost", node=node, ranks=ranks, host=before.host if before else "",
             pid=before.pid if before else 0, seen_by=cfg.node_rank,
-            reason=rendezvous.lost_why.get(node, _LEASE_LAPSED), action=action,
+            reason=rendezvous.why_lost(node), action=action,
         )  # fmt: skip
         for rank in ranks:
             inc = rendezvous.incarnation_of(rank)

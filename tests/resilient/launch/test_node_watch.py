@@ -32,6 +32,9 @@ class _Rendezvous:
         self.probed: list[tuple[int, ...]] = []
         self.lost_why: dict[int, str] = {}
 
+    def why_lost(self, node: int) -> str:
+        return self.lost_why.get(node, "its node lease lapsed")
+
     def lost_nodes(self, probe: tuple[int, ...] = ()) -> list[int]:
         self.reads += 1
         self.probed.append(tuple(probe))
