@@ -14,7 +14,8 @@ slow        SIGSTOP/SIGCONT duty cycle: runs ``factor`` of every 100 ms; it
             rank is replaced elsewhere); a pinned process that is gone ends it
 slow-cpu    a cgroup CPU quota of ``factor`` times the CPUs the rank used (measured
             over 0.2 s at start, or ``cpus``): it keeps running, slower (a slow
-            node); follows the rank to a replacement unless ``pin``, as ``slow``
+            node); follows the rank to a replacement unless ``pin``, as ``slow``;
+            it counts as fired once the rank is in the cgroup, after that measurement
 nic-down    ``ip link set rJ down`` in the host; up again on stop
 nic-up      ``ip link set rJ up``
 flap        down/up every ``period_s`` (half each), ``count`` times or until stopped
@@ -38,6 +39,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -244,6 +246,9 @@ class _Slow(_Periodic):
 class _SlowCpu(_Periodic):
     _quota: CpuQuota | None = None
     _pinned: int | None = None
+    # When the rank was under the quota (moved into the capped cgroup): the runner
+    # dates the fault from then, not from before the 0.2 s measurement of its CPUs.
+    fired_at: float | None = None
 
     def _check(self) -> None:
         factor = float(self.fault.param("factor"))
@@ -263,6 +268,7 @@ class _SlowCpu(_Periodic):
                     cpus, self._quota.cpus)  # fmt: skip
         if not self._quota.add(pid):
             raise ChaosError(f"{self.description}: rank {rank} (pid {pid}) is gone")
+        self.fired_at = time.time()
         super()._start()
 
     def _tick(self) -> bool:

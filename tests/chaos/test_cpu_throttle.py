@@ -1,6 +1,7 @@
 """The slow-cpu fault on real processes: a cgroup CPU quota that slows a busy
 process without stopping it, follows the rank to a replacement, goes on stop, and
-is swept up when its owner died (chaos.cpu_throttle, chaos.cleanup)."""
+is swept up when its owner died (chaos.cpu_throttle, chaos.cleanup); it counts as
+fired once the rank is under the quota, after measuring its CPUs."""
 
 from __future__ import annotations
 
@@ -97,8 +98,10 @@ def test_a_quota_slows_a_busy_process_that_keeps_running_until_stopped(
     _controller()
     pid, turns = spinners("busy")
     slow = _injector({"rank": 0, "factor": 0.2, "cpus": 1.0}, lambda rank: pid)
+    began = time.time()
     slow.start()  # type: ignore[attr-defined]
     try:
+        assert began <= slow.fired_at <= time.time()  # type: ignore[attr-defined]
         assert "rsl-" in _cgroup_of(pid)
         # The quota caps it at 0.2 of a CPU whatever else runs (a loaded host only
         # lowers it), and it keeps running: a slow node, not a frozen one.
@@ -120,8 +123,11 @@ def test_the_quota_follows_the_rank_to_its_replacement_unless_pinned(
     second, _ = spinners("second")
     now = {"pid": first}
     slow = _injector({"rank": 0, "factor": 0.5}, lambda rank: now["pid"])  # measured CPUs
+    began = time.time()
     slow.start()  # type: ignore[attr-defined]
     try:
+        # Fired once capped: after the 0.2 s measurement of what the rank used.
+        assert began + 0.19 <= slow.fired_at <= time.time()  # type: ignore[attr-defined]
         now["pid"] = second  # the rank was replaced in place: the slow node slows it too
         assert _net.wait_for(lambda: "rsl-" in _cgroup_of(second), 5.0)
     finally:

@@ -1,19 +1,25 @@
-"""The fault controller's hold for warm spares, as pure logic (the launcher and the
-display are stand-ins; tests/integration/test_chaos_cli.py runs it for real), and
-the fault-free reference's cache key on a stand-in source tree."""
+"""The fault controller's hold for warm spares and the time it dates a slow-cpu
+fault from, as pure logic (the launcher, the display, the cgroup and the clock are
+stand-ins; tests/integration/test_chaos_cli.py runs it for real), and the
+fault-free reference's cache key on a stand-in source tree."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
+from chaos import injectors
+from chaos.injectors import InjectionContext
 from chaos.reference_key import reference_key, torch_version
 from chaos.runner import _Controller
 from chaos.scenario import Fault, Scenario, parse
+from chaos.testbed import LoopbackTestbed
 
 
 @dataclass
@@ -84,6 +90,65 @@ def test_a_spare_that_never_stands_ready_holds_a_fault_only_so_long(
     clock[0] += 121.0
     assert ctl._held(ctl.records[0], kill) is False
     assert ctl.records[0].detail == {"held_for_spare_s": 121.0, "spare": "not ready"}
+
+
+class _Quota:
+    """A CpuQuota stand-in: moving a process in takes 10 ms of the fake clock."""
+
+    def __init__(self, clock: list[float], capped_at: list[float]) -> None:
+        self.clock, self.capped_at, self.cpus = clock, capped_at, 0.5
+
+    def add(self, pid: int) -> bool:
+        self.clock[0] += 0.01
+        self.capped_at.append(self.clock[0])
+        return True
+
+    def pids(self) -> list[int]:
+        return []
+
+    def remove(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(10)
+def test_a_slow_cpu_fault_fired_when_the_quota_was_in_force_not_before_measuring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Detection times count from ``fired_s``: it is when the rank was moved under
+    the quota, not when the controller began the 0.2 s measurement of its CPUs."""
+    clock: list[float] = [1000.0]
+    capped_at: list[float] = []
+    emitted: list[dict[str, Any]] = []
+
+    def measure(pid: int) -> float:
+        clock[0] += 0.2
+        return 1.0
+
+    monkeypatch.setattr(injectors, "measure_cpus", measure)
+    monkeypatch.setattr(injectors, "CpuQuota", lambda what, cpus: _Quota(clock, capped_at))
+    monkeypatch.setattr(injectors, "cpu_root", lambda: (Path("/nonexistent"), 2))
+    # raising=False: an injectors module without its own clock fails on the dates below
+    clock_ns = SimpleNamespace(time=lambda: clock[0])
+    monkeypatch.setattr(injectors, "time", clock_ns, raising=False)
+    fault = Fault(kind="slow-cpu", at_step=5, params={"rank": 0, "factor": 0.5, "pin": True})
+    ctx = InjectionContext(testbed=LoopbackTestbed(1, 1).up(), pid_of=lambda rank: os.getpgrp())
+    ctl = _Controller(
+        (fault,), ctx, cast(Any, _Launcher(warming=set())),
+        cast(Any, SimpleNamespace(step_of=lambda rank: 5)),
+        cast(Any, SimpleNamespace(fault=lambda rec, what: None)), timeout_s=60.0,
+        events=cast(Any, SimpleNamespace(emit=lambda kind, **kw: emitted.append(kw))),
+    )  # fmt: skip
+    ctl.t0 = 1000.0
+    monkeypatch.setattr(ctl, "_now", lambda: clock[0] - ctl.t0)
+    rec = ctl.records[0]
+    ctl._fire(rec, fault)
+    try:
+        (capped,) = capped_at
+        assert rec.error is None and capped > 1000.2  # measured first, then capped
+        assert rec.fired_s == pytest.approx(capped - 1000.0)
+        assert emitted[0]["ts"] == pytest.approx(capped)  # fault.injected: the same
+    finally:
+        ctl._injectors[0].stop()  # type: ignore[union-attr]
 
 
 def _tree(root: Path) -> None:
