@@ -196,12 +196,13 @@ class _Controller:
             return f"rank {rank}'s warm spare"
         return ""
 
-    def _fire(self, rec: FaultRecord, fault: Fault) -> None:
+    def _step_of(self, fault: Fault) -> int:
         rank = fault.param("rank")
+        return self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
+
+    def _fire(self, rec: FaultRecord, fault: Fault) -> None:
         rec.fired_s = self._now()
-        rec.fired_step = (
-            self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
-        )
+        rec.fired_step = self._step_of(fault)
         emulated = needs_netns(fault) and self._ctx.testbed.kind == "loopback"
         rec.detail["injected"] = "in-process, via etcd fault control" if emulated else "real"
         inj = make_injector(fault, self._ctx)
@@ -210,7 +211,9 @@ class _Controller:
             inj.start()
             rec.detail.update(getattr(inj, "detail", {}))  # a node-kill's pids, say
             if (at := getattr(inj, "fired_at", None)) is not None:  # took effect then
-                rec.fired_s = at - self.t0
+                # Its step too (read just after: at most a step later than the
+                # fault, where the step before its measurement was seconds early).
+                rec.fired_s, rec.fired_step = at - self.t0, self._step_of(fault)
         except ChaosError as exc:
             rec.error = str(exc)
             # Undo what a start that failed midway did (one of two rules, say).

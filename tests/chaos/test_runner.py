@@ -115,7 +115,8 @@ def test_a_slow_cpu_fault_fired_when_the_quota_was_in_force_not_before_measuring
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Detection times count from ``fired_s``: it is when the rank was moved under
-    the quota, not when the controller began the 0.2 s measurement of its CPUs."""
+    the quota, not when the controller began the 0.2 s measurement of its CPUs; and
+    ``fired_step`` is the rank's step then."""
     clock: list[float] = [1000.0]
     capped_at: list[float] = []
     emitted: list[dict[str, Any]] = []
@@ -134,7 +135,8 @@ def test_a_slow_cpu_fault_fired_when_the_quota_was_in_force_not_before_measuring
     ctx = InjectionContext(testbed=LoopbackTestbed(1, 1).up(), pid_of=lambda rank: os.getpgrp())
     ctl = _Controller(
         (fault,), ctx, cast(Any, _Launcher(warming=set())),
-        cast(Any, SimpleNamespace(step_of=lambda rank: 5)),
+        # A step every 0.1 s: the rank is two steps further once it was measured.
+        cast(Any, SimpleNamespace(step_of=lambda rank: 5 + int((clock[0] - 1000.0) / 0.1))),
         cast(Any, SimpleNamespace(fault=lambda rec, what: None)), timeout_s=60.0,
         events=cast(Any, SimpleNamespace(emit=lambda kind, **kw: emitted.append(kw))),
     )  # fmt: skip
@@ -147,6 +149,7 @@ def test_a_slow_cpu_fault_fired_when_the_quota_was_in_force_not_before_measuring
         assert rec.error is None and capped > 1000.2  # measured first, then capped
         assert rec.fired_s == pytest.approx(capped - 1000.0)
         assert emitted[0]["ts"] == pytest.approx(capped)  # fault.injected: the same
+        assert rec.fired_step == 7  # detect_steps count from the capped rank's step
     finally:
         ctl._injectors[0].stop()  # type: ignore[union-attr]
 
