@@ -15,6 +15,7 @@ import torch
 
 from resilient.collectives.alltoall import equal_sizes
 from resilient.collectives.digest_check import NotElided, call_key, forget_call, hello
+from resilient.collectives.ring_gate import ring_elides
 from resilient.detect.rail_weights import DOWN
 from resilient.detect.slow_rank import ENTER_PERMILLE, named
 from resilient.links.socket_frames import DigestMismatch
@@ -120,16 +121,19 @@ class ElidedCalls:
         return fn(exchange.payloads() if payload is not None else CHECKED)
 
     def _elidable_op(self, exchange: Exchange, sig: Signature) -> bool:
-        """Whether ``sig`` is an all_reduce the mesh takes on one rail, or an
-        all_to_all_single of equal splits on every rank (its payloads say so; see
-        resilient.group.alltoall) on one rail."""
+        """Whether ``sig`` is an all_reduce the mesh takes on one rail or the ring
+        takes gated (resilient.collectives.ring_gate), or an all_to_all_single of
+        equal splits on every rank (its payloads say so; see resilient.group.alltoall)
+        on one rail."""
         engine, dtype = self.engine, sig.dtype
         if sig.op == "all_to_all_single":
             return engine.num_rails == 1 and equal_sizes(exchange.payloads(), engine.world)
-        if sig.op != "allreduce" or dtype is None or not engine.mesh:
+        if sig.op != "allreduce" or dtype is None:
             return False
         nbytes = sig.numel * dtype.itemsize
-        return nbytes < engine.mesh_below_bytes and engine.one_rail(nbytes)
+        if ring_elides(engine, nbytes):
+            return True
+        return engine.mesh and nbytes < engine.mesh_below_bytes and engine.one_rail(nbytes)
 
     def _quiet(self, exchange: Exchange, sig: Signature) -> bool:
         """Whether the next calls may elide (collectives.digest_check): this call (``sig``,

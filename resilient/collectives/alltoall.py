@@ -52,7 +52,7 @@ from resilient.links.socket_frames import DigestMismatch
 if TYPE_CHECKING:
     from resilient.links.table import Link
 
-__all__ = ["all_to_all", "equal_sizes", "sizes_of", "sizes_payload", "spans_of"]
+__all__ = ["all_to_all", "equal_sizes", "gate", "sizes_of", "sizes_payload", "spans_of"]
 
 # The tags of a call's messages (the route adds the call's base): an elided call's
 # header-only gate frame per peer, the tag a peer's hello comes under (digest_check),
@@ -61,6 +61,7 @@ _GATE = 0
 _TAG = 1
 
 _C = TypeVar("_C", Tx, Rx)
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 # Where one piece goes: (peer, rail, span in the send buffer or the receive buffer).
 _Piece = tuple[int, int, Span]
@@ -161,6 +162,28 @@ def all_to_all(
     recv[own_out.start : own_out.stop].copy_(send[own_in.start : own_in.stop])
 
 
+def gate(engine: RingEngine) -> None:
+    """An elided call's gate alone, for a schedule that cannot gate by its own first
+    messages (resilient.collectives.ring_gate): what an elided all_to_all with no
+    data moves. A header-only frame with the call's digest to every peer on rail 0,
+    every peer's awaited, then (several rails) the acknowledgements, so a rail lost
+    meanwhile fails the frames over as any call's. A call of its own number.
+
+    Raises:
+        NotElided: a link to some peer is not built (nothing was posted).
+        DigestMismatch: a peer's call differs.
+        LinkError: a link failed and no failover could finish the gate.
+        PeerLost: as any collective.
+    """
+    peers = [p for p in range(engine.world) if p != engine.rank]
+    links = engine.links
+    if not links.sockets or not all(
+        links.has(p, rail) for rail in range(engine.num_rails) for p in peers
+    ):
+        raise NotElided(f"rank {engine.rank}: a link is not built, this call does not gate")
+    _exchange(engine, engine.route(), peers, _NOTHING, _NOTHING, (), (), gated=True)
+
+
 def _check_elidable(engine: RingEngine, send: torch.Tensor, peers: Sequence[int]) -> None:
     """Raises NotElided unless an elided call can gate here: CPU bytes, socket
     links, one rail, a link to every peer already built (links are built in
@@ -232,7 +255,10 @@ def _in_c(
         links.extend(quiet)
     at = {(link.peer, link.rail): i for i, link in enumerate(links)}
     step = _step(links, at, route, peers, send, recv, sends, recvs, gated=gated)
-    acks = [_acks(step, route, rail, at, links, sends, recvs) for rail in rails] if acked(
+    # The gate's channels acknowledge too (rail 0, every peer; see _on_channels).
+    gates = [(p, 0, Span(0, 0)) for p in peers] if gated else []
+    ack_sends, ack_recvs = [*gates, *sends], [*gates, *recvs]
+    acks = [_acks(step, route, rail, at, links, ack_sends, ack_recvs) for rail in rails] if acked(
         route
     ) else []  # fmt: skip
     began = time.monotonic()

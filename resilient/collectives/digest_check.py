@@ -13,12 +13,14 @@ every rank agrees without a word. In an elided call:
   chunk non-empty, no slow rank) sends each peer its contribution first, so every
   rank hears from every peer before it folds anything (the *gate*); an
   all_to_all_single of equal splits on one rail sends each peer a digest frame
-  first and reads no data until every peer's came (resilient.group.alltoall). A
-  receive that meets another digest fails with
+  first and reads no data until every peer's came (resilient.group.alltoall), and
+  so does an all-reduce the ring takes (cut across rails, or too large for the
+  mesh) before its ring starts (resilient.collectives.ring_gate). A receive that
+  meets another digest fails with
   :class:`~resilient.links.socket_frames.DigestMismatch`;
-* any other call (another op, a payload, a barrier, a tensor too large for the
-  mesh) sends every peer on every rail a header-only **hello** under the same tag
-  with the digest ``FALLBACK`` instead, which no receive accepts.
+* any other call (another op, a payload, a barrier) sends every peer on every
+  rail a header-only **hello** under the same tag with the digest ``FALLBACK``
+  instead, which no receive accepts.
 
 Digests are equal only if signatures are (64-bit hash), so if any two ranks'
 calls differ, every rank meets a message it refuses at its gate: each hears from

@@ -216,14 +216,15 @@ class RingEngine:
         self.order = None
 
     # -- public collectives ------------------------------------------------------------
-    def all_reduce(self, flat: torch.Tensor, op: Reduce) -> None:
+    def all_reduce(self, flat: torch.Tensor, op: Reduce, *, gated: bool = False) -> None:
         """Reduce ``flat`` across ranks in place (reduce-scatter then all-gather).
+        ``gated``: an elided call whose gate passed (resilient.collectives.ring_gate).
 
         Raises:
-            NotElided: the call runs elided (``elided`` set) and cannot be.
+            NotElided: the call runs elided (``elided`` set), ungated, and cannot be.
             DigestMismatch: it runs elided and a peer's call differs.
         """
-        if self.elided is not None:
+        if self.elided is not None and not gated:
             self._mesh(flat, op, gather=True, plan=self._elidable(flat))
         elif self.world > 1:
             if self.slow_rank is not None and self.world > 2 and self.order is None:
@@ -335,6 +336,11 @@ class RingEngine:
                 return plan
         raise NotElided(f"rank {self.rank}: this all_reduce does not run elided")
 
+    def uses_mesh(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` takes the mesh (see _use_mesh)."""
+        split = self._split_by_weights(nbytes) and not self.mesh_split
+        return self.mesh and self.order is None and nbytes < self.mesh_below_bytes and not split
+
     def _use_mesh(self, flat: torch.Tensor) -> bool:
         """Mesh (2 hops) while hops dominate; the ring's locality wins on large tensors.
 
@@ -343,9 +349,7 @@ class RingEngine:
         Nor, unless ``mesh_split``, for a call cut across several rails: there the ring
         was faster at every size measured, 0.5 to 7 MiB (docs/BENCHMARKS.md).
         """
-        nbytes = flat.numel() * flat.element_size()
-        split = self._split_by_weights(nbytes) and not self.mesh_split
-        return self.mesh and self.order is None and nbytes < self.mesh_below_bytes and not split
+        return self.uses_mesh(flat.numel() * flat.element_size())
 
     def _weights_for(self, flat: torch.Tensor) -> tuple[float, ...]:
         """The rail weights for this tensor: only the heaviest rail for small ones."""
@@ -464,6 +468,8 @@ class RingEngine:
             for rail in range(self.num_rails)
         ]
         route = self.route()
+        if self.elided is not None:  # its gate's frames took the call's first tag
+            route.base += 1
 
         def run(rail: int) -> None:
             if rail in used:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resilient.collectives.engine import Reduce, fold_rows
+from resilient.collectives import ring_gate
+from resilient.collectives.engine import Reduce, RingEngine, fold_rows
 from resilient.collectives.signature import INLINE_BYTES, Signature
 from resilient.group.args import AllreduceCalls, check_tensors, reduce_op
 from resilient.group.calls import CallRunner
@@ -64,7 +65,11 @@ class ReduceCalls:
                 if inline and table is not None:
                     buf.copy_(fold_rows(inline_rows(table, buf), red))
                 else:
-                    self._epochs.engine_for(buf).all_reduce(buf, red)
+                    engine = self._epochs.engine_for(buf)
+                    if isinstance(engine, RingEngine):  # an elided call may gate there
+                        ring_gate.all_reduce(engine, buf, red)
+                    else:
+                        engine.all_reduce(buf, red)
             return tensors
 
         payload = (lambda: _packed(tensors)) if inline else None

@@ -100,9 +100,9 @@ def test_elided_calls_skip_their_exchange_and_reduce_as_checked_calls_do(rails: 
         # Calls 1, 3, 6, 9, 12, 15 exchange; the others elide while the group is
         # quiet (a straggler confirmed on a loaded host may cost a few).
         assert elided_calls > 0 and exchanges >= 6
-        # On two rails the float64 call takes both: taken elided, it falls back
-        # (and ends the quiet); on one rail every call elides for real.
-        assert fallbacks == 0 if rails == 1 else fallbacks <= elided_calls
+        # On two rails the float64 call takes the ring across both, behind its
+        # gate (collectives.ring_gate): every call elides for real on either.
+        assert fallbacks == 0
 
 
 def _refused(pg: Any, rank: int, world: int) -> dict[str, Any]:
@@ -188,8 +188,9 @@ def _unelidable(pg: Any, rank: int, world: int) -> tuple[int, list[tuple[int, in
 
     fell = []
     ch = pg.epochs.checks
-    # A tensor the mesh does not take (config: mesh only below 64 KiB), one small
-    # enough to travel in the rows, and the other ops: each falls back, completes.
+    # A tensor the mesh does not take (config: mesh only below 64 KiB) runs on the
+    # ring behind its gate (collectives.ring_gate); one small enough to travel in
+    # the rows, and the other ops: each falls back, completes.
     for call in (
         lambda: allreduce(4 * LARGE), lambda: allreduce(8), broadcast, allgather,
         reduce_scatter, lambda: pg.barrier().wait(),
@@ -211,6 +212,67 @@ def test_calls_that_cannot_run_elided_fall_back_and_complete(world: int) -> None
     if world == 2:  # two ranks never mesh, so nothing elides there (it would fall back)
         assert every == 0 and fell == [(0, 0)] * 6
         return
-    # Each call taken elided fell back; a straggler confirmed on a loaded host (the
-    # group is not quiet then) may have some of them exchange instead.
-    assert every == 1000 and all(f == e for e, f in fell) and any(e for e, _ in fell)
+    # The ring's all_reduce ran elided; each other call taken elided fell back. A
+    # straggler confirmed on a loaded host (the group is not quiet then) may have
+    # some of them exchange instead.
+    ring_fell, others = fell[0][1], fell[1:]
+    assert every == 1000 and ring_fell == 0
+    assert all(f == e for e, f in others) and any(e for e, _ in fell)
+
+
+RING = 64 << 10  # floats: 256 KiB, cut across both rails (single_rail_below_bytes)
+
+
+def _ring_calls(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    """Elided calls the ring takes behind their gate (collectives.ring_gate): one
+    that matches, then calls that differ on one rank, each refused everywhere."""
+    ch = pg.epochs.checks
+    seen: dict[str, Any] = {"ran": []}
+    pg.allreduce([torch.ones(RING)]).wait()  # call 1: the full exchange
+    cases = {
+        "same": lambda t: pg.allreduce([t]),
+        "size": lambda t: pg.allreduce([torch.cat([t, t[:1]]) if rank == 1 else t]),
+        "op": lambda t: pg.allreduce(
+            [t], reduce_opts(dist.ReduceOp.MAX if rank == 3 else dist.ReduceOp.SUM)
+        ),
+        # A hello (digest_check) from rank 2 where the others wait at their gates.
+        "collective": lambda t: (
+            pg.broadcast([t], broadcast_opts(0)) if rank == 2 else pg.allreduce([t])
+        ),
+    }
+    for name, call in cases.items():
+        t = torch.full((RING,), float(rank + 1))
+        before = (ch.elided, ch.fallbacks)
+        try:
+            call(t).wait()
+            seen[name] = torch.equal(t, torch.full((RING,), float(sum(range(1, world + 1)))))
+        except CollectiveMismatch as exc:
+            seen[name] = exc.fields
+            # Nothing was folded into it before the call was refused.
+            assert torch.equal(t, torch.full((RING,), float(rank + 1))), name
+        seen["ran"].append((ch.elided - before[0], ch.fallbacks - before[1]))
+        after = torch.full((RING,), float(rank))
+        before = (ch.elided, ch.fallbacks)
+        pg.allreduce([after]).wait()  # the group stays usable, elided again
+        assert torch.equal(after, torch.full((RING,), float(sum(range(world)))))
+        assert ch.fallbacks == before[1]  # a matching call never falls back
+    seen["elided"] = ch.elided
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rails", [1, 2])
+def test_elided_calls_the_ring_takes_gate_first_and_refuse_alike(rails: int) -> None:
+    # One rail: the mesh only below 64 KiB, so these 256 KiB calls take the ring.
+    config = {"elide_every": 1000, "mesh_below_bytes": 64 << 10}
+    out = run_world(_ring_calls, 4, rails=rails, config=config)
+    for seen in out:
+        assert seen["same"] is True
+        assert "shape" in seen["size"] and "reduce" in seen["op"]
+        assert "op" in seen["collective"]
+        # The matching call and every call after a refusal ran elided, without a
+        # fallback (a straggler confirmed on a loaded host may make some exchange);
+        # each odd call taken elided fell back.
+        same, *odd = seen["ran"]
+        assert same[1] == 0 and all(fell == ran for ran, fell in odd), seen["ran"]
+        assert seen["elided"] > 0
