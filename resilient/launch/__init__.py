@@ -6,7 +6,8 @@
 * :mod:`~resilient.launch.rank_env`: the environment variables each rank gets.
 * :mod:`~resilient.launch.rank_procs`: output relaying, signals, exits and reaping.
 * :mod:`~resilient.launch.slots` and :mod:`~resilient.launch.spares`: rank slots and
-  the warm spares kept for them; :mod:`~resilient.launch.standby` is the spare's side.
+  the warm spares kept for them; :mod:`~resilient.launch.standby` is the spare's side,
+  :mod:`~resilient.launch.primed` a spare node's rank past ``import torch``.
 * :mod:`~resilient.launch.leases`: ranks whose member lease expired while they run.
 * :mod:`~resilient.launch.node_agent`: one agent per machine (``--nnodes``) meeting
   the others in etcd.

@@ -287,9 +287,14 @@ class LaunchConfig:
             values[RankVar.SHRINK_AFTER_S] = repr(float(self.shrink_after_s))
         if self.evict_stragglers:
             values[RankVar.EVICT_STRAGGLERS] = "1"
-        # Values inherited from an enclosing launch (a launcher run inside a rank)
-        # would be wrong here; RESILIENT_ETCD_CA and friends are passed through.
+        env = self.node_environ()
+        env.update({var.value: value for var, value in values.items()})
+        return env
+
+    def node_environ(self) -> dict[str, str]:
+        """What every rank's environment holds whatever its rank: ours, less what an
+        enclosing launch set for its ranks (it would be wrong here; RESILIENT_ETCD_CA
+        and friends are passed through), plus ``rank_env``."""
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VAR_NAMES}
         env.update(self.rank_env)
-        env.update({var.value: value for var, value in values.items()})
         return env

@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -63,7 +62,7 @@ from resilient.launch.slots import (
     replacement_slots,
     slot_state,
 )
-from resilient.procs import spawn
+from resilient.launch.spares import PrimedRanks
 
 if TYPE_CHECKING:
     from membership.server import EmbeddedEtcd
@@ -122,6 +121,7 @@ class _Run(SpareTending):
         self._job_metrics: JobMetrics | None = None
         self._lease_poll_at = 0.0
         self._fenced: str | None = None  # why the node lease's watchdog fenced us
+        self._primed = PrimedRanks(0, {})  # a spare node's ranks past `import torch`
         self._fenced_at = 0.0  # when (time.time(): its events are dated then)
         self._node_watch: NodeWatch | None = None
         self._events: EventLog | None = None
@@ -139,6 +139,8 @@ class _Run(SpareTending):
         self._make_dirs()
         self._start_etcd()
         cfg = self._cfg
+        if cfg.spare:  # past `import torch` while the spare waits for a node to take
+            self._primed = PrimedRanks(cfg.nproc, cfg.node_environ())
         try:
             self._nodes = meet_nodes(cfg, self._etcd_url, self._stopping)
         except LauncherError:
@@ -435,13 +437,12 @@ class _Run(SpareTending):
 
     def _start(self, slot: Slot) -> None:
         cfg = self._cfg
-        argv = [sys.executable, "-u", cfg.script, *cfg.script_args]
+        script = [cfg.script, *cfg.script_args]
+        argv = [sys.executable, "-u", *script]
         if cfg.rank_wrap:
             argv = [*cfg.rank_wrap[slot.rank - cfg.first_rank], *argv]
-        try:
-            slot.proc = spawn(
-                argv, env=self._env(slot), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
+        try:  # a spare node's ranks are primed
+            slot.proc, primed = self._primed.start(self._env(slot), script, argv)
         except OSError as exc:
             raise LauncherError(f"could not start rank {slot.rank}: {exc}") from exc
         if self._fenced is not None:  # fenced while it started: see _fence
@@ -450,9 +451,9 @@ class _Run(SpareTending):
             self._out.attach(slot.rank, slot.incarnation, slot.proc)
         except OSError as exc:
             raise LauncherError(f"rank {slot.rank}: cannot open its log file: {exc}") from exc
-        logger.info(
-            "rank %d started (pid %d, incarnation %d)", slot.rank, slot.proc.pid, slot.incarnation
-        )
+        how = "primed, " if primed else ""
+        pid, inc = slot.proc.pid, slot.incarnation
+        logger.info("rank %d started (%spid %d, incarnation %d)", slot.rank, how, pid, inc)
 
     def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]:
         inc = slot.incarnation if incarnation is None else incarnation
@@ -464,7 +465,7 @@ class _Run(SpareTending):
     def _stop_ranks(self) -> None:
         procs = [s.proc for s in self._slots if s.proc is not None]
         procs += [s.spare.proc for s in self._slots if s.spare is not None]
-        stop_all(procs, grace_s=self._cfg.grace_s)
+        stop_all([*procs, *self._primed.procs], grace_s=self._cfg.grace_s)
 
 
 class Launcher:

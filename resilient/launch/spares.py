@@ -15,10 +15,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from resilient.launch.handover import handover_line
 from resilient.launch.rank_procs import reap
 from resilient.procs import spawn
 
-__all__ = ["Spare"]
+__all__ = ["PrimedRanks", "Spare"]
 
 
 class Spare:
@@ -97,3 +98,71 @@ class Spare:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class PrimedRanks:
+    """A spare node's primed ranks (:mod:`resilient.launch.primed`): one process per
+    rank it would run, each past ``import torch``, handed a rank when the node
+    takes one over."""
+
+    def __init__(self, count: int, env: Mapping[str, str]) -> None:
+        """Start ``count`` of them with the node's environment ``env``.
+
+        Raises:
+            OSError: a process could not be started (those started are stopped).
+        """
+        self._procs: list[subprocess.Popen[bytes]] = []
+        cmd = [sys.executable, "-u", "-m", "resilient.launch.primed"]
+        try:
+            for _ in range(count):
+                pipe = subprocess.PIPE
+                proc = spawn(cmd, env=env, stdin=pipe, stdout=pipe, stderr=pipe)
+                self._procs.append(proc)
+        except OSError:
+            self.close()
+            raise
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """Those not handed a rank yet (to stop with the ranks)."""
+        return list(self._procs)
+
+    def take(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes] | None:
+        """A primed process now running ``argv`` (script and arguments) in ``env``;
+        None when none is left alive (the caller starts the rank cold)."""
+        while self._procs:
+            proc = self._procs.pop(0)
+            if reap(proc) is not None or proc.stdin is None:
+                continue
+            try:
+                proc.stdin.write(handover_line(dict(env), list(argv)))
+                proc.stdin.close()
+            except OSError:
+                continue
+            return proc
+        return None
+
+    def start(
+        self, env: Mapping[str, str], script: Sequence[str], argv: Sequence[str]
+    ) -> tuple[subprocess.Popen[bytes], bool]:
+        """A rank's process, and whether it was primed: one of these running
+        ``script`` (the script and its arguments) in ``env`` while one is left,
+        else ``argv`` (the whole command) started cold.
+
+        Raises:
+            OSError: the cold process could not be started.
+        """
+        proc = self.take(env, script)
+        if proc is not None:
+            return proc, True
+        pipe = subprocess.PIPE
+        return spawn(argv, env=env, stdout=pipe, stderr=pipe), False
+
+    def close(self) -> None:
+        """End those not handed a rank: end of file, so each exits 0 (a parent-death
+        signal ends them anyway if this process dies first)."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            with contextlib.suppress(OSError):
+                if proc.stdin is not None:
+                    proc.stdin.close()

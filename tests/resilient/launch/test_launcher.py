@@ -28,7 +28,7 @@ import pytest
 from membership.server import EmbeddedEtcd
 from resilient.config import RankEnv
 from resilient.errors import ConfigError, LauncherError
-from resilient.launch import launcher as launcher_module
+from resilient.launch import spares as spares_module
 from resilient.launch.launcher import RANK_VAR_HELP, LaunchConfig, Launcher, RankVar, loopback_rails
 from resilient.launch.rank_procs import describe_exit, shell_exit_code
 from tests._procs import gone, wait_until
@@ -420,7 +420,7 @@ def test_error_mid_launch_stops_the_ranks_already_started(
     tmp_path: Path, etcd_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     script, out = make_script(tmp_path, "time.sleep(60)\n")
-    real_spawn = launcher_module.spawn
+    real_spawn = spares_module.spawn  # the launcher starts its ranks there
     calls = 0
 
     def flaky_spawn(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
@@ -431,7 +431,7 @@ def test_error_mid_launch_stops_the_ranks_already_started(
             raise OSError("no more processes")
         return real_spawn(*args, **kwargs)
 
-    monkeypatch.setattr(launcher_module, "spawn", flaky_spawn)
+    monkeypatch.setattr(spares_module, "spawn", flaky_spawn)
     with pytest.raises(LauncherError, match="could not start rank 1: no more processes"):
         Launcher(config(script, out, nproc=2, etcd=etcd_url)).run()
     assert gone(read(out, "start", 0, 0)["pid"])
