@@ -121,8 +121,8 @@ class _Run(SpareTending):
         self._job_metrics: JobMetrics | None = None
         self._lease_poll_at = 0.0
         self._fenced: str | None = None  # why the node lease's watchdog fenced us
-        self._primed = PrimedRanks(0, {})  # a spare node's ranks past `import torch`
         self._fenced_at = 0.0  # when (time.time(): its events are dated then)
+        self._primed = PrimedRanks(0, {})  # a spare node's ranks past `import torch`
         self._node_watch: NodeWatch | None = None
         self._events: EventLog | None = None
         if config.run_dir is not None:

@@ -16,10 +16,10 @@ a line that is not such an object exits 2 and says why on stderr.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 
 from resilient.launch.handover import parse_handover
+from resilient.launch.standby import detach_stdin, run_as_main
 
 __all__: list[str] = []
 
@@ -41,12 +41,8 @@ def main() -> int:
         return 2
     os.environ.clear()
     os.environ.update(env)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    runpy.run_path(argv[0], run_name="__main__")
+    os.close(detach_stdin())  # the agent's pipe said all it had to say
+    run_as_main(argv)
     return 0
 
 

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Final
 
-__all__ = ["standing_by", "wait_for_go"]
+__all__ = ["detach_stdin", "run_as_main", "standing_by", "wait_for_go"]
 
 # How often the wait looks whether the launcher is still there (the pipe's EOF
 # normally says so; a parent-death signal kills the spare too).
@@ -90,9 +90,10 @@ def _say_ready() -> None:
         os.close(fd)
 
 
-def _detach_stdin() -> int:
+def detach_stdin() -> int:
     """Move the launcher's pipe off fd 0 (the script must not read ``go`` by
-    accident); the script's stdin becomes /dev/null."""
+    accident); the script's stdin becomes /dev/null. Returns the pipe's new fd.
+    Also a primed rank's, once handed its rank (resilient.launch.primed)."""
     fd = os.dup(0)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -113,12 +114,16 @@ def main() -> int:
         usage = "usage: python -m resilient.launch.standby [--ready-fd N] SCRIPT [ARGS...]"
         print(usage, file=sys.stderr)
         return 2
-    script, *args = argv
-    _go_fd = _detach_stdin()
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    _go_fd = detach_stdin()
+    run_as_main(argv)
     return 0
+
+
+def run_as_main(argv: list[str]) -> None:
+    """Run ``argv[0]`` with arguments ``argv[1:]`` as ``python SCRIPT ARGS`` would."""
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
