@@ -311,6 +311,7 @@ def _run_job(
         max_restarts=job.max_restarts,
         # The fault-free reference loses no rank: spares there would only take CPU.
         warm_spares=job.warm_spares and bool(faults),
+        primed_restarts=bool(faults),  # a fault-free run restarts nothing
         evict_stragglers=job.evict_stragglers,
         min_ranks=job.min_ranks,
         shrink_after_s=job.shrink_after_s,

@@ -209,6 +209,15 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         "train under recovery.Session get cold restarts)",
     )
     run.add_argument(
+        "--no-primed-restarts",
+        dest="primed_restarts",
+        action="store_false",
+        help="do not keep a process per rank that has imported torch for the rank's "
+        "next cold restart (by default, with --max-restarts above 0 and no "
+        "--warm-spares, one waits per rank: ~200 MB of host memory each, a few "
+        "seconds off each restart)",
+    )
+    run.add_argument(
         "--evict-stragglers",
         action="store_true",
         help="a rank confirmed as a straggler may leave the job (exit code 75), when the "
@@ -327,6 +336,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         etcd=args.etcd,
         max_restarts=args.max_restarts,
         warm_spares=args.warm_spares,
+        primed_restarts=args.primed_restarts,
         min_ranks=args.min_ranks,
         min_nodes=min_nodes,
         shrink_after_s=args.shrink_after,

@@ -11,7 +11,8 @@ this machine, relays their output prefixed ``[rank N]``, and supervises them (wi
 * a rank that fails (non-zero exit or a signal) is started again *alone*, with the
   same rank id and its incarnation + 1, while the job-wide restart budget
   (``max_restarts``, as in torchrun) lasts; the other ranks are not touched, so
-  the data plane can shrink around the lost rank and re-admit the replacement;
+  the data plane can shrink around the lost rank and re-admit the replacement
+  (its warm spare if kept, else its primed process past ``import torch``);
 * once the budget is spent, the next failure stops every rank and the launcher
   returns that rank's exit code (death by signal N reported as 128+N, like a shell).
 
@@ -51,7 +52,6 @@ from resilient.launch.rank_procs import (
     reap,
     shell_exit_code,
     signal_group,
-    stop_all,
 )
 from resilient.launch.slots import (
     NEXT_SPARE_S,
@@ -61,6 +61,7 @@ from resilient.launch.slots import (
     kill_now,
     replacement_slots,
     slot_state,
+    stop_slots,
 )
 from resilient.launch.spares import PrimedRanks
 
@@ -105,7 +106,9 @@ class _Run(SpareTending):
         # until then spare_warming() already counts them.
         spares_due = 0.0 if config.warm_spares else None
         self._slots = [
-            Slot(config.global_rank(local), spare_at=spares_due) for local in range(config.nproc)
+            # primed_at 0: started once the ranks are (when primed restarts are on)
+            Slot(config.global_rank(local), spare_at=spares_due, primed_at=0.0)
+            for local in range(config.nproc)
         ]
         self._etcd: EmbeddedEtcd | None = None
         self._etcd_url = config.etcd or ""
@@ -233,6 +236,7 @@ class _Run(SpareTending):
                 if (code := self._check(slot)) is not None:
                     return self._fenced_exit() or code  # a rank the fence killed
                 self._tend_spare(slot)
+                self._tend_primed(slot)
             if all(slot.done for slot in self._slots):
                 if self._nodes is not None:
                     self._nodes.mark_done()
@@ -357,19 +361,16 @@ class _Run(SpareTending):
         warm = self._promote_spare(slot)
         self._publish_budget()  # after the promotion: that spare stands ready no more
         self._announce(slot, "warm" if warm else "cold")
-        how = " (warm spare)" if warm else ""
+        primed = not warm and self._start(slot)
+        how = " (warm spare)" if warm else " (primed)" if primed else ""
         self._out.notice(
             f"{what}; restarting as incarnation {slot.incarnation}{how} "
             f"({self._restarts}/{self._cfg.max_restarts} restarts used)"
         )
-        if not warm:
-            self._start(slot)
         self._event(
-            "recovery.started",
-            rank=slot.rank,
-            incarnation=slot.incarnation,
-            action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}",
-        )
+            "recovery.started", rank=slot.rank, incarnation=slot.incarnation,
+            action=f"restarted rank {slot.rank} as incarnation {slot.incarnation}{how}",
+        )  # fmt: skip
 
     def _publish_budget(self) -> None:
         if self._leases is not None:
@@ -435,14 +436,17 @@ class _Run(SpareTending):
             raise LauncherError(f"could not start the embedded etcd: {exc}") from exc
         self._etcd_url = self._etcd.url
 
-    def _start(self, slot: Slot) -> None:
+    def _start(self, slot: Slot) -> bool:
+        """Start ``slot``'s rank; True if from a primed process (a spare node's, or
+        the slot's own for a restart). Raises: LauncherError."""
         cfg = self._cfg
         script = [cfg.script, *cfg.script_args]
         argv = [sys.executable, "-u", *script]
         if cfg.rank_wrap:
             argv = [*cfg.rank_wrap[slot.rank - cfg.first_rank], *argv]
-        try:  # a spare node's ranks are primed
-            slot.proc, primed = self._primed.start(self._env(slot), script, argv)
+        source = self._take_primed(slot) or self._primed
+        try:
+            slot.proc, primed = source.start(self._env(slot), script, argv)
         except OSError as exc:
             raise LauncherError(f"could not start rank {slot.rank}: {exc}") from exc
         if self._fenced is not None:  # fenced while it started: see _fence
@@ -454,6 +458,7 @@ class _Run(SpareTending):
         how = "primed, " if primed else ""
         pid, inc = slot.proc.pid, slot.incarnation
         logger.info("rank %d started (%spid %d, incarnation %d)", slot.rank, how, pid, inc)
+        return primed
 
     def _env(self, slot: Slot, incarnation: int | None = None) -> dict[str, str]:
         inc = slot.incarnation if incarnation is None else incarnation
@@ -463,9 +468,8 @@ class _Run(SpareTending):
         )  # fmt: skip
 
     def _stop_ranks(self) -> None:
-        procs = [s.proc for s in self._slots if s.proc is not None]
-        procs += [s.spare.proc for s in self._slots if s.spare is not None]
-        stop_all([*procs, *self._primed.procs], grace_s=self._cfg.grace_s)
+        self._primed.close()  # end of file: primed processes exit 0 at once
+        stop_slots(self._slots, self._primed.procs, grace_s=self._cfg.grace_s)
 
 
 class Launcher:

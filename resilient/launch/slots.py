@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from resilient.launch.rank_procs import RankOutput, describe_exit, signal_group
-from resilient.launch.spares import Spare
+from resilient.launch.rank_procs import RankOutput, describe_exit, signal_group, stop_all
+from resilient.launch.spares import PrimedRanks, Spare
 
 if TYPE_CHECKING:
     from resilient.launch.launch_config import LaunchConfig
@@ -30,7 +30,9 @@ __all__ = [
     "finished_notice",
     "kill_now",
     "replacement_slots",
+    "slot_procs",
     "slot_state",
+    "stop_slots",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class Slot:
     spare: Spare | None = None  # warm standby for incarnation + 1
     spare_at: float | None = None  # when to start the next standby (monotonic)
     spares_killed: int = 0  # standbys that died by a signal before they were needed
+    primed: PrimedRanks | None = None  # a process past `import torch` for a cold restart
+    primed_at: float | None = None  # when to start it (monotonic)
     died_after_leaving: int = 0  # exit code of a rank that died once it had left the job
 
 
@@ -86,17 +90,34 @@ def replacement_slots(
     rank at its next incarnation (``incarnations``), spares due as in ``slots``."""
     return [
         Slot(cfg.global_rank(local), incarnation=incarnations.get(cfg.global_rank(local), 1),
-             spare_at=old.spare_at)
+             spare_at=old.spare_at, primed_at=old.primed_at)
         for local, old in enumerate(slots)
     ]  # fmt: skip
+
+
+def slot_procs(slots: Sequence[Slot]) -> list[subprocess.Popen[bytes]]:
+    """Every process ``slots`` hold: ranks, standbys and primed processes."""
+    procs = [s.proc for s in slots if s.proc is not None]
+    procs += [s.spare.proc for s in slots if s.spare is not None]
+    procs += [p for s in slots if s.primed is not None for p in s.primed.procs]
+    return procs
+
+
+def stop_slots(
+    slots: Sequence[Slot], others: Sequence[subprocess.Popen[bytes]], *, grace_s: float
+) -> None:
+    """Stop every process of ``slots`` and ``others`` (rank_procs.stop_all); primed
+    processes are told to exit first (end of file: they exit 0 at once)."""
+    for slot in slots:
+        if slot.primed is not None:
+            slot.primed.close()
+    stop_all([*slot_procs(slots), *others], grace_s=grace_s)
 
 
 def kill_now(slots: Sequence[Slot]) -> None:
     """SIGKILL every live rank and standby of ``slots`` (their whole sessions); safe
     from another thread (nothing is reaped here)."""
-    procs = [s.proc for s in slots if s.proc is not None]
-    procs += [s.spare.proc for s in slots if s.spare is not None]
-    for proc in procs:
+    for proc in slot_procs(slots):
         if proc.returncode is None:
             signal_group(proc, signal.SIGKILL)
 
@@ -191,6 +212,42 @@ class SpareTending:
             if not slot.done:
                 self._start_spare(slot)
             slot.spare_at = None  # only now: see _restart
+
+    def _primes_on(self) -> bool:
+        """Cold restarts start from a primed process: asked for, no warm spares
+        (they go further), and a restart left for one to take."""
+        cfg = self._cfg
+        return cfg.primed_restarts and not cfg.warm_spares and self._restarts < cfg.max_restarts
+
+    def _tend_primed(self, slot: Slot) -> None:
+        """Start ``slot``'s primed process when due; close it once it can no longer
+        be used (the rank is done, or no restart is left: it holds ~200 MB)."""
+        if slot.done or not self._primes_on():
+            if slot.primed is not None:
+                slot.primed.close()
+            slot.primed_at = None
+            return
+        if slot.primed is not None or slot.primed_at is None or time.monotonic() < slot.primed_at:
+            return
+        slot.primed_at = None
+        cfg = self._cfg
+        wrap = cfg.rank_wrap[slot.rank - cfg.first_rank] if cfg.rank_wrap else ()
+        try:
+            slot.primed = PrimedRanks(1, cfg.node_environ(), wrap)
+        except OSError as exc:
+            logger.warning("rank %d: could not start a primed process: %s", slot.rank, exc)
+            return
+        if self._fenced is not None:  # the node was fenced while it started
+            for proc in slot.primed.procs:
+                signal_group(proc, signal.SIGKILL)
+
+    def _take_primed(self, slot: Slot) -> PrimedRanks | None:
+        """``slot``'s primed process, for a cold restart (None if it has none); the
+        next is due NEXT_SPARE_S later, not to take CPU from the recovery."""
+        primed, slot.primed = slot.primed, None
+        if primed is not None:
+            slot.primed_at = time.monotonic() + NEXT_SPARE_S
+        return primed
 
     def _promote_spare(self, slot: Slot) -> bool:
         """Hand ``slot`` to its standby (already at ``slot.incarnation``); False if none."""

@@ -101,18 +101,21 @@ class Spare:
 
 
 class PrimedRanks:
-    """A spare node's primed ranks (:mod:`resilient.launch.primed`): one process per
-    rank it would run, each past ``import torch``, handed a rank when the node
-    takes one over."""
+    """Primed ranks (:mod:`resilient.launch.primed`): processes past ``import torch``,
+    each handed a rank's environment and script when it is to run one. A spare
+    node keeps one per rank it would run; the launcher keeps one per rank slot for
+    the slot's next cold restart (``LaunchConfig.primed_restarts``)."""
 
-    def __init__(self, count: int, env: Mapping[str, str]) -> None:
-        """Start ``count`` of them with the node's environment ``env``.
+    def __init__(self, count: int, env: Mapping[str, str], wrap: Sequence[str] = ()) -> None:
+        """Start ``count`` of them with the node's environment ``env``, inside
+        ``wrap`` (a command prefix, such as a network namespace's; may be empty).
 
         Raises:
             OSError: a process could not be started (those started are stopped).
         """
         self._procs: list[subprocess.Popen[bytes]] = []
-        cmd = [sys.executable, "-u", "-m", "resilient.launch.primed"]
+        self._closed: list[subprocess.Popen[bytes]] = []  # told to exit, not reaped yet
+        cmd = [*wrap, sys.executable, "-u", "-m", "resilient.launch.primed"]
         try:
             for _ in range(count):
                 pipe = subprocess.PIPE
@@ -124,8 +127,8 @@ class PrimedRanks:
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
-        """Those not handed a rank yet (to stop with the ranks)."""
-        return list(self._procs)
+        """Those not handed a rank, closed ones included (to stop with the ranks)."""
+        return [*self._procs, *self._closed]
 
     def take(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes] | None:
         """A primed process now running ``argv`` (script and arguments) in ``env``;
@@ -162,6 +165,7 @@ class PrimedRanks:
         """End those not handed a rank: end of file, so each exits 0 (a parent-death
         signal ends them anyway if this process dies first)."""
         procs, self._procs = self._procs, []
+        self._closed += procs
         for proc in procs:
             with contextlib.suppress(OSError):
                 if proc.stdin is not None:

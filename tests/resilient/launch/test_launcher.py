@@ -105,6 +105,9 @@ def no_leftovers() -> Iterator[None]:
 
 def config(script: str, out: Path, **kw: Any) -> LaunchConfig:
     kw.setdefault("grace_s", 2.0)
+    # Off unless a test is about them: a primed process (past `import torch`) would
+    # make a restart of these torch-free scripts slower, and when depends on timing.
+    kw.setdefault("primed_restarts", False)
     return LaunchConfig(script=script, script_args=(str(out),), **kw)
 
 
@@ -508,6 +511,58 @@ def test_loopback_rails_and_exit_helpers() -> None:
     assert (shell_exit_code(0), shell_exit_code(3), shell_exit_code(-9)) == (0, 3, 137)
     assert describe_exit(-15) == "code -15 (SIGTERM)"
     assert describe_exit(2) == "code 2"
+
+
+def _primed_pids() -> set[int]:
+    """The launcher's primed processes (resilient.launch.primed) running now."""
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if "resilient.launch.primed" in " ".join(p.cmdline())
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("primed", [True, False])
+def test_a_cold_restart_starts_from_the_ranks_primed_process(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str], primed: bool
+) -> None:
+    # Rank 1 fails once the test has seen a primed process per rank (or, with
+    # primed restarts off, at once); its next incarnation must be one of them,
+    # with torch imported before the script's first line.
+    script, out = make_script(
+        tmp_path,
+        """
+record("loaded", torch="torch" in sys.modules)
+if RANK == 1 and INC == 0:
+    wait_for("fail", timeout=60.0)
+    sys.exit(3)
+wait_for("start-1-1.json", timeout=60.0)
+record("done")
+""",
+    )
+    seen: set[int] = set()
+
+    def watch() -> None:
+        if primed:  # both ranks' primed processes stand waiting
+            wait_until(lambda: len(seen.update(_primed_pids()) or seen) >= 2, 60.0)
+        (out / "fail").write_text("")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, primed_restarts=primed)
+
+    assert Launcher(cfg).run() == 0
+    watcher.join(timeout=10.0)
+
+    assert records(out, "done") == ["done-0-0.json", "done-1-1.json"]
+    assert read(out, "loaded", 1, 0)["torch"] is False
+    again = read(out, "loaded", 1, 1)
+    assert again["torch"] is primed
+    assert (again["pid"] in seen) is primed
+    err = capsys.readouterr().err
+    assert ("restarting as incarnation 1 (primed)" in err) is primed
+    assert not _primed_pids()  # the other rank's, unused, was stopped with the job
 
 
 @pytest.mark.timeout(90)
