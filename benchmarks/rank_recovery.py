@@ -1,12 +1,16 @@
-"""Recovery from a SIGKILLed rank: resilient (cold and warm spare) against torchrun.
+"""Recovery from a SIGKILLed rank: resilient (cold, primed, warm spare) against torchrun.
 
     python benchmarks/rank_recovery.py --ranks 4 --state-mb 100 --steps 30 --kill-at 14
 
 Runs examples/train_ddp.py three times on this machine, each time SIGKILLing rank
 ``--victim`` right after rank 0 printed step ``--kill-at``:
 
-* ``resilient run --max-restarts 1`` (cold replacement: a new process imports torch);
-* the same with ``--warm-spares`` (a standby that already imported torch);
+* ``resilient run --max-restarts 1 --no-primed-restarts`` (cold replacement: a new
+  process imports torch);
+* ``resilient run --max-restarts 1`` (primed, the default: the replacement starts
+  from the rank's primed process, which imported torch while the job ran);
+* the same with ``--warm-spares`` (a standby that already imported torch, built the
+  model and DDP and ran the warm-up passes);
 * ``torchrun --max-restarts 1`` with gloo, checkpointing every ``--ckpt-every``
   steps and resuming from the checkpoint (every worker restarts);
 * ``resilient run --max-restarts 1 --min-ranks P-1`` with ``RESILIENT_POLICY=cost``
@@ -201,13 +205,13 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]
 def _resilient(
     args: argparse.Namespace,
     width: int,
-    warm: bool,
+    name: str,
     tmp: Path,
     *,
-    shrink: bool = False,
     repeat: int = 1,
 ) -> dict[str, Any]:
-    name = "shrink" if shrink else "warm" if warm else "cold"
+    """One launch; ``name``: cold, primed, warm or shrink."""
+    warm, shrink = name == "warm", name == "shrink"
     run_dir = tmp / (name if repeat == 1 else f"{name}-{repeat}")
     # A kept --out dir from an earlier run: its event logs would be read with ours.
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -215,11 +219,13 @@ def _resilient(
         sys.executable, "-m", "resilient", "run", "--nproc", str(args.ranks),
         "--max-restarts", "1", "--run-dir", str(run_dir), "--log-dir", str(run_dir / "logs"),
         *(["--warm-spares"] if warm else []),
+        *(["--no-primed-restarts"] if name in ("cold", "shrink") else []),
         *(["--min-ranks", str(args.ranks - 1), "--shrink-after", "30"] if shrink else []),
         str(SCRIPT), "--steps", str(args.steps), "--width", str(width),
     ]  # fmt: skip
     env = {"RESILIENT_POLICY": "cost"} if shrink else {}
-    label = {"shrink": "resilient cold, shrink+grow", "warm": "resilient warm spare"}
+    label = {"shrink": "resilient cold, shrink+grow", "warm": "resilient warm spare",
+             "primed": "resilient primed"}  # fmt: skip
     wall0, mono0 = time.time(), time.monotonic()
     run = _launch(label.get(name, "resilient cold"), argv, env, args)
     out = _summary(run, args.ranks)
@@ -264,6 +270,7 @@ def main() -> int:
     p.add_argument("--skip-torchrun", action="store_true")
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--skip-cold", action="store_true")
+    p.add_argument("--skip-primed", action="store_true")
     p.add_argument(
         "--with-shrink", action="store_true", help="also the shrink-then-grow run (policy cost)"
     )
@@ -283,12 +290,14 @@ def main() -> int:
         tmp = Path(args.out or d)
         results: list[dict[str, Any]] = []
         for n in range(1, args.repeat + 1):
-            if not args.skip_cold:
-                results.append(_resilient(args, width, False, tmp, repeat=n))
-            if not args.skip_warm:
-                results.append(_resilient(args, width, True, tmp, repeat=n))
-            if args.with_shrink:
-                results.append(_resilient(args, width, False, tmp, shrink=True, repeat=n))
+            for name, skip in (
+                ("cold", args.skip_cold),
+                ("primed", args.skip_primed),
+                ("warm", args.skip_warm),
+                ("shrink", not args.with_shrink),
+            ):
+                if not skip:
+                    results.append(_resilient(args, width, name, tmp, repeat=n))
         if not args.skip_torchrun:
             results.append(_torchrun(args, width, tmp))
     rows = [

@@ -214,7 +214,7 @@ def _add_supervision_flags(run: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not keep a process per rank that has imported torch for the rank's "
         "next cold restart (by default, with --max-restarts above 0 and no "
-        "--warm-spares, one waits per rank: ~200 MB of host memory each, a few "
+        "--warm-spares, one waits per rank: ~300 MB of host memory each, a few "
         "seconds off each restart)",
     )
     run.add_argument(

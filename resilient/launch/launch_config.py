@@ -113,7 +113,7 @@ class LaunchConfig:
     warm_spares: bool = False
     # Without warm spares, one process per rank past `import torch`
     # (resilient.launch.primed) that a cold restart of the rank starts from, while
-    # restarts are left: ~200 MB of host memory per rank for seconds of recovery.
+    # restarts are left: ~300 MB of host memory per rank for seconds of recovery.
     primed_restarts: bool = True
     # Serve Prometheus metrics on this port (all interfaces; 0: any free port).
     metrics_port: int | None = None

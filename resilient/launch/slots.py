@@ -221,7 +221,7 @@ class SpareTending:
 
     def _tend_primed(self, slot: Slot) -> None:
         """Start ``slot``'s primed process when due; close it once it can no longer
-        be used (the rank is done, or no restart is left: it holds ~200 MB)."""
+        be used (the rank is done, or no restart is left: it holds ~300 MB)."""
         if slot.done or not self._primes_on():
             if slot.primed is not None:
                 slot.primed.close()
