@@ -34,8 +34,6 @@ def main() -> int:
     import torch._dynamo
     import torch.distributed  # noqa: F401
 
-    import membership.members  # noqa: F401  resilient.init()'s etcd client (gRPC)
-    import resilient.backend
     import resilient.process_group  # noqa: F401
 
     line = sys.stdin.buffer.readline()
