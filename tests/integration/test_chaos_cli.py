@@ -605,9 +605,10 @@ params_equal_across_ranks = true
 params_equal_fault_free = true
 max_recovery_s = 8.0
 """
-    # 8 s: the replacement is cold (a new interpreter importing torch, building the
-    # job): 3.5-3.6 s idle here, 5.2 s in one slow CI run. The failure this guards
-    # against, a peer giving up at its 10 s op deadline, takes longer than that.
+    # 8 s: the replacement starts from its primed process (torch imported), then
+    # builds the job: 1.3 s here (3.5-3.6 s when it started cold, 12-27 s cold in
+    # a slow CI host). The failure this guards against, a peer giving up at its
+    # 10 s op deadline, takes longer than that.
     extra = "max_restarts = 1"
     scenario = _scenario(tmp_path, body, topology="netns", steps=250, nproc=4, job_extra=extra)
     out = tmp_path / "out"
