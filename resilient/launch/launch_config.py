@@ -232,6 +232,11 @@ class LaunchConfig:
         """Node ``node_rank``'s local rank L is global rank ``node_rank * nproc + L``."""
         return self.first_rank + local_rank
 
+    def wrap_of(self, rank: int) -> tuple[str, ...]:
+        """The command prefix global ``rank``'s processes start in (``rank_wrap``;
+        empty without one): the rank, its warm spare and its primed process."""
+        return self.rank_wrap[rank - self.first_rank] if self.rank_wrap else ()
+
     def _check_per_rank(self) -> None:
         for name in ("rank_rails", "rank_wrap"):
             value = tuple(tuple(str(x) for x in item) for item in getattr(self, name))

@@ -441,9 +441,7 @@ class _Run(SpareTending):
         the slot's own for a restart). Raises: LauncherError."""
         cfg = self._cfg
         script = [cfg.script, *cfg.script_args]
-        argv = [sys.executable, "-u", *script]
-        if cfg.rank_wrap:
-            argv = [*cfg.rank_wrap[slot.rank - cfg.first_rank], *argv]
+        argv = [*cfg.wrap_of(slot.rank), sys.executable, "-u", *script]
         source = self._take_primed(slot) or self._primed
         try:
             slot.proc, primed = source.start(self._env(slot), script, argv)

@@ -166,10 +166,9 @@ class SpareTending:
         cfg = self._cfg
         if not self._spares_on() or slot.spare is not None:
             return
-        wrap = cfg.rank_wrap[slot.rank - cfg.first_rank] if cfg.rank_wrap else ()
         env = self._env(slot, incarnation=slot.incarnation + 1)
         try:
-            slot.spare = Spare.start([cfg.script, *cfg.script_args], env, wrap)
+            slot.spare = Spare.start([cfg.script, *cfg.script_args], env, cfg.wrap_of(slot.rank))
         except OSError as exc:
             logger.warning("rank %d: could not start a warm spare: %s", slot.rank, exc)
             return
@@ -231,9 +230,8 @@ class SpareTending:
             return
         slot.primed_at = None
         cfg = self._cfg
-        wrap = cfg.rank_wrap[slot.rank - cfg.first_rank] if cfg.rank_wrap else ()
         try:
-            slot.primed = PrimedRanks(1, cfg.node_environ(), wrap)
+            slot.primed = PrimedRanks(1, cfg.node_environ(), cfg.wrap_of(slot.rank))
         except OSError as exc:
             logger.warning("rank %d: could not start a primed process: %s", slot.rank, exc)
             return
