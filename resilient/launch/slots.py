@@ -58,6 +58,7 @@ class Slot:
     spare: Spare | None = None  # warm standby for incarnation + 1
     spare_at: float | None = None  # when to start the next standby (monotonic)
     spares_killed: int = 0  # standbys that died by a signal before they were needed
+    primed_killed: int = 0  # the same of primed processes
     primed: PrimedRanks | None = None  # a process past `import torch` for a cold restart
     primed_at: float | None = None  # when to start it (monotonic)
     died_after_leaving: int = 0  # exit code of a rank that died once it had left the job
@@ -226,6 +227,8 @@ class SpareTending:
                 slot.primed.close()
             slot.primed_at = None
             return
+        if slot.primed is not None:
+            self._primed_exited(slot, slot.primed)
         if slot.primed is not None or slot.primed_at is None or time.monotonic() < slot.primed_at:
             return
         slot.primed_at = None
@@ -238,6 +241,29 @@ class SpareTending:
         if self._fenced is not None:  # the node was fenced while it started
             for proc in slot.primed.procs:
                 signal_group(proc, signal.SIGKILL)
+
+    def _primed_exited(self, slot: Slot, primed: PrimedRanks) -> None:
+        """Report ``slot``'s primed process if it exited before it was needed (its
+        output goes to the rank's log). One killed by a signal is started again
+        later (up to SPARE_RESTARTS times); else the next restart starts cold."""
+        gone = primed.exited()
+        if gone is None:
+            return
+        proc, code = gone
+        primed.close()
+        slot.primed = None
+        again = code < 0 and slot.primed_killed < SPARE_RESTARTS
+        if again:
+            slot.primed_killed += 1
+            slot.primed_at = time.monotonic() + NEXT_SPARE_S
+        then = (
+            f"another starts in {NEXT_SPARE_S:.0f} s" if again else "its next restart starts cold"
+        )
+        self._out.notice(
+            f"rank {slot.rank}'s primed process exited ({describe_exit(code)}) before it was "
+            f"needed; its output follows in the rank's log; {then}"
+        )
+        self._out.attach(slot.rank, slot.incarnation + 1, proc)
 
     def _take_primed(self, slot: Slot) -> PrimedRanks | None:
         """``slot``'s primed process, for a cold restart (None if it has none); the

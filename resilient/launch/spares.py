@@ -130,6 +130,15 @@ class PrimedRanks:
         """Those not handed a rank, closed ones included (to stop with the ranks)."""
         return [*self._procs, *self._closed]
 
+    def exited(self) -> tuple[subprocess.Popen[bytes], int] | None:
+        """One that exited while it waited (the OOM killer, a failed import), with
+        its exit code; None while every one not handed a rank is alive."""
+        for proc in self._procs:
+            code = reap(proc)
+            if code is not None:
+                return proc, code
+        return None
+
     def take(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes] | None:
         """A primed process now running ``argv`` (script and arguments) in ``env``;
         None when none is left alive (the caller starts the rank cold)."""

@@ -515,11 +515,12 @@ def test_loopback_rails_and_exit_helpers() -> None:
 
 def _primed_pids() -> set[int]:
     """The launcher's primed processes (resilient.launch.primed) running now."""
-    return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if "resilient.launch.primed" in " ".join(p.cmdline())
-    }
+    found = set()
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie not reaped yet
+            if "resilient.launch.primed" in " ".join(p.cmdline()):
+                found.add(p.pid)
+    return found
 
 
 @pytest.mark.timeout(120)
@@ -563,6 +564,49 @@ record("done")
     err = capsys.readouterr().err
     assert ("restarting as incarnation 1 (primed)" in err) is primed
     assert not _primed_pids()  # the other rank's, unused, was stopped with the job
+
+
+@pytest.mark.timeout(150)
+def test_a_primed_process_killed_while_it_waits_is_reported_and_started_again(
+    tmp_path: Path, etcd_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Both ranks' primed processes are SIGKILLed (as the OOM killer would): the
+    # launcher says so and starts others, and rank 1's restart is one of those.
+    script, out = make_script(
+        tmp_path,
+        """
+wait_for("fail", timeout=100.0)
+if RANK == 1 and INC == 0:
+    sys.exit(3)
+record("done")
+""",
+    )
+    first: set[int] = set()
+    second: set[int] = set()
+
+    def watch() -> None:
+        wait_until(lambda: len(first.update(_primed_pids()) or first) >= 2, 60.0)
+        for pid in first:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: len(second.update(_primed_pids() - first) or second) >= 2, 60.0)
+        (out / "fail").write_text("")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, primed_restarts=True)
+
+    assert Launcher(cfg).run() == 0
+    watcher.join(timeout=10.0)
+
+    err = capsys.readouterr().err
+    for rank in (0, 1):
+        assert (
+            f"rank {rank}'s primed process exited (code -9 (SIGKILL)) before it was needed; "
+            f"its output follows in the rank's log; another starts in" in err
+        )
+    assert "restarting as incarnation 1 (primed)" in err
+    assert read(out, "done", 1, 1)["pid"] in second
+    assert not _primed_pids()
 
 
 @pytest.mark.timeout(90)
