@@ -18,7 +18,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -523,6 +524,25 @@ def _primed_pids() -> set[int]:
     return found
 
 
+def _wait_for_primed(seen: set[int], besides: AbstractSet[int] = frozenset()) -> None:
+    """Add to ``seen`` the primed processes running (not in ``besides``) until it
+    holds two (one per rank)."""
+
+    def two() -> bool:
+        seen.update(_primed_pids() - besides)
+        return len(seen) >= 2
+
+    wait_until(two, 60.0)
+
+
+def _run_watched(cfg: LaunchConfig, watch: Callable[[], None]) -> None:
+    """Run the job with ``watch`` in a thread beside it; the job must succeed."""
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert Launcher(cfg).run() == 0
+    watcher.join(timeout=10.0)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("primed", [True, False])
 def test_a_cold_restart_starts_from_the_ranks_primed_process(
@@ -546,15 +566,11 @@ record("done")
 
     def watch() -> None:
         if primed:  # both ranks' primed processes stand waiting
-            wait_until(lambda: len(seen.update(_primed_pids()) or seen) >= 2, 60.0)
+            _wait_for_primed(seen)
         (out / "fail").write_text("")
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, primed_restarts=primed)
-
-    assert Launcher(cfg).run() == 0
-    watcher.join(timeout=10.0)
+    _run_watched(cfg, watch)
 
     assert records(out, "done") == ["done-0-0.json", "done-1-1.json"]
     assert read(out, "loaded", 1, 0)["torch"] is False
@@ -585,18 +601,14 @@ record("done")
     second: set[int] = set()
 
     def watch() -> None:
-        wait_until(lambda: len(first.update(_primed_pids()) or first) >= 2, 60.0)
+        _wait_for_primed(first)
         for pid in first:
             os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: len(second.update(_primed_pids() - first) or second) >= 2, 60.0)
+        _wait_for_primed(second, besides=first)
         (out / "fail").write_text("")
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
     cfg = config(script, out, nproc=2, etcd=etcd_url, max_restarts=1, primed_restarts=True)
-
-    assert Launcher(cfg).run() == 0
-    watcher.join(timeout=10.0)
+    _run_watched(cfg, watch)
 
     err = capsys.readouterr().err
     for rank in (0, 1):
