@@ -1,26 +1,19 @@
-"""How much of the wall time this process could not run: stopped or throttled.
+"""How much of the wall time this process could not run: stopped, throttled, starved.
 
-A process that is SIGSTOPped or CPU-throttled by its cgroup is slow at everything,
-compute and communication alike, so its peers' clocks show little: they block in
-the same collectives it blocks in. From outside, though, it shows plainly, and
-:class:`StolenTime` keeps it as a running total (straggler detection compares it
-across ranks).
+A process that is SIGSTOPped, CPU-throttled by its cgroup or starved by a noisy
+neighbour is slow at everything, compute and communication alike, so its peers'
+clocks show little: they block in the same collectives it blocks in. From outside,
+though, it shows plainly, and :class:`StolenTime` keeps it as a running total
+(straggler detection compares it across ranks).
 
 The meter is a small child process, not a thread. Every :data:`PERIOD_S` (every
 :data:`IDLE_PERIOD_S` while nothing is stolen) it reads the rank's state
 (``/proc/<pid>/stat``): the time a rank was stopped counts, to a period. A
 throttled rank's time comes from its CPU cgroup's own account (``cpu.stat``'s
-``throttled_time``, v2's ``throttled_usec``; the root cgroup has none). The
-total goes into 8 bytes of shared memory the rank reads without a system call.
-
-A rank merely starved of CPU by other processes counts nothing here. The meter
-once counted its own late wake-ups (10 ms or more) as the rank's starvation, but
-on a crowded host that is scheduling noise no rank owns: in a clean 4-rank job on
-2 cores with a test suite running beside it, healthy ranks read 0.46-0.78 of their
-peers in the stall detector and were confirmed stragglers twice in 6,000 steps
-(2026-12-07). A rank that is starved for long is still slower at its compute,
-and that shows in its active time, which the compute detector judges over
-longer samples (resilient.detect.stragglers).
+``throttled_time``, v2's ``throttled_usec``; the root cgroup has none), a starved
+one's from the meter's own lateness (it shares the rank's cgroup and cores): a
+sleep that wakes more than :data:`_LATE_S` late counts. The total goes into 8
+bytes of shared memory the rank reads without a system call.
 
 Why not a thread of the rank, as it was until 2026-12-04: a thread's late wake-up
 counts its wait for the GIL as stolen (31-37 ms of every 100 beside a main
@@ -58,30 +51,35 @@ logger = logging.getLogger(__name__)
 PERIOD_S: Final = 0.005
 # While nothing was stolen for HOT_S, the meter looks only every IDLE_PERIOD_S:
 # at 5 ms it cost ~10 ms of CPU a second, 2 % of a 2-core host running 4 ranks,
-# and 800 wake-ups a second there, each taking a core from a rank. A stop, a
-# throttle or a late wake-up seen puts it back to PERIOD_S for HOT_S, so a stopped rank (the
+# and 800 wake-ups a second there, each taking a core from a rank. A stop or a
+# late wake-up seen puts it back to PERIOD_S for HOT_S, so a stopped rank (the
 # chaos "slow" fault stops one every 100 ms) is measured as finely as before.
 IDLE_PERIOD_S: Final = 0.02
 HOT_S: Final = 0.25
 # How often the meter looks up the rank's CPU cgroup again (see _METER).
 CGROUP_EVERY_S: Final = 0.05
-# A wake-up later than this (beyond ordinary timer slack) makes the meter look
-# closely (every PERIOD_S) for HOT_S; lateness itself counts nothing (see the
-# module docstring: on a crowded host an idle meter woke 2-19 ms late, unevenly).
+# Late wake-ups below this are ordinary timer slack: they only make the meter look
+# closely (every PERIOD_S) for HOT_S.
 _SLACK_S: Final = 0.002
+# Late wake-ups count as stolen only beyond this. On a host crowded with other
+# work (load 10 on 2 cores) an idle meter woke 2-19 ms late, 4 % of the time
+# summed, and unevenly: healthy ranks read 1.3-2x their peers' time in single
+# 100 ms samples and were confirmed stragglers (5 times in 1,000 clean steps). A
+# throttle is counted from the cgroup's own account instead, a stop from the
+# rank's state; what lateness still counts is a starvation of 10 ms or more.
+_LATE_S: Final = 0.01
 _TOTAL: Final = struct.Struct("<q")
 
 # The meter's program (stdlib only: it runs with -I -S, ~15 ms to start). argv:
-# shared-memory fd, the rank's pid, the pipe's read end, periods, hot span, slack,
-# how often the cgroup is looked up.
+# shared-memory fd, the rank's pid, the pipe's read end, periods, hot span, slack.
 # A look that finds the rank stopped counts the time since the last look whole,
 # or half of it when the last look found it running (the stop began somewhere in
 # between); a look that finds it running again counts half the time since a look
 # that found it stopped. So a stop is counted without bias whatever the period.
-# A look that finds it running counts the time the rank's CPU cgroup was
-# throttled since the last look (its cpu.stat): the cgroup's own account, where
-# the meter's lateness (it shares that cgroup) shows only a throttle that spans one
-# of its wake-ups. Short throttles of a rank a little over
+# A look that finds it running counts the larger of its own lateness and the time
+# the rank's CPU cgroup was throttled since the last look (its cpu.stat), never
+# both: the meter shares that cgroup, so a throttle delays it too, but only a
+# throttle that spans one of its wake-ups. Short throttles of a rank a little over
 # its quota (a slow-cpu fault of 0.7) fell between 20 ms looks: a third of the
 # samples of such a rank read nothing stolen, and confirming it took up to 24
 # steps. A rank's cgroup is looked up again every CGROUP_EVERY_S (it may be
@@ -89,7 +87,7 @@ _TOTAL: Final = struct.Struct("<q")
 _METER = r"""
 import mmap, os, select, struct, sys, time
 fd, pid, pipe = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-fast, idle, hot, slack, every = (float(a) for a in sys.argv[4:9])
+fast, idle, hot, slack, every, late = (float(a) for a in sys.argv[4:10])
 total = mmap.mmap(fd, 8)
 try:
     stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
@@ -157,7 +155,8 @@ while not poller.poll(period * 1000) and os.getppid() == pid:
         stolen += max((now - before) * (1.0 if stopped and was_stopped else 0.5), lost)
         hot_until = now + hot
     elif now - before - period > slack or lost > 0.0:
-        stolen += lost
+        lateness = now - before - period
+        stolen += max(lateness if lateness > late else 0.0, lost)
         hot_until = now + hot
     was_stopped, before = stopped, now
     period = fast if now < hot_until else idle
@@ -207,7 +206,7 @@ class StolenTime:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _METER, str(fd), str(os.getpid()),
                      str(read), str(PERIOD_S), str(IDLE_PERIOD_S), str(HOT_S), str(_SLACK_S),
-                     str(CGROUP_EVERY_S)],
+                     str(CGROUP_EVERY_S), str(_LATE_S)],
                     pass_fds=(fd, read), start_new_session=True, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
             finally:

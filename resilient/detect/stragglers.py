@@ -2,7 +2,7 @@
 
 Every exchange row carries the rank's clock (see :mod:`resilient.check.exchange`):
 time spent waiting inside exchanges for the other ranks, time *stolen* (the process
-could not run: stopped or CPU-throttled) and the rest ("active"). All ranks
+could not run: stopped, CPU-throttled, starved) and the rest ("active"). All ranks
 see every rank's clock in the same exchange table, so each runs the same
 :class:`~resilient.detect.straggler_scores.StragglerDetector` and reaches the same verdicts
 without any extra message; verdicts become ``straggler.suspected`` /
@@ -65,12 +65,11 @@ MIN_CALLS: Final = 2
 # was faster but missed one run in five there: a rank stopped 30 % of the time
 # read 0.72-0.75 of its peers, at that gap's edge.
 # That evidence holds on a crowded host because the meter counts a throttle from
-# the cgroup's own account and a stop from the rank's state, and no lateness of
-# its own (resilient.detect.stolen_time): with every 2-19 ms lateness counted, a
-# healthy rank of a host at load 10 read under 0.53 of its peers in 1 % of samples
-# (under 0.71 in 5 %), and 3 of 4 confirmed one 5 times in 1,000 clean steps; with
-# lateness of 10 ms and more still counted, twice in 6,000 clean steps with a test
-# suite running beside the job (2026-12-07).
+# the cgroup's own account and ignores late wake-ups under 10 ms
+# (resilient.detect.stolen_time): with every 2-19 ms lateness counted, a healthy
+# rank of a host at load 10 read under 0.53 of its peers in 1 % of samples (under
+# 0.71 in 5 %), and 3 of 4 confirmed one 5 times in 1,000 clean steps; without
+# them, under 0.67-0.70 in 1 % (0.81-0.84 in 5 %).
 STALL_CONFIG: Final = StragglerConfig(recent=1, margin=0.2, confirm_steps=3, confirm_window=4)
 # Active time carries the host's scheduling: at load ~10 on 2 cores a healthy rank
 # was active 1.14-1.16x its peers' median over 2 s (median of 5 samples) for long
@@ -257,7 +256,7 @@ class StragglerWatch:
         times = f"{1 / t.relative:.2f}x" if t.relative > 0 else "over 20000x"
         what = (
             f"took {times} its peers' median time: it could not run part of the time "
-            "(stopped or throttled)"
+            "(stopped, throttled or starved)"
             if signal == "stalled"
             else f"was active {times} its peers' median time while they waited for it"
         )
