@@ -198,16 +198,7 @@ class SpareTending:
             slot.spare = None  # after spare_at: see _restart
             if was_ready:
                 self._publish_budget()
-            then = (
-                f"another starts in {NEXT_SPARE_S:.0f} s"
-                if again
-                else "a loss of the rank starts cold"
-            )
-            self._out.notice(
-                f"rank {slot.rank}'s warm spare exited ({describe_exit(code)}) before it was "
-                f"needed; its output follows in the rank's log; {then}"
-            )
-            self._out.attach(slot.rank, slot.incarnation + 1, spare.proc)
+            self._exited_early(slot, "warm spare", spare.proc, code, again, "a loss of the rank")
         elif slot.spare_at is not None and time.monotonic() >= slot.spare_at:
             if not slot.done:
                 self._start_spare(slot)
@@ -256,11 +247,23 @@ class SpareTending:
         if again:
             slot.primed_killed += 1
             slot.primed_at = time.monotonic() + NEXT_SPARE_S
-        then = (
-            f"another starts in {NEXT_SPARE_S:.0f} s" if again else "its next restart starts cold"
-        )
+        self._exited_early(slot, "primed process", proc, code, again, "its next restart")
+
+    def _exited_early(
+        self,
+        slot: Slot,
+        what: str,
+        proc: subprocess.Popen[bytes],
+        code: int,
+        again: bool,
+        cold: str,
+    ) -> None:
+        """Say that ``slot``'s standby ``what`` exited before it was needed and what
+        follows (``again``: another in NEXT_SPARE_S, else ``cold`` starts cold);
+        its output goes to the rank's log."""
+        then = f"another starts in {NEXT_SPARE_S:.0f} s" if again else f"{cold} starts cold"
         self._out.notice(
-            f"rank {slot.rank}'s primed process exited ({describe_exit(code)}) before it was "
+            f"rank {slot.rank}'s {what} exited ({describe_exit(code)}) before it was "
             f"needed; its output follows in the rank's log; {then}"
         )
         self._out.attach(slot.rank, slot.incarnation + 1, proc)
