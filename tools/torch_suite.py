@@ -247,7 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.as_gloo:
         os.environ[_AS] = args.backend
     os.environ["WORLD_SIZE"] = str(args.world_size)
-    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="torch-suite-"))
+    if "TEMP_DIR" in os.environ:  # the caller's, kept
+        return _run(args)
+    # The suite's file stores and barrier files; the ranks inherit TEMP_DIR.
+    with tempfile.TemporaryDirectory(prefix="torch-suite-") as temp:
+        os.environ["TEMP_DIR"] = temp
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     os.environ[_MARK] = "1"
     cls = _suite_class()
     names = _selected(cls, args)

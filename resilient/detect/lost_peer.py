@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from resilient.detect.health_board import HealthBoard
 from resilient.links.table import LinkTable
 
-__all__ = ["closed_rails", "cut_rails", "dead_peer", "gone_rails", "left_in_order"]
+__all__ = ["closed_rails", "cut_rails", "dead_peer", "departed_peer", "gone_rails", "left_in_order"]
 
 
 def closed_rails(tables: Iterable[LinkTable]) -> dict[int, set[int]]:
@@ -87,6 +87,13 @@ def dead_peer(tables: Iterable[LinkTable], rails: int, board: HealthBoard) -> in
         if closed - board.peer_cut_rails(peer):
             return peer
     return None
+
+
+def departed_peer(tables: Iterable[LinkTable]) -> int | None:
+    """The lowest peer a link build found had shut its group down (so it never
+    came to the rendezvous; no link to it closes, since none was built), or None."""
+    departed = set().union(*(t.left_peers for t in tables))
+    return min(departed) if departed else None
 
 
 def left_in_order(board: HealthBoard, peer: int, submitted: int | None) -> bool:

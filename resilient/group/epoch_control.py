@@ -167,6 +167,7 @@ class EpochControl:
         self.board.seed_nic_down(r for r, up in enumerate(self.nics.up) if not up)
         self.nics.epoch = self.epoch
         self.links.refuse = self._refuse_link
+        self.links.gone = self._peer_gone
         self.board.attach(self.links)
         self.board.on_lost = self.peer_loss.reported
         engine.board = self.board
@@ -194,6 +195,7 @@ class EpochControl:
         self.links.stage_installs = True
         checks.engine.links.stage_installs = True
         checks.engine.links.refuse = self._refuse_link
+        checks.engine.links.gone = self._peer_gone
         if self.borrowing is not None:
             checks.engine.links.borrow = self.borrowing(checks.engine.links.name)
         self.board.attach(checks.engine.links)
@@ -223,6 +225,12 @@ class EpochControl:
         if self.slow_vote is not None:
             engine.slow_rank = self.slow_vote.decide(exchange.seq, exchange.lagging)
         return engine
+
+    def _peer_gone(self, peer: int) -> str | None:
+        """Why ``peer`` (a position) will never come to build a link: it shut its
+        group down (its board record says so), or None."""
+        left = self.board.peer_left_after(peer)
+        return None if left is None else f"rank {peer} shut its group down"
 
     def _refuse_link(self, peer: int, rail: int) -> str | None:
         """Why not to build a link to ``peer`` (a position) on ``rail`` now, or None."""

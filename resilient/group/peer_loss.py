@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from resilient import events
-from resilient.detect.lost_peer import dead_peer, left_in_order
+from resilient.detect.lost_peer import dead_peer, departed_peer, left_in_order
 from resilient.errors import PeerLost
 from resilient.group import rescue
 
@@ -73,6 +73,10 @@ class PeerLoss:
             return self.lost
         ep = self._epoch
         peer = dead_peer(ep.tables(), self._rails, ep.board)
+        why = f"its connections closed on all {self._rails} rail(s)"
+        if peer is None:
+            peer = departed_peer(ep.tables())
+            why = "it shut its group down before the links this rank needed were built"
         if peer is None:
             return None
         checks = ep.checks
@@ -81,11 +85,10 @@ class PeerLoss:
                 ep.board.departed.add(peer)
                 logger.info(
                     "rank %d (epoch %d): rank %d shut its group down after all of this "
-                    "rank's calls: its connections closed in order", self._rank,
-                    ep.epoch, ep.members[peer],
+                    "rank's calls", self._rank, ep.epoch, ep.members[peer],
                 )  # fmt: skip
             return None
-        return self.declare(peer, f"its connections closed on all {self._rails} rail(s)")
+        return self.declare(peer, why)
 
     def await_lost(self) -> PeerLost | None:
         """After a failed call: the lost peer, if one is known within LOSS_GRACE_S.

@@ -4,7 +4,9 @@ rendezvous prefix and reads what the peer said (:class:`Handshake`, one per
 
 Every wait polls (the store client is shared with the health board, so never a
 blocking get) and ends as soon as nobody wants the link any more: the table
-closed, its epoch's calls were given up, or it left the epoch the key belongs to.
+closed, its epoch's calls were given up, or it left the epoch the key belongs to;
+or as soon as the peer can no longer come (it shut its group down), which the
+table's ``peer_gone`` says and a wait asks every :data:`GONE_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from torch.distributed import DistError
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 
-__all__ = ["Handshake"]
+__all__ = ["GONE_EVERY_S", "Handshake"]
+
+# How often a wait asks whether its peer shut its group down: a store read, and a
+# peer that left makes its partner wait this much longer at most.
+GONE_EVERY_S = 0.25
 
 
 class _Table(Protocol):
@@ -31,6 +37,8 @@ class _Table(Protocol):
     config: DataPlaneConfig
     closed: bool
     abandoned: str | None
+
+    def peer_gone(self, peer: int) -> str | None: ...
 
 
 class Handshake:
@@ -89,16 +97,23 @@ class Handshake:
             LinkError: not within ``timeout_s`` (default ``connect_timeout_s``), or
                 the table closed, its epoch was given up or it left the key's epoch
                 (a build begun before an epoch change must not hold up the next
-                epoch's builds, which wait for their turn behind it).
+                epoch's builds, which wait for their turn behind it), or the peer
+                shut its group down.
         """
         t = self._t
         timeout_s = t.config.connect_timeout_s if timeout_s is None else timeout_s
-        end = time.monotonic() + timeout_s
+        now = time.monotonic()
+        end, look = now + timeout_s, now + GONE_EVERY_S
         nap = 0.0005
         while not t.store.check([key]):
             if t.closed or t.abandoned is not None or not key.startswith(f"{t.name}/e{t.epoch}/"):
                 raise LinkError(f"rank {t.rank}: link to rank {peer} on rail {rail} given up")
-            if time.monotonic() > end:
+            now = time.monotonic()
+            if now >= look:
+                look = now + GONE_EVERY_S
+                if (why := t.peer_gone(peer)) is not None:
+                    raise LinkError(f"rank {t.rank}: link to rank {peer} on rail {rail}: {why}")
+            if now > end:
                 raise LinkError(
                     f"rank {t.rank}: rank {peer} did not come to build the link on rail "
                     f"{rail} within {timeout_s:.1f} s"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from torch._C._distributed_c10d import Store
@@ -24,7 +25,7 @@ from torch._C._distributed_c10d import Store
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 from resilient.links.build_turns import BuildTurns, Wanted
-from resilient.links.handshake import Handshake
+from resilient.links.handshake import GONE_EVERY_S, Handshake
 from resilient.links.ledger import salt_of
 from resilient.links.lending import BorrowedLink, usable
 from resilient.links.link import Link
@@ -82,6 +83,11 @@ class LinkTable:
         # Why this rank will not build its link to (peer, rail) now (its NIC there is
         # down, or the peer's), or None; see ensure.
         self.refuse: Callable[[int, int], str | None] | None = None
+        # Why a peer will never come to a rendezvous (it shut its group down), or
+        # None; a handshake asks while it waits (resilient.links.handshake).
+        self.gone: Callable[[int], str | None] | None = None
+        # Peers a build found gone so (see peer_gone): lost, if a call needed them.
+        self.left_peers: set[int] = set()
         self.closed = False
         # Why this epoch's calls are being given up (a peer was lost), or None: then
         # no failover is attempted, since the peers stopped taking part too.
@@ -115,15 +121,36 @@ class LinkTable:
             config=config or self.config,
             device_type=self.device_type,
             salt=salt_of(self.epoch),
-            over=self._over(self.epoch),
+            over=self._over(self.epoch, peer),
             met=met,
             background=background,
         )
         return self._wire(link)
 
-    def _over(self, epoch: int) -> Callable[[], bool]:
-        """Whether a build begun in ``epoch`` has nobody waiting for it any more."""
-        return lambda: self.closed or self.abandoned is not None or self.epoch != epoch
+    def _over(self, epoch: int, peer: int) -> Callable[[], bool]:
+        """Whether a build with ``peer`` begun in ``epoch`` has nobody waiting for it
+        any more, or can never finish (the peer shut its group down: asked every
+        GONE_EVERY_S, since that reads the store)."""
+        look = time.monotonic() + GONE_EVERY_S
+
+        def over() -> bool:
+            nonlocal look
+            if self.closed or self.abandoned is not None or self.epoch != epoch:
+                return True
+            if self.gone is None or time.monotonic() < look:
+                return False
+            look = time.monotonic() + GONE_EVERY_S
+            return self.peer_gone(peer) is not None
+
+        return over
+
+    def peer_gone(self, peer: int) -> str | None:
+        """Why ``peer`` will never come to a rendezvous (``gone``'s answer, read from
+        the store), remembered in :attr:`left_peers`; or None."""
+        why = self.gone(peer) if self.gone is not None else None
+        if why is not None:
+            self.left_peers.add(peer)
+        return why
 
     def _wire(self, link: Link) -> Link:
         # Waits of the signature exchange last as long as the latest rank takes to

@@ -84,3 +84,28 @@ def test_a_peer_that_left_before_a_call_this_rank_is_in_is_lost(transport: str) 
         assert out[rank]["lost"] == 1, out
         # Found by its closes, not at the 20 s op deadline of tests._dist.
         assert out[rank]["after_s"] < 5.0, out
+
+
+def _left_before_any_link(pg: Any, rank: int, world: int) -> dict[str, Any]:
+    store = pg.links.store
+    if rank == 1:
+        pg.shutdown()  # before any call: no link of the group was ever built
+        store.set("gone/1", "1")
+        return {}
+    _wait_gone(store, [1])
+    start = time.monotonic()
+    try:
+        pg.barrier().wait()
+    except Exception as exc:
+        return {"error": type(exc).__name__, "text": str(exc), "after_s": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("rails", [1, 2])
+def test_a_peer_that_left_before_any_link_was_built_is_not_waited_for(rails: int) -> None:
+    # A rank that timed out in a call its peer never made shuts its group down while
+    # that call still builds the links; it must not wait out connect_timeout_s.
+    config = {"connect_timeout_s": 60.0}
+    out = run_world(_left_before_any_link, 2, rails=rails, config=config)[0]
+    assert out["error"] == "PeerLost", out
+    assert out["after_s"] < 10.0, out
