@@ -6,7 +6,7 @@ Every wait polls (the store client is shared with the health board, so never a
 blocking get) and ends as soon as nobody wants the link any more: the table
 closed, its epoch's calls were given up, or it left the epoch the key belongs to;
 or as soon as the peer can no longer come (it shut its group down), which the
-table's ``peer_gone`` says and a wait asks every :data:`GONE_EVERY_S`.
+table's ``peer_gone`` says (reading the store at its own pace).
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ from torch.distributed import DistError
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 
-__all__ = ["GONE_EVERY_S", "Handshake"]
-
-# How often a wait asks whether its peer shut its group down: a store read, and a
-# peer that left makes its partner wait this much longer at most.
-GONE_EVERY_S = 0.25
+__all__ = ["Handshake"]
 
 
 class _Table(Protocol):
@@ -102,18 +98,14 @@ class Handshake:
         """
         t = self._t
         timeout_s = t.config.connect_timeout_s if timeout_s is None else timeout_s
-        now = time.monotonic()
-        end, look = now + timeout_s, now + GONE_EVERY_S
+        end = time.monotonic() + timeout_s
         nap = 0.0005
         while not t.store.check([key]):
             if t.closed or t.abandoned is not None or not key.startswith(f"{t.name}/e{t.epoch}/"):
                 raise LinkError(f"rank {t.rank}: link to rank {peer} on rail {rail} given up")
-            now = time.monotonic()
-            if now >= look:
-                look = now + GONE_EVERY_S
-                if (why := t.peer_gone(peer)) is not None:
-                    raise LinkError(f"rank {t.rank}: link to rank {peer} on rail {rail}: {why}")
-            if now > end:
+            if (why := t.peer_gone(peer)) is not None:
+                raise LinkError(f"rank {t.rank}: link to rank {peer} on rail {rail}: {why}")
+            if time.monotonic() > end:
                 raise LinkError(
                     f"rank {t.rank}: rank {peer} did not come to build the link on rail "
                     f"{rail} within {timeout_s:.1f} s"

@@ -25,7 +25,7 @@ from torch._C._distributed_c10d import Store
 from resilient.config import DataPlaneConfig
 from resilient.errors import LinkError
 from resilient.links.build_turns import BuildTurns, Wanted
-from resilient.links.handshake import GONE_EVERY_S, Handshake
+from resilient.links.handshake import Handshake
 from resilient.links.ledger import salt_of
 from resilient.links.lending import BorrowedLink, usable
 from resilient.links.link import Link
@@ -37,6 +37,10 @@ __all__ = ["Counters", "Link", "LinkTable"]
 Counters = tuple[int, int, int, int, int, int]
 
 logger = logging.getLogger(__name__)
+
+# How often a rendezvous wait reads whether its peer shut its group down (a store
+# read): a peer that left keeps its partner waiting this much longer at most.
+GONE_EVERY_S = 0.25
 
 
 class LinkTable:
@@ -86,8 +90,10 @@ class LinkTable:
         # Why a peer will never come to a rendezvous (it shut its group down), or
         # None; a handshake asks while it waits (resilient.links.handshake).
         self.gone: Callable[[int], str | None] | None = None
-        # Peers a build found gone so (see peer_gone): lost, if a call needed them.
-        self.left_peers: set[int] = set()
+        # This epoch's peers a build found gone so, and why (see peer_gone): lost,
+        # if a call needed them; and when peer_gone may next read a peer's record.
+        self.left_peers: dict[int, str] = {}
+        self._gone_next: dict[int, float] = {}
         self.closed = False
         # Why this epoch's calls are being given up (a peer was lost), or None: then
         # no failover is attempted, since the peers stopped taking part too.
@@ -129,27 +135,27 @@ class LinkTable:
 
     def _over(self, epoch: int, peer: int) -> Callable[[], bool]:
         """Whether a build with ``peer`` begun in ``epoch`` has nobody waiting for it
-        any more, or can never finish (the peer shut its group down: asked every
-        GONE_EVERY_S, since that reads the store)."""
-        look = time.monotonic() + GONE_EVERY_S
-
-        def over() -> bool:
-            nonlocal look
-            if self.closed or self.abandoned is not None or self.epoch != epoch:
-                return True
-            if self.gone is None or time.monotonic() < look:
-                return False
-            look = time.monotonic() + GONE_EVERY_S
-            return self.peer_gone(peer) is not None
-
-        return over
+        any more, or can never finish (the peer shut its group down)."""
+        return lambda: (
+            self.closed
+            or self.abandoned is not None
+            or self.epoch != epoch
+            or self.peer_gone(peer) is not None
+        )
 
     def peer_gone(self, peer: int) -> str | None:
-        """Why ``peer`` will never come to a rendezvous (``gone``'s answer, read from
-        the store), remembered in :attr:`left_peers`; or None."""
-        why = self.gone(peer) if self.gone is not None else None
-        if why is not None:
-            self.left_peers.add(peer)
+        """Why ``peer`` will never come to a rendezvous in this epoch (``gone``'s
+        answer), or None. Every wait asks as it polls; the store is read at most
+        every GONE_EVERY_S per peer, and a departure found is remembered in
+        :attr:`left_peers` until the epoch ends."""
+        if (why := self.left_peers.get(peer)) is not None or self.gone is None:
+            return why
+        now = time.monotonic()
+        if now < self._gone_next.get(peer, 0.0):
+            return None
+        self._gone_next[peer] = now + GONE_EVERY_S
+        if (why := self.gone(peer)) is not None:
+            self.left_peers[peer] = why
         return why
 
     def _wire(self, link: Link) -> Link:
@@ -476,6 +482,7 @@ class LinkTable:
         with self._lock:
             self.epoch = epoch
             self.abandoned = None
+            self.left_peers, self._gone_next = {}, {}  # in the old numbering
             drop = [lk for key, lk in self._links.items() if key not in wanted]
             drop += [lk for lk, _ in self._staged.values()]
             kept = {k: lk for k, lk in self._links.items() if k in wanted}
