@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import socket
 from dataclasses import asdict, dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["NodeInfo"]
+if TYPE_CHECKING:
+    from membership.etcd_client import KeyValue
+
+__all__ = ["NodeInfo", "parse_row", "this_host"]
+
+logger = logging.getLogger(__name__)
 
 # What must agree between the agents of one job, with the flag that sets it.
 _MUST_AGREE: Final = (
@@ -64,3 +72,20 @@ class NodeInfo:
             if getattr(other, name) != getattr(self, name)
         ]
         return "; ".join(diffs) or None
+
+
+def parse_row(row: KeyValue | None) -> NodeInfo | None:
+    """The node record in ``row``; None when there is none or it is malformed
+    (logged: a record no agent of this version wrote)."""
+    if row is None:
+        return None
+    try:
+        return NodeInfo.from_json(row.value)
+    except (ValueError, KeyError, TypeError):
+        logger.warning("ignoring a malformed node record at %s", row.key)
+        return None
+
+
+def this_host() -> tuple[str, int]:
+    """This machine's name and this process's pid, for a :class:`NodeInfo`."""
+    return socket.gethostname(), os.getpid()

@@ -16,7 +16,8 @@ untouched:
   for the later one, which removes its key; agents already waiting skip it;
 * another token: :class:`JobTokenMismatch`, nothing read or written.
 
-**Fencing.** Once the agent runs ranks it asks :meth:`NodeRendezvous.watch_lease`
+**Fencing** (:mod:`membership.node_lease`). Once the agent runs ranks it asks
+:meth:`NodeRendezvous.watch_lease`
 to fence it: a watchdog thread calls back when the node lease may be about to
 expire in etcd, i.e. ``fence_margin_s`` before the lease TTL has passed since the
 last keep-alive that etcd acknowledged (measured from when that keep-alive was
@@ -32,37 +33,38 @@ moves the spare to ``nodes/<K>`` in one transaction that compares the key's
 version with 0, so of two spares only one wins. A node is not taken over while
 one of its ranks still holds its member key (its agent stopped, its ranks train
 on): that waits until those leases lapse too.
+
+**A returning node.** An agent started again for a node the job lost (its state
+still ``running``, its key gone, ranks of other nodes still members:
+:meth:`NodeRendezvous.was_lost`) does not meet the others as at a start: it
+claims its node back as a spare would (:meth:`NodeRendezvous.take_back`) and
+starts its ranks as replacements.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, replace
 from typing import Final
 
-from membership.etcd_client import EtcdClient, KeyValue
+from membership.etcd_client import EtcdClient
 from membership.guarded import first_row, job_client
 from membership.keys import JobKeys
-from membership.node_info import NodeInfo
+from membership.node_info import NodeInfo, parse_row, this_host
+from membership.node_lease import NodeLease, fence_margin
 from membership.node_probe import evict, open_beacon, refused
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
 
-__all__ = ["NodeInfo", "NodeRendezvous", "this_host"]
+__all__ = ["NodeInfo", "NodeRendezvous", "fence_margin", "this_host"]
 
 logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.2
-# A keep-alive that failed is tried again this soon (not a whole period later): the
-# lease must be refreshed before the fence deadline, not merely within its TTL.
-_RETRY_S: Final = 0.2
 # How often a spare or the lowest live agent knocks on the others' beacons.
 _PROBE_S: Final = 0.5
 RUNNING: Final = "running"
@@ -72,13 +74,6 @@ LEASE_LAPSED: Final = (
 )
 BEACON_REFUSED: Final = "its machine refused its agent's beacon: the agent died"
 DONE: Final = "done"
-
-
-def fence_margin(ttl_s: float) -> float:
-    """How long before the node lease could expire in etcd its agent stops its ranks:
-    a fifth of the TTL, 0.5 to 2 s (killing a process group and reaping it takes
-    milliseconds; the rest covers a busy machine's scheduling delays)."""
-    return min(max(0.2 * ttl_s, 0.5), 2.0)
 
 
 class NodeRendezvous:
@@ -112,19 +107,10 @@ class NodeRendezvous:
         self._beacon = open_beacon(etcd.endpoints[0], job) if not me.probe else None
         self.me = replace(me, probe=self._beacon.address) if self._beacon is not None else me
         self._keys = JobKeys(job)
-        self._ttl_s = lease_ttl_s
-        self.fence_margin_s = fence_margin(lease_ttl_s)
         self._client: EtcdClient = job_client(EtcdClient(etcd), job, token)
-        self._lease: int | None = None
+        self._lease = NodeLease(self._client, lease_ttl_s, lambda: f"job {job}: {self._who()}")
         self._revision = 0
-        self._stop = threading.Event()
-        self._keepalive: threading.Thread | None = None
-        # When the last keep-alive etcd acknowledged was sent (monotonic): etcd
-        # restarted the lease's TTL no earlier than that.
-        self._acked_at = 0.0
-        self._lease_gone = threading.Event()
-        self._fence: threading.Thread | None = None
-        self.fenced: str | None = None  # why this agent fenced itself, once it did
+        self._stop = threading.Event()  # close(): stop waiting
         self._incarnations: dict[int, int] = {}  # rank -> highest seen (spares)
         # The last record read of each node: who ran a node once its key is gone;
         # a spare's ``took_from``: the record of the node it claimed, before that.
@@ -164,7 +150,7 @@ class NodeRendezvous:
             ConfigError: the node rank is held, or an earlier agent disagrees.
         """
         me, key = self.me, self._keys.node(self.me.node_rank)
-        lease = self._grant()
+        lease = self._lease.grant()
         ok, responses = self._client.txn(
             f"register node {me.node_rank}",
             compare=lambda t: [t.version(key) == 0],
@@ -173,7 +159,7 @@ class NodeRendezvous:
         )
         row = first_row(responses[1:] if ok else responses)
         if not ok:
-            held = _parse(row)
+            held = parse_row(row)
             holder = f"agent pid {held.pid} on {held.host}" if held else "another agent"
             raise ConfigError(
                 f"job {self.job!r}: node rank {me.node_rank} is already held by {holder}; "
@@ -181,22 +167,14 @@ class NodeRendezvous:
                 f"lapses within its lease TTL)"
             )
         self._revision = row.create_revision if row is not None else 0
-        self._start_keepalive()
         self._check_agreement()
         logger.info("job %s: node %d registered (lease %x)", self.job, me.node_rank, lease)
 
-    def _grant(self) -> int:
-        sent = time.monotonic()
-        lease = self._client.grant_lease(math.ceil(self._ttl_s))
-        self._lease, self._acked_at = lease, sent
-        return lease
-
     def _check_agreement(self) -> None:
-        where = "a spare node" if self.spare else f"node {self.me.node_rank}"
         for other in self._earlier():
             if (why := self.me.mismatch(other)) is not None:
                 raise ConfigError(
-                    f"job {self.job!r}: {where} disagrees with {other.where()}: {why}"
+                    f"job {self.job!r}: {self._who()} disagrees with {other.where()}: {why}"
                 )
 
     def wait(
@@ -224,8 +202,7 @@ class NodeRendezvous:
     def _pause(self, stopping: Callable[[], bool] | None) -> None:
         """Raises: MembershipError: ``close()`` or ``stopping()`` said to stop."""
         if self._stop.wait(_POLL_S) or (stopping is not None and stopping()):
-            who = "a spare node" if self.spare else f"node {self.me.node_rank}"
-            raise MembershipError(f"job {self.job!r}: {who} stopped waiting for the others")
+            raise MembershipError(f"job {self.job!r}: {self._who()} stopped waiting for the others")
 
     def agreeing(self) -> dict[int, NodeInfo]:
         """The registered agents that agree with this one, by node rank."""
@@ -247,18 +224,63 @@ class NodeRendezvous:
         return {int(kv.key.rsplit("/", 1)[1]): kv.value.decode() for kv in rows}
 
     # -- spare nodes --------------------------------------------------------------------
-    def register_spare(self) -> None:
-        """Hold a key under ``spare-nodes/`` (this agent's lease) and keep it alive.
+    def register_spare(self, *, listed: bool = True) -> None:
+        """Hold a key under ``spare-nodes/`` (this agent's lease) and keep it alive;
+        ``listed`` False: the lease only (:meth:`take_back`: no agent counts it as
+        a spare, which would change what they do with a lost node).
 
         Raises:
-            ConfigError: this spare disagrees with a node agent already there.
+            ConfigError: this agent disagrees with a node agent already there.
         """
-        lease = self._grant()
-        self._client.put(self._keys.spare_node(lease), self.me.to_json(), lease=lease)
+        lease = self._lease.grant()
+        if listed:
+            self._client.put(self._keys.spare_node(lease), self.me.to_json(), lease=lease)
         self._revision = 2**62  # every node agent counts as earlier
-        self._start_keepalive()
         self._check_agreement()
-        logger.info("job %s: spare node registered (lease %x)", self.job, lease)
+        logger.info("job %s: %s registered (lease %x)", self.job, self._who(), lease)
+
+    def _who(self) -> str:
+        return "a spare node" if self.spare else f"node {self.me.node_rank}"
+
+    def was_lost(self) -> bool:
+        """Whether this agent's node was lost from a job that runs on: its state
+        record says ``running``, no agent holds its key, and a rank of another node
+        holds its member key. A job's earlier start that ended or crashed leaves
+        state records but no live member, so its next start joins afresh."""
+        node = self.me.node_rank
+        if self.states().get(node) != RUNNING or node in self.agreeing():
+            return False
+        return bool(self._note_incarnations() - self._ranks_of(node))
+
+    def take_back(self, timeout_s: float, stopping: Callable[[], bool] | None = None) -> None:
+        """Claim this agent's node back (it :meth:`was_lost`), as a spare would take
+        it over: once it is lost (its ranks' member keys lapsed too), under this
+        agent's own lease, in the same transaction as a spare's claim, so of a spare
+        and the returning agent only one wins.
+
+        Raises:
+            ConfigError: this agent disagrees with the node agents there.
+            MembershipError: the node was not lost within ``timeout_s`` (its ranks
+                still hold member keys) or was taken by a spare meanwhile, or
+                ``stopping()`` said to stop.
+        """
+        node = self.me.node_rank
+        if self._lease.id is None:
+            self.register_spare(listed=False)
+        deadline = time.monotonic() + timeout_s
+        while not (node in self.lost_nodes(probe=()) and self.claim(node)):
+            if node in self.agreeing():
+                raise MembershipError(
+                    f"job {self.job!r}: node {node} was taken over by a spare node while "
+                    "its agent came back"
+                )
+            if time.monotonic() >= deadline:
+                held = sorted(self._ranks_of(node) & self._note_incarnations())
+                raise MembershipError(
+                    f"job {self.job!r}: node {node} came back, but its ranks {held} still "
+                    f"held their member keys after {timeout_s:g} s"
+                )
+            self._pause(stopping)
 
     def wait_for_loss(
         self, stopping: Callable[[], bool] | None = None, store: Callable[[], str] | None = None
@@ -350,7 +372,7 @@ class NodeRendezvous:
         """Take lost ``node_rank`` over (its key gone, its state ``running``) in one
         transaction, ``record`` (node 0's ``store``, ``run``) in its new record;
         False when another spare won it or it is not lost."""
-        lease = self._lease
+        lease = self._lease.id
         assert lease is not None, "register_spare() first"
         me = NodeInfo(**{**asdict(self.me), "node_rank": node_rank, **record})
         key, state = self._keys.node(node_rank), self._keys.node_state(node_rank)
@@ -366,9 +388,10 @@ class NodeRendezvous:
         if not ok:
             return False
         row = first_row(responses[2:])
+        how = "a spare node took it over" if self.spare else "its agent came back"
         self.me, self.spare = me, False
         self._revision = row.create_revision if row is not None else 0
-        logger.warning("job %s: spare node took lost node %d over", self.job, node_rank)
+        logger.warning("job %s: lost node %d claimed: %s", self.job, node_rank, how)
         return True
 
     def incarnations(self, ranks: range) -> dict[int, int]:
@@ -409,87 +432,34 @@ class NodeRendezvous:
 
     def _read(self) -> list[tuple[int, NodeInfo]]:
         rows, _ = self._client.get_prefix(self._keys.nodes)
-        return [(kv.create_revision, info) for kv in rows if (info := _parse(kv)) is not None]
+        return [(kv.create_revision, info) for kv in rows if (info := parse_row(kv)) is not None]
 
     # -- the lease and the fence --------------------------------------------------------
+    @property
+    def fence_margin_s(self) -> float:
+        return self._lease.fence_margin_s
+
+    @property
+    def fenced(self) -> str | None:
+        """Why this agent fenced itself, once it did."""
+        return self._lease.fenced
+
     def fence_at(self) -> float:
-        """When (monotonic) this agent must have stopped its ranks: ``fence_margin_s``
-        before the node lease could expire in etcd."""
-        return self._acked_at + math.ceil(self._ttl_s) - self.fence_margin_s
+        """When (monotonic) this agent must have stopped its ranks (NodeLease.fence_at)."""
+        return self._lease.fence_at()
 
     def watch_lease(self, fence: Callable[[str], None]) -> None:
-        """Call ``fence(why)`` once, from a watchdog thread, at :meth:`fence_at` (or
-        at once when etcd says the lease is gone); :attr:`fenced` says why after."""
-
-        def watchdog() -> None:
-            while not self._stop.is_set():
-                left = self.fence_at() - time.monotonic()
-                if self._lease_gone.is_set() or left <= 0:
-                    break
-                self._lease_gone.wait(min(left, _POLL_S))
-            else:
-                return
-            why = (
-                "etcd says its node lease expired"
-                if self._lease_gone.is_set()
-                else f"its node lease was not refreshed for "
-                f"{time.monotonic() - self._acked_at:.1f} s (TTL {math.ceil(self._ttl_s)} s)"
-            )
-            self.fenced = why
-            logger.error("job %s: node %d fenced: %s", self.job, self.me.node_rank, why)
-            fence(why)
-
-        self._fence = threading.Thread(target=watchdog, name="node-fence", daemon=True)
-        self._fence.start()
-
-    def _start_keepalive(self) -> None:
-        self._keepalive = threading.Thread(
-            target=self._keepalive_loop, name="node-lease-keepalive", daemon=True
-        )
-        self._keepalive.start()
-
-    def _keepalive_loop(self) -> None:
-        period = self._ttl_s / 3.0
-        pause = period
-        while not self._stop.wait(pause):
-            lease = self._lease
-            if lease is None:
-                return
-            sent = time.monotonic()
-            # Bounded by the fence: an answer after it would come too late anyway.
-            budget = max(min(period, self.fence_at() - sent), 0.1)
-            try:
-                ttl = self._client.refresh_lease(lease, budget_s=budget)
-            except MembershipError as exc:
-                logger.warning(
-                    "job %s: node %d's lease keep-alive failed: %s",
-                    self.job, self.me.node_rank, exc,
-                )  # fmt: skip
-                pause = _RETRY_S
-                continue
-            if ttl <= 0:
-                logger.error(
-                    "job %s: node %d's lease %x expired", self.job, self.me.node_rank, lease
-                )
-                self._lease_gone.set()
-                return
-            self._acked_at, pause = sent, period
+        """Call ``fence(why)`` once, from a watchdog thread, when the node lease may
+        lapse (:meth:`membership.node_lease.NodeLease.watch`)."""
+        self._lease.watch(fence)
 
     def close(self) -> None:
         """Stop the keep-alive and revoke the lease (the node key goes with it).
         Safe to call twice; etcd errors are logged, not raised."""
         self._stop.set()
-        for thread in (self._keepalive, self._fence):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(5.0)
+        self._lease.close()
         if self._beacon is not None:
             self._beacon.close()
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            try:
-                self._client.revoke_lease(lease, budget_s=3.0)
-            except MembershipError as exc:
-                logger.warning("job %s: revoking node lease %x failed: %s", self.job, lease, exc)
         self._client.close()
 
     def __enter__(self) -> NodeRendezvous:
@@ -497,18 +467,3 @@ class NodeRendezvous:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _parse(row: KeyValue | None) -> NodeInfo | None:
-    if row is None:
-        return None
-    try:
-        return NodeInfo.from_json(row.value)
-    except (ValueError, KeyError, TypeError):
-        logger.warning("ignoring a malformed node record at %s", row.key)
-        return None
-
-
-def this_host() -> tuple[str, int]:
-    """This machine's name and this process's pid, for a :class:`NodeInfo`."""
-    return socket.gethostname(), os.getpid()

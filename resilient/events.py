@@ -66,6 +66,7 @@ EVENT_KINDS: Final = frozenset(
         "node.lost",
         "node.fenced",
         "node.taken_over",
+        "node.returned",
         "state.restored",
         "step.replayed",
         "straggler.suspected",

@@ -179,14 +179,15 @@ class _Run(SpareTending):
         return self._supervise()
 
     def _take_over(self, node: int, incarnations: dict[int, int]) -> LaunchConfig:
-        """This spare took lost ``node`` over: its ranks start as replacements, at
-        the next incarnation each, announced so that the survivors wait for them."""
+        """This spare took lost ``node`` over (or this agent took its own node back):
+        its ranks start as replacements, at the next incarnation each, announced so
+        that the survivors wait for them (or, shrunk without them, admit them)."""
         self._cfg = cfg = dataclasses.replace(self._cfg, node_rank=node)
         self._slots = replacement_slots(cfg, incarnations, self._slots)
-        self._out.notice(takeover_notice(node, self._slots))
+        assert self._nodes is not None
+        self._out.notice(takeover_notice(node, self._slots, came_back=self._nodes.came_back))
         for slot in self._slots:
             self._announce(slot, "cold")
-        assert self._nodes is not None
         takeover_events(self._event, self._nodes, node, self._slots)
         return cfg
 

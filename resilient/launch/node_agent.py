@@ -23,6 +23,9 @@ ranks before etcd could expire it, and exits. A spare agent (``--spare``) waits
 until a node is lost (its key gone while it was running), claims that node rank
 and starts its ranks as replacements: each global rank at the next incarnation,
 admitted by the survivors and given the state by a live peer as any replacement.
+An agent started again for a node the job lost (no spare took it) takes it back
+the same way; the ranks then rejoin the survivors, or join them where the group
+shrank without them (the grow path, recovery.joining).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class NodeMeeting:
     took_over: int | None = None
     incarnations: dict[int, int] = field(default_factory=dict)
     finished: bool = False  # a spare whose job ended without needing it
+    came_back: bool = False  # took_over is this agent's own node, lost before
 
     def watch_lease(self, fence: Callable[[str], None]) -> None:
         """Call ``fence(why)`` (another thread) when the node lease may lapse."""
@@ -109,9 +113,12 @@ def fence_notice(node: int, why: str, code: int) -> str:
     )
 
 
-def takeover_notice(node: int, slots: Sequence[Slot]) -> str:
-    """What a spare agent says as it takes lost ``node`` over."""
+def takeover_notice(node: int, slots: Sequence[Slot], *, came_back: bool = False) -> str:
+    """What a spare agent says as it takes lost ``node`` over (``came_back``: what
+    the node's own agent, started again, says as it takes it back)."""
     ranks = ", ".join(f"{s.rank} (incarnation {s.incarnation})" for s in slots)
+    if came_back:
+        return f"node {node} was lost and comes back: ranks {ranks} rejoin the job"
     return f"spare node: node {node} was lost; taking it over: ranks {ranks}"
 
 
@@ -148,12 +155,51 @@ def meet_nodes(
         rendezvous = NodeRendezvous(
             etcd_config(etcd_url), cfg.job, cfg.token, me, lease_ttl_s=cfg.lease_ttl_s
         )
+        if rendezvous.was_lost():
+            return _come_back(cfg, rendezvous, where, stopping)
         nodes = rendezvous.join(cfg.join_timeout_s, stopping)
     except MembershipError as exc:
         raise LauncherError(f"{where}: the node agents did not meet: {exc}") from exc
     addr, port = _init_store(rendezvous, nodes, where)
     logger.info("%s: all %d node agents are there; init store %s", where, cfg.nnodes, addr)
     return NodeMeeting(rendezvous, nodes, addr, port, store, run_id=nodes[0].run)
+
+
+def _come_back(
+    cfg: LaunchConfig, rendezvous: NodeRendezvous, where: str, stopping: Callable[[], bool] | None
+) -> NodeMeeting:
+    """This agent's node was lost from the job, which runs on: claim it back and
+    start its ranks as replacements, as a spare taking it over would.
+
+    Raises:
+        ConfigError: this agent disagrees with the node agents there.
+        LauncherError: node 0 (its init store and the run id went with its first
+            agent: a spare node takes node 0 over); the node was not lost within
+            ``cfg.join_timeout_s`` or a spare took it first; etcd refused or did
+            not answer.
+    """
+    try:
+        if cfg.node_rank == 0:
+            raise MembershipError(
+                "node 0 was lost from the running job and cannot come back as node 0 "
+                "(torch's init store and the run id went with its first agent); "
+                "start this agent with --spare to take a lost node over"
+            )
+        rendezvous.take_back(cfg.join_timeout_s, stopping)
+        incarnations = rendezvous.incarnations(range(cfg.first_rank, cfg.first_rank + cfg.nproc))
+        nodes = rendezvous.agreeing()
+    except MembershipError as exc:
+        rendezvous.close()
+        raise LauncherError(f"{where}: {exc}") from exc
+    except BaseException:
+        rendezvous.close()
+        raise
+    addr, port = _init_store(rendezvous, nodes, where)
+    logger.warning("%s: came back to the running job; init store %s", where, addr)
+    return NodeMeeting(
+        rendezvous, nodes, addr, port, None, run_id=nodes[0].run, took_over=cfg.node_rank,
+        incarnations=incarnations, came_back=True,
+    )  # fmt: skip
 
 
 def _init_store(

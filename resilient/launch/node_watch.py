@@ -1,4 +1,4 @@
-"""What a node agent says about whole nodes: lost, fenced, taken over.
+"""What a node agent says about whole nodes: lost, fenced, taken over, returned.
 
 The per-rank events (``rank.lost``, ``recovery.started``) say what became of each
 rank; an SRE looking at a machine that died wants one line for the machine. Each
@@ -69,7 +69,9 @@ def fenced_events(emit: Emit, node: int, slots: Sequence[Slot], why: str, at: fl
 
 def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence[Slot]) -> None:
     """A spare's events as it takes lost ``node`` over: ``node.lost`` (the spare
-    saw it first), ``node.taken_over``, and ``recovery.started`` per rank."""
+    saw it first), ``node.taken_over``, and ``recovery.started`` per rank; the
+    node's own agent's as it takes it back: ``node.returned``, then the same
+    ``recovery.started``."""
     rendezvous = meeting.rendezvous
     before = rendezvous.took_from if rendezvous is not None else None
     me = rendezvous.me if rendezvous is not None else None
@@ -81,19 +83,32 @@ def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence
 
         why = LEASE_LAPSED
     lost = {"host": before.host if before else "", "pid": before.pid if before else 0}
-    emit(
-        "node.lost", node=node, ranks=ranks, **lost, reason=why,
-        action="a spare node takes it over",
-    )  # fmt: skip
-    emit(
-        "node.taken_over", node=node, ranks=ranks, host=me.host if me else "",
-        pid=me.pid if me else 0, lost_host=lost["host"], lost_pid=lost["pid"],
-        incarnations={str(s.rank): s.incarnation for s in slots},
-        reason=f"node {node} was lost ({why})",
-        action=f"spare agent starts ranks {ranks} as replacements",
-    )  # fmt: skip
+    incs = {str(s.rank): s.incarnation for s in slots}
+    if meeting.came_back:  # node.lost was written when the loss was found
+        emit(
+            "node.returned", node=node, ranks=ranks, host=me.host if me else "",
+            pid=me.pid if me else 0, incarnations=incs,
+            reason=f"node {node} was lost ({why}); its agent started again",
+            action=f"its agent takes it back and starts ranks {ranks} as replacements",
+        )  # fmt: skip
+    else:
+        emit(
+            "node.lost", node=node, ranks=ranks, **lost, reason=why,
+            action="a spare node takes it over",
+        )  # fmt: skip
+        emit(
+            "node.taken_over", node=node, ranks=ranks, host=me.host if me else "",
+            pid=me.pid if me else 0, lost_host=lost["host"], lost_pid=lost["pid"],
+            incarnations=incs, reason=f"node {node} was lost ({why})",
+            action=f"spare agent starts ranks {ranks} as replacements",
+        )  # fmt: skip
+    how = (
+        f"its agent took lost node {node} back"
+        if meeting.came_back
+        else (f"spare node took lost node {node} over")
+    )
     for slot in slots:
-        action = f"spare node took lost node {node} over: incarnation {slot.incarnation}"
+        action = f"{how}: incarnation {slot.incarnation}"
         emit("recovery.started", rank=slot.rank, incarnation=slot.incarnation, action=action)
 
 

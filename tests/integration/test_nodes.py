@@ -235,6 +235,7 @@ import resilient
 from recovery.session import Session, TrainState
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
+short_pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.1  # while ranks are missing
 rank, inc = int(os.environ["RANK"]), os.environ["RESILIENT_INCARNATION"]
 (out / f"pid-{rank}-{inc}").write_text(str(os.getpid()))
 torch.set_num_threads(1)
@@ -259,7 +260,8 @@ for step in session.steps(steps):
         loss = train_step(step)
         dist.all_reduce(loss)
     (out / f"step-{rank}").write_text(str(step))
-    time.sleep(0.1)  # a run long enough to lose a node in
+    # A run long enough to lose a node in (and, shrunk, for it to come back).
+    time.sleep(short_pause if len(session.members) < dist.get_world_size() else 0.1)
 h = hashlib.sha256()
 for p in model.parameters():
     h.update(p.detach().numpy().tobytes())
@@ -275,33 +277,42 @@ TRAIN_STEPS = 40
 
 def _train(
     tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]], *, spare: bool,
-    more: tuple[str, ...] = (), etcd1: str | None = None,
+    more: tuple[str, ...] = (), etcd1: str | None = None, short_pause_s: float = 0.1,
 ) -> tuple[Path, list[subprocess.Popen[bytes]]]:  # fmt: skip
-    """Start nodes 0 and 1 (and a spare node) training, each with flags ``more``
-    too (node 1 on etcd ``etcd1``, if given); returns where the ranks write and
-    the agents, in that order."""
+    """Start nodes 0 and 1 (and a spare node) training, 0.1 s apart (``short_pause_s``
+    while the group is short of ranks), each with flags ``more`` too (node 1 on
+    etcd ``etcd1``, if given); returns where the ranks write and the agents."""
     script, out = tmp / "train.py", tmp / "out"
     script.write_text(TRAIN_SCRIPT)
     out.mkdir()
-    flags = ("--lease-ttl", "2", "--run-dir", str(tmp / "run"), *more)
     started = []
-    nodes: list[tuple[str, tuple[str, ...]]] = [
-        ("0", ("--node-rank", "0")),
-        ("1", ("--node-rank", "1")),
-    ]
-    for name, extra in nodes + ([("spare", ("--spare",))] if spare else []):
-        with open(tmp / f"agent{name}.log", "wb") as log:
-            argv = [sys.executable, "-m", "resilient", "run", "--nnodes", "2", *extra]
-            url = etcd1 if etcd1 is not None and name == "1" else etcd
-            argv += ["--nproc-per-node", "2", "--etcd", url, "--job", job, *flags]
-            argv += ["--master-addr", "127.0.0.1", "--join-timeout", "60"]
-            argv += [str(script), str(out), str(TRAIN_STEPS)]
-            env = {**os.environ, "RESILIENT_TOKEN": "node-test-token"}
-            env["RESILIENT_OP_TIMEOUT_S"] = "20"
-            proc = spawn(argv, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
-        agents.append(proc)
-        started.append(proc)
+    for name in ["0", "1"] + (["spare"] if spare else []):
+        url = etcd1 if etcd1 is not None and name == "1" else etcd
+        argv = [*_train_argv(tmp, url, job, name, more), str(short_pause_s)]
+        started.append(_start_agent(tmp, agents, name, argv))
     return out, started
+
+
+def _train_argv(tmp: Path, etcd: str, job: str, name: str, more: tuple[str, ...]) -> list[str]:
+    """An agent's command line (``name``: a node rank, or "spare"), less the pause."""
+    node = ["--spare"] if name == "spare" else ["--node-rank", name]
+    argv = [sys.executable, "-m", "resilient", "run", "--nnodes", "2", *node]
+    argv += ["--nproc-per-node", "2", "--etcd", etcd, "--job", job]
+    argv += ["--lease-ttl", "2", "--run-dir", str(tmp / "run"), *more]
+    argv += ["--master-addr", "127.0.0.1", "--join-timeout", "60"]
+    return [*argv, str(tmp / "train.py"), str(tmp / "out"), str(TRAIN_STEPS)]
+
+
+def _start_agent(
+    tmp: Path, agents: list[subprocess.Popen[bytes]], name: str, argv: list[str]
+) -> subprocess.Popen[bytes]:
+    """Start one agent, its output in ``tmp/agent<name>.log``."""
+    with open(tmp / f"agent{name}.log", "wb") as log:
+        env = {**os.environ, "RESILIENT_TOKEN": "node-test-token"}
+        env["RESILIENT_OP_TIMEOUT_S"] = "20"
+        proc = spawn(argv, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
+    agents.append(proc)
+    return proc
 
 
 def _digests(out: Path) -> dict[tuple[int, int], dict[str, object]]:
@@ -461,6 +472,46 @@ def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     # Quietly ~3 s (2 s leases, a 0.5 s poll); bound 3x, far below --shrink-after.
     after = max(float(str(e["ts"])) for e in changed) - killed_at
     assert after < 10.0, (after, _events(tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_whose_agent_starts_again_rejoins_the_shrunk_job(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+) -> None:
+    # As above, the survivors shrink by node 1; then node 1's agent is started
+    # again with its first command line (as a supervisor restarting it would). It
+    # claims node 1 back and its ranks join the shrunk group (the grow path): the
+    # job ends with all four ranks in one group, their parameters equal.
+    more = ("--min-nodes", "1", "--shrink-after", "30")
+    # 1 s between steps while shrunk: node 1's ranks have ~35 s to start (cold) and
+    # join, where they take ~9 s quietly.
+    out, (node0, node1) = _train(
+        tmp_path, etcd_server.url, job_name, agents, spare=False, more=more, short_pause_s=1.0
+    )
+    assert wait_until(lambda: _stepped(out, 3), 120.0), _logs(tmp_path)
+    node1.kill()
+    assert node1.wait(timeout=10) == -signal.SIGKILL
+    shrunk = lambda: bool(_node_events(tmp_path, "epoch.changed"))  # noqa: E731
+    assert wait_until(shrunk, 30.0), _logs(tmp_path)
+    argv = [*_train_argv(tmp_path, etcd_server.url, job_name, "1", more), "1.0"]
+    again = _start_agent(tmp_path, agents, "1-again", argv)
+    assert again.wait(timeout=180) == 0, _logs(tmp_path)
+    assert node0.wait(timeout=60) == 0, _logs(tmp_path)
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0), (2, 1), (3, 1)], _logs(tmp_path)
+    assert len({rec["digest"] for rec in found.values()}) == 1, found
+    for who, rec in found.items():
+        # Shrunk in epoch 1, grown back in epoch 2, or 3 where rank 3 asked to join
+        # after rank 2 was admitted (each is, at the first step boundary after it asks).
+        assert rec["epoch"] in (2, 3) and rec["members"] == [0, 1, 2, 3], (who, rec)
+    (back,) = _node_events(tmp_path, "node.returned")
+    assert (back["node"], back["ranks"], back["pid"]) == (1, [2, 3], again.pid), back
+    assert back["incarnations"] == {"2": 1, "3": 1}, back
+    said = (tmp_path / "agent1-again.log").read_text()
+    assert "node 1 was lost and comes back: ranks 2 (incarnation 1)" in said, said
 
 
 class _Blackhole:

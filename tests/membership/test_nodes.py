@@ -150,3 +150,37 @@ def test_node_records_round_trip_and_name_their_differences() -> None:
     assert me.mismatch(info(1, nproc=4, rails=3)) == (
         "--nproc-per-node 4 there, 2 here; rail count (--rails) 3 there, 1 here"
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_lost_node_comes_back_only_to_a_job_that_runs_on(
+    agents: list[NodeRendezvous], etcd_config: EtcdConfig, job_name: str
+) -> None:
+    from membership.members import Membership
+    from resilient.config import MembershipConfig
+
+    first = [agent(agents, etcd_config, job_name, info(k)) for k in (0, 1)]
+    waiter = threading.Thread(target=lambda: first[1].join(20.0), daemon=True)
+    waiter.start()
+    first[0].join(20.0)
+    waiter.join(20.0)
+    first[1].close()  # node 1 is lost: its key goes with its lease, its state says running
+    back = agent(agents, etcd_config, job_name, info(1))
+    # No rank holds a member key: the records of a start that ended or crashed.
+    assert not back.was_lost()
+    members = [Membership(etcd_config, MembershipConfig(job=job_name)) for _ in range(2)]
+    try:
+        members[0].join(0, 0, ["127.0.0.1"], TOKEN)  # node 0's rank 0 trains on
+        members[1].join(2, 0, ["127.0.0.1"], TOKEN)  # node 1's rank 2 still holds its key
+        assert back.was_lost()
+        with pytest.raises(MembershipError, match=r"node 1 came back, but its ranks \[2\] still"):
+            back.take_back(1.0)
+        members[1].leave()
+        back.take_back(10.0)
+        assert back.me.node_rank == 1 and not back.spare
+        assert JobKeys(job_name).node(1) in node_keys(etcd_config, job_name)
+        # Held again: a third agent for node 1 meets the others (and is refused there).
+        assert not agent(agents, etcd_config, job_name, info(1)).was_lost()
+    finally:
+        for m in members:
+            m.close()

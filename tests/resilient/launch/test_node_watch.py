@@ -75,7 +75,7 @@ def _watch(
 
 @pytest.mark.timeout(10)
 def test_node_kinds_are_known() -> None:
-    assert {"node.lost", "node.fenced", "node.taken_over"} <= EVENT_KINDS
+    assert {"node.lost", "node.fenced", "node.taken_over", "node.returned"} <= EVENT_KINDS
 
 
 @pytest.mark.timeout(10)
@@ -146,6 +146,17 @@ def test_fenced_and_taken_over_events_name_node_ranks_and_agent() -> None:
     over = said[1][1]
     assert (over["node"], over["ranks"], over["pid"], over["lost_pid"]) == (1, [2, 3], 10, 11)
     assert over["incarnations"] == {"2": 1, "3": 1}
+    # The node's own agent, started again, took it back: node.lost was written
+    # when the loss was found, so only node.returned and the ranks' recoveries.
+    said.clear()
+    meeting.came_back = True
+    takeover_events(emit, meeting, 1, took)
+    assert [k for k, _ in said] == ["node.returned", "recovery.started", "recovery.started"]
+    back = said[0][1]
+    assert (back["node"], back["ranks"], back["pid"], back["incarnations"]) == (
+        1, [2, 3], 10, {"2": 1, "3": 1},
+    )  # fmt: skip
+    assert "took lost node 1 back" in said[1][1]["action"]
 
 
 class _Membership:

@@ -1,0 +1,133 @@
+"""A node agent's lease in etcd, kept alive from a thread, and the fence it keeps.
+
+Granted by :meth:`NodeLease.grant`, refreshed every third of its TTL (again
+``_RETRY_S`` after a failed refresh: it must be refreshed before the fence
+deadline, not merely within its TTL). :meth:`NodeLease.watch` calls back when the
+lease may be about to expire in etcd: ``fence_margin_s`` before the TTL has passed
+since the last refresh etcd acknowledged, measured from when that refresh was
+*sent* (etcd restarted the TTL no earlier), or at once when etcd says the lease
+is gone. Owned by :class:`membership.nodes.NodeRendezvous`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Final
+
+from membership.etcd_client import EtcdClient
+from resilient.errors import MembershipError
+
+__all__ = ["NodeLease", "fence_margin"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S: Final = 0.2
+_RETRY_S: Final = 0.2
+
+
+def fence_margin(ttl_s: float) -> float:
+    """How long before the node lease could expire in etcd its agent stops its ranks:
+    a fifth of the TTL, 0.5 to 2 s (killing a process group and reaping it takes
+    milliseconds; the rest covers a busy machine's scheduling delays)."""
+    return min(max(0.2 * ttl_s, 0.5), 2.0)
+
+
+class NodeLease:
+    """One agent's lease; ``who()`` names the agent in log lines (it changes when a
+    spare claims a node).
+
+    Raises (from :meth:`grant`): EtcdUnavailable, MembershipError, as the client.
+    """
+
+    def __init__(self, client: EtcdClient, ttl_s: float, who: Callable[[], str]) -> None:
+        self._client, self._ttl_s, self._who = client, ttl_s, who
+        self.fence_margin_s = fence_margin(ttl_s)
+        self.id: int | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # When the last keep-alive etcd acknowledged was sent (monotonic).
+        self._acked_at = 0.0
+        self._gone = threading.Event()
+        self.fenced: str | None = None  # why the agent fenced itself, once it did
+
+    def grant(self) -> int:
+        """Grant the lease and start its keep-alive thread; returns its id."""
+        sent = time.monotonic()
+        lease = self._client.grant_lease(math.ceil(self._ttl_s))
+        self.id, self._acked_at = lease, sent
+        self._start(self._keepalive_loop, "node-lease-keepalive")
+        return lease
+
+    def fence_at(self) -> float:
+        """When (monotonic) the agent must have stopped its ranks: ``fence_margin_s``
+        before the lease could expire in etcd."""
+        return self._acked_at + math.ceil(self._ttl_s) - self.fence_margin_s
+
+    def watch(self, fence: Callable[[str], None]) -> None:
+        """Call ``fence(why)`` once, from a watchdog thread, at :meth:`fence_at` (or
+        at once when etcd says the lease is gone); :attr:`fenced` says why after."""
+
+        def watchdog() -> None:
+            while not self._stop.is_set():
+                left = self.fence_at() - time.monotonic()
+                if self._gone.is_set() or left <= 0:
+                    break
+                self._gone.wait(min(left, _POLL_S))
+            else:
+                return
+            why = (
+                "etcd says its node lease expired"
+                if self._gone.is_set()
+                else f"its node lease was not refreshed for "
+                f"{time.monotonic() - self._acked_at:.1f} s (TTL {math.ceil(self._ttl_s)} s)"
+            )
+            self.fenced = why
+            logger.error("%s fenced: %s", self._who(), why)
+            fence(why)
+
+        self._start(watchdog, "node-fence")
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _keepalive_loop(self) -> None:
+        period = self._ttl_s / 3.0
+        pause = period
+        while not self._stop.wait(pause):
+            lease = self.id
+            if lease is None:
+                return
+            sent = time.monotonic()
+            # Bounded by the fence: an answer after it would come too late anyway.
+            budget = max(min(period, self.fence_at() - sent), 0.1)
+            try:
+                ttl = self._client.refresh_lease(lease, budget_s=budget)
+            except MembershipError as exc:
+                logger.warning("%s: its lease keep-alive failed: %s", self._who(), exc)
+                pause = _RETRY_S
+                continue
+            if ttl <= 0:
+                logger.error("%s: its lease %x expired", self._who(), lease)
+                self._gone.set()
+                return
+            self._acked_at, pause = sent, period
+
+    def close(self) -> None:
+        """Stop the threads and revoke the lease (the keys under it go with it).
+        Safe to call twice; etcd errors are logged, not raised."""
+        self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(5.0)
+        lease, self.id = self.id, None
+        if lease is not None:
+            try:
+                self._client.revoke_lease(lease, budget_s=3.0)
+            except MembershipError as exc:
+                logger.warning("%s: revoking its lease %x failed: %s", self._who(), lease, exc)
