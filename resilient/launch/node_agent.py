@@ -178,7 +178,8 @@ def _come_back(
             ``cfg.join_timeout_s`` or a spare took it first; etcd refused or did
             not answer.
     """
-    try:
+
+    def claim() -> int:
         if cfg.node_rank == 0:
             raise MembershipError(
                 "node 0 was lost from the running job and cannot come back as node 0 "
@@ -186,20 +187,43 @@ def _come_back(
                 "start this agent with --spare to take a lost node over"
             )
         rendezvous.take_back(cfg.join_timeout_s, stopping)
-        incarnations = rendezvous.incarnations(range(cfg.first_rank, cfg.first_rank + cfg.nproc))
-        nodes = rendezvous.agreeing()
-    except MembershipError as exc:
-        rendezvous.close()
-        raise LauncherError(f"{where}: {exc}") from exc
-    except BaseException:
-        rendezvous.close()
-        raise
+        return cfg.node_rank
+
+    claimed = _claim(cfg, rendezvous, where, claim)
+    assert claimed is not None
+    _, incarnations, nodes = claimed
     addr, port = _init_store(rendezvous, nodes, where)
     logger.warning("%s: came back to the running job; init store %s", where, addr)
     return NodeMeeting(
         rendezvous, nodes, addr, port, None, run_id=nodes[0].run, took_over=cfg.node_rank,
         incarnations=incarnations, came_back=True,
     )  # fmt: skip
+
+
+def _claim(
+    cfg: LaunchConfig, rendezvous: NodeRendezvous, where: str, claim: Callable[[], int | None]
+) -> tuple[int, dict[int, int], dict[int, NodeInfo]] | None:
+    """Run ``claim`` (returns the node this agent claimed, None when the job ended
+    without needing it), then read the next incarnation of each of its ranks and
+    the node agents. The rendezvous is closed on any error, and when not needed.
+
+    Raises:
+        LauncherError: etcd refused or did not answer, or ``claim`` raised a
+            MembershipError (its message follows ``where``).
+    """
+    try:
+        node = claim()
+        if node is None:
+            rendezvous.close()
+            return None
+        first = node * cfg.nproc
+        return node, rendezvous.incarnations(range(first, first + cfg.nproc)), rendezvous.agreeing()
+    except MembershipError as exc:
+        rendezvous.close()
+        raise LauncherError(f"{where}: {exc}") from exc
+    except BaseException:
+        rendezvous.close()
+        raise
 
 
 def _init_store(
@@ -248,21 +272,13 @@ def _stand_by(cfg: LaunchConfig, etcd_url: str, stopping: Callable[[], bool] | N
             hosted.append(host_store(host))
         return f"{host}:{hosted[0].port}"
 
-    try:
+    def claim() -> int | None:
         rendezvous.register_spare()
-        node = rendezvous.wait_for_loss(stopping, store)
-        if node is None:
-            rendezvous.close()
-            return NodeMeeting(None, {}, "", 0, None, finished=True)
-        first = node * cfg.nproc
-        incarnations = rendezvous.incarnations(range(first, first + cfg.nproc))
-        nodes = rendezvous.agreeing()
-    except MembershipError as exc:
-        rendezvous.close()
-        raise LauncherError(f"{where}: {exc}") from exc
-    except BaseException:
-        rendezvous.close()
-        raise
+        return rendezvous.wait_for_loss(stopping, store)
+
+    if (claimed := _claim(cfg, rendezvous, where, claim)) is None:
+        return NodeMeeting(None, {}, "", 0, None, finished=True)
+    node, incarnations, nodes = claimed
     addr, port = _init_store(rendezvous, nodes, where)
     logger.warning("%s: took node %d over; init store %s", where, node, addr)
     return NodeMeeting(

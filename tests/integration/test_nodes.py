@@ -436,6 +436,26 @@ def test_a_spare_node_takes_node_0_over_under_the_run_id(
     assert (took["node"], took["ranks"], took["lost_pid"]) == (0, [0, 1], node0.pid), took
 
 
+SHRINK = ("--min-nodes", "1", "--shrink-after", "30")
+
+
+def _lose_node_1(
+    tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]],
+    short_pause_s: float = 0.1,
+) -> tuple[Path, list[subprocess.Popen[bytes]], float]:  # fmt: skip
+    """Two nodes train with ``SHRINK``'s flags (no spare) and node 1's agent is
+    SIGKILLed after step 5; returns where the ranks write, both agents, and when
+    node 1's was killed (``time.time()``)."""
+    out, (node0, node1) = _train(
+        tmp, etcd, job, agents, spare=False, more=SHRINK, short_pause_s=short_pause_s
+    )
+    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp)
+    killed_at = time.time()
+    node1.kill()
+    assert node1.wait(timeout=10) == -signal.SIGKILL
+    return out, [node0, node1], killed_at
+
+
 @pytest.mark.timeout(240)
 def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     tmp_path: Path,
@@ -446,14 +466,7 @@ def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     # --shrink-after far beyond the loss's detection: node 0's agent finds node 1
     # lost (its lease, 2 s, lapsed), announces that no one replaces ranks 2 and 3,
     # and the survivors give both up at once rather than waiting 30 s.
-    more = ("--min-nodes", "1", "--shrink-after", "30")
-    out, (node0, node1) = _train(
-        tmp_path, etcd_server.url, job_name, agents, spare=False, more=more
-    )
-    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
-    killed_at = time.time()
-    node1.kill()
-    assert node1.wait(timeout=10) == -signal.SIGKILL
+    out, (node0, node1), killed_at = _lose_node_1(tmp_path, etcd_server.url, job_name, agents)
     assert node0.wait(timeout=120) == 0, _logs(tmp_path)
     found = _digests(out)
     assert sorted(found) == [(0, 0), (1, 0)], _logs(tmp_path)
@@ -485,18 +498,14 @@ def test_a_lost_node_whose_agent_starts_again_rejoins_the_shrunk_job(
     # again with its first command line (as a supervisor restarting it would). It
     # claims node 1 back and its ranks join the shrunk group (the grow path): the
     # job ends with all four ranks in one group, their parameters equal.
-    more = ("--min-nodes", "1", "--shrink-after", "30")
     # 1 s between steps while shrunk: node 1's ranks have ~35 s to start (cold) and
     # join, where they take ~9 s quietly.
-    out, (node0, node1) = _train(
-        tmp_path, etcd_server.url, job_name, agents, spare=False, more=more, short_pause_s=1.0
+    out, (node0, _), _ = _lose_node_1(
+        tmp_path, etcd_server.url, job_name, agents, short_pause_s=1.0
     )
-    assert wait_until(lambda: _stepped(out, 3), 120.0), _logs(tmp_path)
-    node1.kill()
-    assert node1.wait(timeout=10) == -signal.SIGKILL
     shrunk = lambda: bool(_node_events(tmp_path, "epoch.changed"))  # noqa: E731
     assert wait_until(shrunk, 30.0), _logs(tmp_path)
-    argv = [*_train_argv(tmp_path, etcd_server.url, job_name, "1", more), "1.0"]
+    argv = [*_train_argv(tmp_path, etcd_server.url, job_name, "1", SHRINK), "1.0"]
     again = _start_agent(tmp_path, agents, "1-again", argv)
     assert again.wait(timeout=180) == 0, _logs(tmp_path)
     assert node0.wait(timeout=60) == 0, _logs(tmp_path)
