@@ -88,7 +88,7 @@ def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence
         emit(
             "node.returned", node=node, ranks=ranks, host=me.host if me else "",
             pid=me.pid if me else 0, incarnations=incs,
-            reason=f"node {node} was lost ({why}); its agent started again",
+            reason=f"node {node} was lost; its agent started again",
             action=f"its agent takes it back and starts ranks {ranks} as replacements",
         )  # fmt: skip
     else:

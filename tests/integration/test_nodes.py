@@ -523,6 +523,35 @@ def test_a_lost_node_whose_agent_starts_again_rejoins_the_shrunk_job(
     assert "node 1 was lost and comes back: ranks 2 (incarnation 1)" in said, said
 
 
+@pytest.mark.timeout(300)
+def test_a_lost_node_whose_agent_starts_again_is_waited_for_and_matches_a_fault_free_run(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+    fault_free: str,
+) -> None:
+    # No spare and no --min-nodes: the survivors wait for replacements (60 s). Node
+    # 1's agent, started again once its loss was found, takes node 1 back and its
+    # ranks are admitted as replacements, the whole node in one epoch.
+    out, (node0, node1) = _train(tmp_path, etcd_server.url, job_name, agents, spare=False)
+    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
+    node1.kill()
+    assert node1.wait(timeout=10) == -signal.SIGKILL
+    assert wait_until(lambda: bool(_node_events(tmp_path, "node.lost")), 30.0), _logs(tmp_path)
+    argv = [*_train_argv(tmp_path, etcd_server.url, job_name, "1", ()), "0.1"]
+    again = _start_agent(tmp_path, agents, "1-again", argv)
+    assert again.wait(timeout=180) == 0, _logs(tmp_path)
+    assert node0.wait(timeout=60) == 0, _logs(tmp_path)
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0), (2, 1), (3, 1)], _logs(tmp_path)
+    assert {rec["digest"] for rec in found.values()} == {fault_free}, found
+    for who, rec in found.items():
+        assert rec["epoch"] == 1 and rec["members"] == [0, 1, 2, 3], (who, rec)
+    (back,) = _node_events(tmp_path, "node.returned")
+    assert (back["node"], back["ranks"], back["pid"]) == (1, [2, 3], again.pid), back
+
+
 class _Blackhole:
     """A TCP forwarder to etcd that can be cut: after :meth:`cut` it forwards
     nothing more, leaving every connection open and unanswered, as a network
