@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 from membership.etcd_client import EtcdClient
 from membership.guarded import GuardedClient, JobGuard
 from membership.health import HealthPublisher
+from membership.kept_lease import KeptLease
 from membership.keys import JobKeys, token_hash
 from membership.watch import PrefixWatch, WatchEvent
 from resilient.config import EtcdConfig, MembershipConfig
@@ -102,10 +102,9 @@ class Membership:
         # After join, every read and write of the job's keys checks the token (in
         # the same etcd transaction): membership.guarded.
         self._kv: EtcdClient = self.client
-        self._lease: int | None = None
+        self._lease: KeptLease | None = None
         self._info: MemberInfo | None = None
         self._stop = threading.Event()
-        self._keepalive: threading.Thread | None = None
         self._lease_lost_cbs: list[Callable[[], None]] = []
         self.lease_lost = threading.Event()
         self._health: HealthPublisher | None = None
@@ -126,7 +125,7 @@ class Membership:
 
     @property
     def lease_id(self) -> int | None:
-        return self._lease
+        return self._lease.id if self._lease is not None else None
 
     def join(
         self,
@@ -160,10 +159,18 @@ class Membership:
             pid=os.getpid(),
             joined_at=time.time(),
         )
-        lease = self.client.grant_lease(math.ceil(self.config.lease_ttl_s))
-        self._guarded("join", [lambda t: t.put(self.keys.member(rank), info.to_json(), lease)])
-        self._lease, self._info = lease, info
-        self._start_keepalive()
+        self.lease_lost.clear()
+        kept = KeptLease(
+            self.client, self.config.lease_ttl_s, lambda: f"job {self.job}: rank {rank}",
+            what="member lease", on_gone=self._lease_expired, margin_s=0.0,
+        )  # fmt: skip
+        lease = kept.grant()
+        try:
+            self._guarded("join", [lambda t: t.put(self.keys.member(rank), info.to_json(), lease)])
+        except BaseException:
+            kept.close()
+            raise
+        self._lease, self._info = kept, info
         logger.info(
             "job %s: rank %d incarnation %d joined (lease %x, ttl %.0f s)",
             self.job,
@@ -186,16 +193,16 @@ class Membership:
         if self._health is not None:
             self._health.stop()
             self._health = None
-        if self._keepalive is not None and self._keepalive is not threading.current_thread():
-            self._keepalive.join(5.0)
-        lease, self._lease = self._lease, None
-        if lease is not None and not self.lease_lost.is_set():
+        kept, self._lease = self._lease, None
+        if kept is not None:
+            kept.stop()
+        if kept is not None and not self.lease_lost.is_set():
             try:
                 if self._info is not None:
                     self._kv.put(self.keys.departed(self._info.rank), str(self._info.incarnation))
-                self.client.revoke_lease(lease, budget_s=3.0)
             except MembershipError as exc:
-                logger.warning("job %s: revoking lease %x failed: %s", self.job, lease, exc)
+                logger.warning("job %s: recording the departure failed: %s", self.job, exc)
+            kept.close()  # revokes it
         if self._info is not None:
             logger.info("job %s: rank %d left", self.job, self._info.rank)
         self._info = None
@@ -284,36 +291,25 @@ class Membership:
             held.incarnation,
         )
 
-    # -- keep-alive --------------------------------------------------------------------
-    def _start_keepalive(self) -> None:
-        self._stop.clear()
-        self.lease_lost.clear()
-        self._keepalive = threading.Thread(
-            target=self._keepalive_loop, name="lease-keepalive", daemon=True
-        )
-        self._keepalive.start()
+    # -- the lease's fence ------------------------------------------------------------
+    def watch_lease(self, fence: Callable[[str], None]) -> None:
+        """Call ``fence(why)`` once, from a watchdog thread, when this member's lease
+        may have lapsed in etcd (:meth:`membership.kept_lease.KeptLease.watch`): the TTL
+        after the last keep-alive etcd acknowledged was sent, with no margin (a
+        rank's exit takes no time, and its replacement needs seconds to start and
+        be admitted after the key is gone; a margin would fence busy ranks whose
+        lease never lapsed), or at once when etcd says it is gone.
 
-    def _keepalive_loop(self) -> None:
-        period = self.config.lease_ttl_s / 3.0
-        while not self._stop.wait(period):
-            lease = self._lease
-            if lease is None:
-                return
-            try:
-                ttl = self.client.refresh_lease(lease, budget_s=period)
-            except MembershipError as exc:
-                # The lease may outlive a short etcd outage (etcd extends TTLs on restart).
-                logger.warning("job %s: lease keep-alive failed: %s", self.job, exc)
-                continue
-            if ttl <= 0:
-                self._lease_expired(lease)
-                return
+        Raises:
+            MembershipError: not joined.
+        """
+        if self._lease is None:
+            raise MembershipError(f"job {self.job!r}: not a member; call join() first")
+        self._lease.watch(fence)
 
-    def _lease_expired(self, lease: int) -> None:
+    def _lease_expired(self) -> None:
         rank = self._info.rank if self._info else -1
-        logger.error(
-            "job %s: rank %d lease %x expired; the job lists it as gone", self.job, rank, lease
-        )
+        logger.error("job %s: rank %d's lease expired; the job lists it as gone", self.job, rank)
         self.lease_lost.set()
         for cb in list(self._lease_lost_cbs):
             try:
@@ -394,7 +390,7 @@ class Membership:
             if self._health is None:
                 self._health = HealthPublisher(
                     self._kv,
-                    lease=lambda: self._lease,
+                    lease=lambda: self.lease_id,
                     stamp=lambda: {"rank": info.rank, "incarnation": info.incarnation},
                     min_interval_s=self.config.health_min_interval_s,
                 )

@@ -16,7 +16,7 @@ untouched:
   for the later one, which removes its key; agents already waiting skip it;
 * another token: :class:`JobTokenMismatch`, nothing read or written.
 
-**Fencing** (:mod:`membership.node_lease`). Once the agent runs ranks it asks
+**Fencing** (:mod:`membership.kept_lease`). Once the agent runs ranks it asks
 :meth:`NodeRendezvous.watch_lease`
 to fence it: a watchdog thread calls back when the node lease may be about to
 expire in etcd, i.e. ``fence_margin_s`` before the lease TTL has passed since the
@@ -53,9 +53,9 @@ from typing import Final
 
 from membership.etcd_client import EtcdClient
 from membership.guarded import first_row, job_client
+from membership.kept_lease import KeptLease, fence_margin
 from membership.keys import JobKeys
 from membership.node_info import NodeInfo, parse_row, this_host
-from membership.node_lease import NodeLease, fence_margin
 from membership.node_probe import evict, open_beacon, refused
 from resilient.config import EtcdConfig
 from resilient.errors import ConfigError, MembershipError
@@ -108,7 +108,7 @@ class NodeRendezvous:
         self.me = replace(me, probe=self._beacon.address) if self._beacon is not None else me
         self._keys = JobKeys(job)
         self._client: EtcdClient = job_client(EtcdClient(etcd), job, token)
-        self._lease = NodeLease(self._client, lease_ttl_s, lambda: f"job {job}: {self._who()}")
+        self._lease = KeptLease(self._client, lease_ttl_s, lambda: f"job {job}: {self._who()}")
         self._revision = 0
         self._stop = threading.Event()  # close(): stop waiting
         self._incarnations: dict[int, int] = {}  # rank -> highest seen (spares)
@@ -445,12 +445,12 @@ class NodeRendezvous:
         return self._lease.fenced
 
     def fence_at(self) -> float:
-        """When (monotonic) this agent must have stopped its ranks (NodeLease.fence_at)."""
+        """When (monotonic) this agent must have stopped its ranks (KeptLease.fence_at)."""
         return self._lease.fence_at()
 
     def watch_lease(self, fence: Callable[[str], None]) -> None:
         """Call ``fence(why)`` once, from a watchdog thread, when the node lease may
-        lapse (:meth:`membership.node_lease.NodeLease.watch`)."""
+        lapse (:meth:`membership.kept_lease.KeptLease.watch`)."""
         self._lease.watch(fence)
 
     def close(self) -> None:

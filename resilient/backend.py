@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from resilient.config import ENV_PREFIX, DataPlaneConfig, RankEnv
+from resilient.config import ENV_PREFIX, EXIT_FENCED, DataPlaneConfig, RankEnv
 from resilient.errors import ConfigError
 from resilient.group.roster import agree_roster
 from resilient.links.rails import resolve_rails
@@ -220,7 +220,9 @@ def _subgroup(
 
 def _join(env: RankEnv, rails: Sequence[str]) -> Any:
     """Hold this rank's member key under a lease: a supervisor that sees it expire
-    while the process still runs knows the rank hung (SIGSTOP, a frozen host).
+    while the process still runs knows the rank hung (SIGSTOP, a frozen host). With
+    ``env.fence`` (a job of several nodes) the rank ends itself once that lease may
+    lapse (:func:`_fenced`).
 
     Raises:
         MembershipError: etcd refused or the token does not match the job's.
@@ -231,10 +233,30 @@ def _join(env: RankEnv, rails: Sequence[str]) -> Any:
     member = Membership(env.etcd, env.membership())
     try:
         member.join(env.rank, env.incarnation, rails, env.token)
+        if env.fence:
+            member.watch_lease(functools.partial(_fenced, env))
     except BaseException:
         member.close()
         raise
     return member
+
+
+def _fenced(env: RankEnv, why: str) -> None:
+    """This rank's member lease may lapse in etcd (called from its watchdog thread):
+    end the process now, before etcd deletes the member key, so that no rank a spare
+    node or the node's own agent starts in its place runs beside it. Its agent
+    fences it too, but may be stopped or cut off itself."""
+    from resilient import events
+
+    logger.critical(
+        "rank %d (incarnation %d) of job %s fenced: %s; exiting with %d",
+        env.rank, env.incarnation, env.job, why, EXIT_FENCED,
+    )  # fmt: skip
+    events.emit(
+        "rank.fenced", rank=env.rank, incarnation=env.incarnation, reason=why,
+        action=f"exit with {EXIT_FENCED} before the member key could lapse",
+    )  # fmt: skip
+    events.exit_now(EXIT_FENCED)
 
 
 def _init_store(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from resilient.errors import ConfigError
 __all__ = [
     "ENV_PREFIX",
     "EXIT_EVICTED",
+    "EXIT_FENCED",
     "DataPlaneConfig",
     "EtcdConfig",
     "MembershipConfig",
@@ -34,6 +35,7 @@ __all__ = [
 ENV_PREFIX = "RESILIENT_"
 # A rank that left as a straggler (EX_TEMPFAIL: may come back); replaced like any failed rank.
 EXIT_EVICTED = 75
+EXIT_FENCED = 69  # a lease not refreshed in time; the holder stops (EX_UNAVAILABLE)
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -444,14 +446,12 @@ class RankEnv:
     etcd: EtcdConfig | None = None
     lease_ttl_s: float = 5.0
     run_dir: str | None = None
-    # One start of the job (the launcher's): its ranks meet in etcd under it, no init store.
-    run_id: str | None = None
-    # Set by `resilient chaos` on loopback runs: apply link faults written to etcd.
-    fault_control: bool = False
-    # How often a StepReporter writes the latest step to etcd, at most: one write
-    # per rank per interval, so hundreds of ranks stay well within what one etcd
-    # takes. `resilient chaos` asks for 0.02 s: it fires faults at a given step.
+    run_id: str | None = None  # one start of the job: its ranks meet in etcd under it
+    fault_control: bool = False  # `resilient chaos` on loopback: apply link faults from etcd
+    # How often a StepReporter writes the latest step to etcd, at most (one write per
+    # rank per interval; `resilient chaos` asks for 0.02 s: it fires faults at a step).
     progress_interval_s: float = 0.25
+    fence: bool = False  # several nodes: exit (EXIT_FENCED) as the member lease may lapse
 
     def __post_init__(self) -> None:
         if not 0 < self.progress_interval_s < math.inf:
@@ -507,6 +507,7 @@ class RankEnv:
             run_id=env.get(p + "RUN_ID") or None,
             fault_control=_env_flag(env, p + "FAULT_CONTROL", False),
             progress_interval_s=_env_float(env, p + "PROGRESS_INTERVAL_S", 0.25),
+            fence=_env_flag(env, p + "FENCE", False),
         )
 
 

@@ -62,6 +62,7 @@ EVENT_KINDS: Final = frozenset(
         "gpu.health_unavailable",
         "rank.lost",
         "rank.evicted",
+        "rank.fenced",
         "rank.joined",
         "node.lost",
         "node.fenced",

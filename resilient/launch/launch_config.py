@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Final
 
-from resilient.config import ENV_PREFIX, parse_endpoints, validate_job_name
+from resilient.config import ENV_PREFIX, EXIT_FENCED, parse_endpoints, validate_job_name
 from resilient.errors import ConfigError
 from resilient.launch.rank_env import _RANK_VAR_NAMES, RankVar
 
@@ -24,9 +24,6 @@ __all__ = [
 # Rail addresses are 127.0.<rail+1>.<rank+1>: one octet each, and .255 is avoided.
 MAX_LOCAL_RANKS: Final = 254
 MAX_RAILS: Final = 254
-# A node agent that could not refresh its node lease killed its ranks and exits
-# with this (sysexits' EX_UNAVAILABLE): the job may have replaced the node by now.
-EXIT_FENCED: Final = 69
 
 
 def loopback_rails(rank: int, rails: int) -> tuple[str, ...]:
@@ -296,6 +293,8 @@ class LaunchConfig:
             values[RankVar.SHRINK_AFTER_S] = repr(float(self.shrink_after_s))
         if self.evict_stragglers:
             values[RankVar.EVICT_STRAGGLERS] = "1"
+        if self.nnodes > 1:  # a spare or the node's own agent may replace it
+            values[RankVar.FENCE] = "1"
         env = self.node_environ()
         env.update({var.value: value for var, value in values.items()})
         return env

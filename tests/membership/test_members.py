@@ -223,3 +223,53 @@ def test_config_validation() -> None:
         MembershipConfig(job="ok", lease_ttl_s=1.0)
     with pytest.raises(ConfigError, match="job name"):
         MembershipConfig(job="a/b")
+
+
+@pytest.mark.timeout(30)
+def test_a_member_lease_etcd_dropped_fences_at_once(etcd_config: EtcdConfig, job_name: str) -> None:
+    said: list[str] = []
+    fenced = threading.Event()
+    with _member(etcd_config, job_name) as m:
+        m.join(0, 0, [], TOKEN)
+        m.watch_lease(lambda why: (said.append(why), fenced.set()))
+        assert m.lease_id is not None
+        admin = EtcdClient(etcd_config)
+        admin.revoke_lease(m.lease_id)
+        admin.close()
+        assert fenced.wait(5.0), "not fenced after etcd dropped the member lease"
+        assert said == ["etcd says its member lease expired"] and m.lease_lost.is_set()
+    with pytest.raises(MembershipError, match="not a member"):
+        _member(etcd_config, job_name).watch_lease(lambda why: None)
+
+
+@pytest.mark.timeout(60)
+def test_a_member_cut_off_from_etcd_is_fenced_before_its_lease_could_expire(
+    job_name: str,
+) -> None:
+    import os
+    import signal
+
+    from membership.server import EmbeddedEtcd
+
+    server = EmbeddedEtcd(fsync=False)
+    server.start()
+    pid = server.member_pid(0)
+    assert pid is not None
+    try:
+        cfg = EtcdConfig(endpoints=server.endpoints, request_timeout_s=1.0, retry_budget_s=2.0)
+        fired: list[float] = []
+        with _member(cfg, job_name, ttl=2.0) as m:
+            m.join(3, 0, [], TOKEN)
+            m.watch_lease(lambda why: fired.append(time.monotonic()))
+            time.sleep(1.5)  # a few keep-alives go through
+            assert not fired
+            cut = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)  # etcd stops answering, as when cut off
+            # The fence comes the TTL (2 s) after the last keep-alive etcd
+            # acknowledged was sent, so no later than etcd could expire the key.
+            assert wait_until(lambda: bool(fired), timeout_s=4.0), "never fenced"
+            assert fired[0] - cut < 2.0 + 0.3, fired[0] - cut
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        server.stop()

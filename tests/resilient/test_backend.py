@@ -51,3 +51,63 @@ def test_the_backend_is_registered_with_torchs_extended_api() -> None:
     plugin = dist.Backend._plugins["RESILIENT"]
     # The extended API hands the factory the job ranks of a subgroup.
     assert plugin.extended_api is True
+
+
+FENCED_RANK = """\
+import sys, time
+from resilient.backend import _join
+from resilient.config import RankEnv
+
+member = _join(RankEnv.from_env(), ["127.0.0.1"])
+print("joined", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_of_a_multi_node_job_cut_off_from_etcd_exits_fenced(
+    tmp_path: Any, job_name: str
+) -> None:
+    # RESILIENT_FENCE=1 (node agents set it with --nnodes > 1): once etcd stops
+    # answering, the rank's process ends itself with 69 and says why in its event
+    # log, as its member lease (2 s) may lapse in etcd.
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from membership.server import EmbeddedEtcd
+    from resilient.config import EXIT_FENCED
+
+    server = EmbeddedEtcd(fsync=False)
+    server.start()
+    pid = server.member_pid(0)
+    assert pid is not None
+    env = {
+        **os.environ, "RANK": "1", "WORLD_SIZE": "2", "RESILIENT_ETCD": server.url,
+        "RESILIENT_JOB": job_name, "RESILIENT_TOKEN": "t", "RESILIENT_LEASE_TTL_S": "2",
+        "RESILIENT_FENCE": "1", "RESILIENT_RUN_DIR": str(tmp_path),
+    }  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FENCED_RANK], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "joined\n"
+        time.sleep(1.0)  # a keep-alive or two go through
+        os.kill(pid, signal.SIGSTOP)
+        cut = time.monotonic()
+        assert proc.wait(timeout=10) == EXIT_FENCED
+        # Quietly ~1.5-2 s (the TTL, 2 s, after the last refresh etcd acknowledged).
+        assert time.monotonic() - cut < 6.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        server.stop()
+    (log,) = (tmp_path / "events").glob("*.jsonl")
+    kinds = [json.loads(line) for line in log.read_text().splitlines()]
+    (fenced,) = [e for e in kinds if e["kind"] == "rank.fenced"]
+    assert fenced["rank"] == 1 and "member lease was not refreshed" in fenced["reason"], fenced

@@ -47,6 +47,18 @@ def test_rail_names_are_handed_to_every_rank_of_the_node(script: str) -> None:
     assert cfg.rails == 2 and cfg.rails_of(2) == cfg.rails_of(3) == ("eth0", "eth1")
 
 
+def test_ranks_of_several_nodes_fence_themselves_and_one_nodes_do_not(script: str) -> None:
+    from resilient.config import RankEnv
+
+    def parsed(cfg: LaunchConfig, rank: int) -> RankEnv:
+        env = cfg.environ(rank, 0, master_addr="127.0.0.1", master_port=29500, etcd_url=ETCD)
+        return RankEnv.from_env(env)
+
+    several = LaunchConfig(nproc=2, nnodes=2, node_rank=1, etcd=ETCD, script=script)
+    assert parsed(several, 2).fence and parsed(several, 3).fence
+    assert not parsed(LaunchConfig(nproc=2, script=script), 0).fence
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -1,12 +1,14 @@
-"""A node agent's lease in etcd, kept alive from a thread, and the fence it keeps.
+"""A lease in etcd, kept alive from a thread, and the fence it can keep.
 
-Granted by :meth:`NodeLease.grant`, refreshed every third of its TTL (again
+Granted by :meth:`KeptLease.grant`, refreshed every third of its TTL (again
 ``_RETRY_S`` after a failed refresh: it must be refreshed before the fence
-deadline, not merely within its TTL). :meth:`NodeLease.watch` calls back when the
+deadline, not merely within its TTL). :meth:`KeptLease.watch` calls back when the
 lease may be about to expire in etcd: ``fence_margin_s`` before the TTL has passed
 since the last refresh etcd acknowledged, measured from when that refresh was
 *sent* (etcd restarted the TTL no earlier), or at once when etcd says the lease
-is gone. Owned by :class:`membership.nodes.NodeRendezvous`.
+is gone. A node agent's (:class:`membership.nodes.NodeRendezvous`) fences the
+node's ranks; a rank's member lease (:class:`membership.members.Membership`)
+fences the rank itself in a job of several nodes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Final
 from membership.etcd_client import EtcdClient
 from resilient.errors import MembershipError
 
-__all__ = ["NodeLease", "fence_margin"]
+__all__ = ["KeptLease", "fence_margin"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,29 +32,42 @@ _RETRY_S: Final = 0.2
 
 
 def fence_margin(ttl_s: float) -> float:
-    """How long before the node lease could expire in etcd its agent stops its ranks:
-    a fifth of the TTL, 0.5 to 2 s (killing a process group and reaping it takes
-    milliseconds; the rest covers a busy machine's scheduling delays)."""
+    """How long before a lease could expire in etcd its holder fences: a fifth of
+    the TTL, 0.5 to 2 s (killing a process group and reaping it takes milliseconds;
+    the rest covers a busy machine's scheduling delays)."""
     return min(max(0.2 * ttl_s, 0.5), 2.0)
 
 
-class NodeLease:
-    """One agent's lease; ``who()`` names the agent in log lines (it changes when a
-    spare claims a node).
+class KeptLease:
+    """One holder's lease. ``who()`` names the holder in log lines (it changes when
+    a spare claims a node); ``what``: the lease in messages ("node lease");
+    ``on_gone``: called (from the keep-alive thread) when etcd says the lease is
+    gone; ``margin_s``: how long before the lease could lapse the fence comes
+    (default :func:`fence_margin`).
 
     Raises (from :meth:`grant`): EtcdUnavailable, MembershipError, as the client.
     """
 
-    def __init__(self, client: EtcdClient, ttl_s: float, who: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        ttl_s: float,
+        who: Callable[[], str],
+        *,
+        what: str = "node lease",
+        on_gone: Callable[[], None] | None = None,
+        margin_s: float | None = None,
+    ) -> None:
         self._client, self._ttl_s, self._who = client, ttl_s, who
-        self.fence_margin_s = fence_margin(ttl_s)
+        self._what, self._on_gone = what, on_gone
+        self.fence_margin_s = fence_margin(ttl_s) if margin_s is None else margin_s
         self.id: int | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # When the last keep-alive etcd acknowledged was sent (monotonic).
         self._acked_at = 0.0
         self._gone = threading.Event()
-        self.fenced: str | None = None  # why the agent fenced itself, once it did
+        self.fenced: str | None = None  # why the holder fenced itself, once it did
 
     def grant(self) -> int:
         """Grant the lease and start its keep-alive thread; returns its id."""
@@ -80,9 +95,9 @@ class NodeLease:
             else:
                 return
             why = (
-                "etcd says its node lease expired"
+                f"etcd says its {self._what} expired"
                 if self._gone.is_set()
-                else f"its node lease was not refreshed for "
+                else f"its {self._what} was not refreshed for "
                 f"{time.monotonic() - self._acked_at:.1f} s (TTL {math.ceil(self._ttl_s)} s)"
             )
             self.fenced = why
@@ -109,25 +124,33 @@ class NodeLease:
             try:
                 ttl = self._client.refresh_lease(lease, budget_s=budget)
             except MembershipError as exc:
-                logger.warning("%s: its lease keep-alive failed: %s", self._who(), exc)
+                logger.warning("%s: its %s keep-alive failed: %s", self._who(), self._what, exc)
                 pause = _RETRY_S
                 continue
             if ttl <= 0:
-                logger.error("%s: its lease %x expired", self._who(), lease)
+                logger.error("%s: its %s %x expired", self._who(), self._what, lease)
                 self._gone.set()
+                if self._on_gone is not None:
+                    self._on_gone()
                 return
             self._acked_at, pause = sent, period
 
-    def close(self) -> None:
-        """Stop the threads and revoke the lease (the keys under it go with it).
-        Safe to call twice; etcd errors are logged, not raised."""
+    def stop(self) -> None:
+        """Stop the keep-alive and the fence watch (the lease lapses by its TTL)."""
         self._stop.set()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(5.0)
+
+    def close(self) -> None:
+        """Stop the threads and revoke the lease (the keys under it go with it).
+        Safe to call twice; etcd errors are logged, not raised."""
+        self.stop()
         lease, self.id = self.id, None
         if lease is not None:
             try:
                 self._client.revoke_lease(lease, budget_s=3.0)
             except MembershipError as exc:
-                logger.warning("%s: revoking its lease %x failed: %s", self._who(), lease, exc)
+                logger.warning(
+                    "%s: revoking its %s %x failed: %s", self._who(), self._what, lease, exc
+                )
