@@ -24,8 +24,9 @@ until a node is lost (its key gone while it was running), claims that node rank
 and starts its ranks as replacements: each global rank at the next incarnation,
 admitted by the survivors and given the state by a live peer as any replacement.
 An agent started again for a node the job lost (no spare took it) takes it back
-the same way; the ranks then rejoin the survivors, or join them where the group
-shrank without them (the grow path, recovery.joining).
+the same way; the ranks then rejoin the survivors, or ask to join them where the
+group shrank without them (the grow path, recovery.joining; docs/DEPLOY.md says
+how reliable that is).
 """
 
 from __future__ import annotations
