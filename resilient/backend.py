@@ -221,8 +221,8 @@ def _subgroup(
 def _join(env: RankEnv, rails: Sequence[str]) -> Any:
     """Hold this rank's member key under a lease: a supervisor that sees it expire
     while the process still runs knows the rank hung (SIGSTOP, a frozen host). With
-    ``env.fence`` (a job of several nodes) the rank ends itself once that lease may
-    lapse (:func:`_fenced`).
+    ``env.fence`` (``RESILIENT_FENCE=1``) the rank ends itself once that lease may
+    have lapsed (:func:`_fenced`).
 
     Raises:
         MembershipError: etcd refused or the token does not match the job's.
@@ -242,10 +242,10 @@ def _join(env: RankEnv, rails: Sequence[str]) -> Any:
 
 
 def _fenced(env: RankEnv, why: str) -> None:
-    """This rank's member lease may lapse in etcd (called from its watchdog thread):
-    end the process now, before etcd deletes the member key, so that no rank a spare
-    node or the node's own agent starts in its place runs beside it. Its agent
-    fences it too, but may be stopped or cut off itself."""
+    """This rank's member lease may have lapsed in etcd (called from its watchdog
+    thread): end the process now, so that no rank a spare node or the node's own
+    agent starts in its place is admitted beside it. Its agent fences it too, but
+    may be stopped or cut off itself."""
     from resilient import events
 
     logger.critical(
@@ -254,7 +254,7 @@ def _fenced(env: RankEnv, why: str) -> None:
     )  # fmt: skip
     events.emit(
         "rank.fenced", rank=env.rank, incarnation=env.incarnation, reason=why,
-        action=f"exit with {EXIT_FENCED} before the member key could lapse",
+        action=f"exit with {EXIT_FENCED}: no replacement may run beside this rank",
     )  # fmt: skip
     events.exit_now(EXIT_FENCED)
 

@@ -451,7 +451,7 @@ class RankEnv:
     # How often a StepReporter writes the latest step to etcd, at most (one write per
     # rank per interval; `resilient chaos` asks for 0.02 s: it fires faults at a step).
     progress_interval_s: float = 0.25
-    fence: bool = False  # several nodes: exit (EXIT_FENCED) as the member lease may lapse
+    fence: bool = False  # RESILIENT_FENCE=1: exit (EXIT_FENCED) as the member lease may lapse
 
     def __post_init__(self) -> None:
         if not 0 < self.progress_interval_s < math.inf:

@@ -293,8 +293,6 @@ class LaunchConfig:
             values[RankVar.SHRINK_AFTER_S] = repr(float(self.shrink_after_s))
         if self.evict_stragglers:
             values[RankVar.EVICT_STRAGGLERS] = "1"
-        if self.nnodes > 1:  # a spare or the node's own agent may replace it
-            values[RankVar.FENCE] = "1"
         env = self.node_environ()
         env.update({var.value: value for var, value in values.items()})
         return env

@@ -37,7 +37,6 @@ class RankVar(StrEnum):
     MIN_RANKS = ENV_PREFIX + "MIN_RANKS"
     SHRINK_AFTER_S = ENV_PREFIX + "SHRINK_AFTER_S"
     EVICT_STRAGGLERS = ENV_PREFIX + "EVICT_STRAGGLERS"
-    FENCE = ENV_PREFIX + "FENCE"
     PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
@@ -72,8 +71,6 @@ RANK_VAR_HELP: Final[Mapping[RankVar, str]] = MappingProxyType(
         "on without it (--shrink-after; only with --min-ranks)",
         RankVar.EVICT_STRAGGLERS: "1: a confirmed straggler may leave the job to be "
         "replaced when the policy finds that cheaper (--evict-stragglers)",
-        RankVar.FENCE: "1 with --nnodes > 1: the rank exits (69) once its member lease may "
-        "lapse in etcd (cut off from etcd), before a spare node may replace it",
         RankVar.PYTHONUNBUFFERED: "1, so that output reaches the launcher line by line",
         RankVar.TORCH_DISABLE_SHARE_RDZV_TCP_STORE: (
             "1, so that torch's own rendezvous survives a restart (pytorch issue 135712)"

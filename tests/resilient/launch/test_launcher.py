@@ -290,7 +290,6 @@ record("env", env=dict(os.environ), health=health)
                 RankVar.MIN_RANKS,
                 RankVar.SHRINK_AFTER_S,
                 RankVar.EVICT_STRAGGLERS,
-                RankVar.FENCE,  # several nodes only
             )
         }
         assert {v.value for v in RankVar} - optional <= env.keys()
