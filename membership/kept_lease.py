@@ -68,6 +68,7 @@ class KeptLease:
         self._acked_at = 0.0
         self._gone = threading.Event()
         self.fenced: str | None = None  # why the holder fenced itself, once it did
+        self._watched = False
 
     def grant(self) -> int:
         """Grant the lease and start its keep-alive thread; returns its id."""
@@ -85,6 +86,7 @@ class KeptLease:
     def watch(self, fence: Callable[[str], None]) -> None:
         """Call ``fence(why)`` once, from a watchdog thread, at :meth:`fence_at` (or
         at once when etcd says the lease is gone); :attr:`fenced` says why after."""
+        self._watched = True
 
         def watchdog() -> None:
             while not self._stop.is_set():
@@ -119,8 +121,10 @@ class KeptLease:
             if lease is None:
                 return
             sent = time.monotonic()
-            # Bounded by the fence: an answer after it would come too late anyway.
-            budget = max(min(period, self.fence_at() - sent), 0.1)
+            # Bounded by the fence, when one is watched: an answer after it would
+            # come too late anyway. Unwatched (a rank's member lease by default),
+            # a slow etcd gets the whole period, as before the fence existed.
+            budget = max(min(period, self.fence_at() - sent), 0.1) if self._watched else period
             try:
                 ttl = self._client.refresh_lease(lease, budget_s=budget)
             except MembershipError as exc:
