@@ -439,11 +439,12 @@ SHRINK = ("--min-nodes", "1", "--shrink-after", "30")
 
 def _lose_node_1(
     tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]],
+    more: tuple[str, ...] = SHRINK,
 ) -> tuple[Path, list[subprocess.Popen[bytes]], float]:  # fmt: skip
-    """Two nodes train with ``SHRINK``'s flags (no spare) and node 1's agent is
+    """Two nodes train with flags ``more`` (no spare) and node 1's agent is
     SIGKILLed after step 5; returns where the ranks write, both agents, and when
     node 1's was killed (``time.time()``)."""
-    out, (node0, node1) = _train(tmp, etcd, job, agents, spare=False, more=SHRINK)
+    out, (node0, node1) = _train(tmp, etcd, job, agents, spare=False, more=more)
     assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp)
     killed_at = time.time()
     node1.kill()
@@ -493,10 +494,7 @@ def test_a_lost_node_whose_agent_starts_again_is_waited_for_and_matches_a_fault_
     # No spare and no --min-nodes: the survivors wait for replacements (60 s). Node
     # 1's agent, started again once its loss was found, takes node 1 back and its
     # ranks are admitted as replacements, the whole node in one epoch.
-    out, (node0, node1) = _train(tmp_path, etcd_server.url, job_name, agents, spare=False)
-    assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp_path)
-    node1.kill()
-    assert node1.wait(timeout=10) == -signal.SIGKILL
+    out, (node0, _), _ = _lose_node_1(tmp_path, etcd_server.url, job_name, agents, more=())
     assert wait_until(lambda: bool(_node_events(tmp_path, "node.lost")), 30.0), _logs(tmp_path)
     argv = _train_argv(tmp_path, etcd_server.url, job_name, "1", ())
     again = _start_agent(tmp_path, agents, "1-again", argv)
