@@ -8,7 +8,7 @@ since the last refresh etcd acknowledged, measured from when that refresh was
 *sent* (etcd restarted the TTL no earlier), or at once when etcd says the lease
 is gone. A node agent's (:class:`membership.nodes.NodeRendezvous`) fences the
 node's ranks; a rank's member lease (:class:`membership.members.Membership`)
-fences the rank itself in a job of several nodes.
+fences the rank itself where asked (``RESILIENT_FENCE=1``).
 """
 
 from __future__ import annotations
@@ -75,12 +75,12 @@ class KeptLease:
         sent = time.monotonic()
         lease = self._client.grant_lease(math.ceil(self._ttl_s))
         self.id, self._acked_at = lease, sent
-        self._start(self._keepalive_loop, "node-lease-keepalive")
+        self._start(self._keepalive_loop, f"{self._what.replace(' ', '-')}-keepalive")
         return lease
 
     def fence_at(self) -> float:
-        """When (monotonic) the agent must have stopped its ranks: ``fence_margin_s``
-        before the lease could expire in etcd."""
+        """When (monotonic) the holder must have fenced: ``fence_margin_s`` before
+        the lease could expire in etcd."""
         return self._acked_at + math.ceil(self._ttl_s) - self.fence_margin_s
 
     def watch(self, fence: Callable[[str], None]) -> None:
@@ -106,7 +106,7 @@ class KeptLease:
             logger.error("%s fenced: %s", self._who(), why)
             fence(why)
 
-        self._start(watchdog, "node-fence")
+        self._start(watchdog, f"{self._what.replace(' ', '-')}-fence")
 
     def _start(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

@@ -104,7 +104,6 @@ class Membership:
         self._kv: EtcdClient = self.client
         self._lease: KeptLease | None = None
         self._info: MemberInfo | None = None
-        self._stop = threading.Event()
         self._lease_lost_cbs: list[Callable[[], None]] = []
         self.lease_lost = threading.Event()
         self._health: HealthPublisher | None = None
@@ -186,7 +185,6 @@ class Membership:
 
         Safe to call twice and after a lost lease; etcd errors are logged, not raised.
         """
-        self._stop.set()
         for w in self._watches:
             w.stop()
         self._watches.clear()

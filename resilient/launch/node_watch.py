@@ -73,40 +73,36 @@ def takeover_events(emit: Emit, meeting: NodeMeeting, node: int, slots: Sequence
     node's own agent's as it takes it back: ``node.returned``, then the same
     ``recovery.started``."""
     rendezvous = meeting.rendezvous
-    before = rendezvous.took_from if rendezvous is not None else None
     me = rendezvous.me if rendezvous is not None else None
+    agent = {"host": me.host if me else "", "pid": me.pid if me else 0}
     ranks = [s.rank for s in slots]
-    if rendezvous is not None:
-        why = rendezvous.why_lost(node)
-    else:
-        from membership.nodes import LEASE_LAPSED  # etcd's client is slow to import
-
-        why = LEASE_LAPSED
-    lost = {"host": before.host if before else "", "pid": before.pid if before else 0}
     incs = {str(s.rank): s.incarnation for s in slots}
     if meeting.came_back:  # node.lost was written when the loss was found
         emit(
-            "node.returned", node=node, ranks=ranks, host=me.host if me else "",
-            pid=me.pid if me else 0, incarnations=incs,
+            "node.returned", node=node, ranks=ranks, **agent, incarnations=incs,
             reason=f"node {node} was lost; its agent started again",
             action=f"its agent takes it back and starts ranks {ranks} as replacements",
         )  # fmt: skip
+        how = f"its agent took lost node {node} back"
     else:
+        if rendezvous is not None:
+            why = rendezvous.why_lost(node)
+        else:
+            from membership.nodes import LEASE_LAPSED  # etcd's client is slow to import
+
+            why = LEASE_LAPSED
+        before = rendezvous.took_from if rendezvous is not None else None
+        lost = {"host": before.host if before else "", "pid": before.pid if before else 0}
         emit(
             "node.lost", node=node, ranks=ranks, **lost, reason=why,
             action="a spare node takes it over",
         )  # fmt: skip
         emit(
-            "node.taken_over", node=node, ranks=ranks, host=me.host if me else "",
-            pid=me.pid if me else 0, lost_host=lost["host"], lost_pid=lost["pid"],
-            incarnations=incs, reason=f"node {node} was lost ({why})",
+            "node.taken_over", node=node, ranks=ranks, **agent, lost_host=lost["host"],
+            lost_pid=lost["pid"], incarnations=incs, reason=f"node {node} was lost ({why})",
             action=f"spare agent starts ranks {ranks} as replacements",
         )  # fmt: skip
-    how = (
-        f"its agent took lost node {node} back"
-        if meeting.came_back
-        else (f"spare node took lost node {node} over")
-    )
+        how = f"spare node took lost node {node} over"
     for slot in slots:
         action = f"{how}: incarnation {slot.incarnation}"
         emit("recovery.started", rank=slot.rank, incarnation=slot.incarnation, action=action)
