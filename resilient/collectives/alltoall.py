@@ -177,8 +177,8 @@ def gate(engine: RingEngine) -> None:
     """
     peers = [p for p in range(engine.world) if p != engine.rank]
     links = engine.links
-    if not links.sockets or not all(
-        links.has(p, rail) for rail in range(engine.num_rails) for p in peers
+    if not links.sockets or not links.has_all(
+        (p, rail) for rail in range(engine.num_rails) for p in peers
     ):
         raise NotElided(f"rank {engine.rank}: a link is not built, this call does not gate")
     _exchange(engine, engine.route(), peers, _NOTHING, _NOTHING, (), (), gated=True)
@@ -193,7 +193,7 @@ def _check_elidable(engine: RingEngine, send: torch.Tensor, peers: Sequence[int]
         engine.num_rails == 1
         and send.device.type == "cpu"
         and engine.links.sockets
-        and all(engine.links.has(p, 0) for p in peers)
+        and engine.links.has_all((p, 0) for p in peers)
     ):
         return
     raise NotElided(f"rank {engine.rank}: this all_to_all does not run elided")

@@ -323,11 +323,8 @@ class RingEngine:
             and self._use_mesh(flat)
             # Links are built in checked calls only: a rendezvous with a peer that
             # left would wait for its timeout where an exchange fails at once.
-            and all(
-                self.links.has(p, r)
-                for r in range(self.num_rails)
-                for p in range(self.world)
-                if p != self.rank
+            and self.links.has_all(
+                (p, r) for r in range(self.num_rails) for p in range(self.world) if p != self.rank
             )
         ):
             plan = self._mesh_plan(flat, None)

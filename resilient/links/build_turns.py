@@ -26,6 +26,7 @@ meet in the same order, whatever thread of theirs builds. An epoch change
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
@@ -96,6 +97,27 @@ class BuildTurns:
                         self._building = key
                         return True
                 self._cond.wait(_RECHECK_S)
+
+    def await_building(
+        self, keys: Iterable[Key], built: Callable[[Key], bool], timeout_s: float
+    ) -> None:
+        """Wait up to ``timeout_s`` while one of ``keys`` not built yet is the one
+        being built now. A rank asking whether its links are built must answer as
+        its peers do (an elided call: a rank that said no refused the call without
+        telling a peer it has no link to, which waited on it to its deadline); but
+        a link a background build (prebuild_links) finished at the peer may still
+        be in the last step of the same rendezvous here. A build not begun here has
+        not ended at the peer either (both ends meet), so only one under way is
+        waited for."""
+        wanted = set(keys)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                key = self._building
+                left = deadline - time.monotonic()
+                if key is None or key not in wanted or built(key) or left <= 0:
+                    return
+                self._cond.wait(min(left, _RECHECK_S))
 
     def done(self) -> None:
         """The build :meth:`take` allowed is over (built, refused or failed)."""

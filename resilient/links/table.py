@@ -118,19 +118,11 @@ class LinkTable:
         background: bool = False,
     ) -> Link:
         link = self._kind(
-            rank=self.rank,
-            peer=peer,
-            rail=rail,
-            address=self.rails[rail],
-            store=self.store,
-            prefix=self.prefix(peer, rail),
-            config=config or self.config,
-            device_type=self.device_type,
-            salt=salt_of(self.epoch),
-            over=self._over(self.epoch, peer),
-            met=met,
-            background=background,
-        )
+            rank=self.rank, peer=peer, rail=rail, address=self.rails[rail], store=self.store,
+            prefix=self.prefix(peer, rail), config=config or self.config,
+            device_type=self.device_type, salt=salt_of(self.epoch),
+            over=self._over(self.epoch, peer), met=met, background=background,
+        )  # fmt: skip
         return self._wire(link)
 
     def _over(self, epoch: int, peer: int) -> Callable[[], bool]:
@@ -338,6 +330,16 @@ class LinkTable:
     def has(self, peer: int, rail: int) -> bool:
         """Whether a link to ``peer`` on ``rail`` exists (built, broken or not)."""
         return (peer, rail) in self._links
+
+    def has_all(self, pairs: Iterable[tuple[int, int]]) -> bool:
+        """Whether a link to every ``(peer, rail)`` in ``pairs`` exists, once a build of
+        one under way here ended (within a CPU build's bound): an elided call asks, and
+        every rank must answer alike (see BuildTurns.await_building)."""
+        keys = list(pairs)
+        if not all(k in self._links for k in keys):
+            bound = min(self.config.connect_timeout_s, self.config.repair_timeout_s)
+            self._turns.await_building(keys, self._links.__contains__, bound)
+        return all(k in self._links for k in keys)
 
     def generation(self, peer: int, rail: int) -> int:
         return self._generation.get((peer, rail), 0)

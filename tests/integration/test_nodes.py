@@ -235,6 +235,7 @@ import resilient
 from recovery.session import Session, TrainState
 
 out, steps = Path(sys.argv[1]), int(sys.argv[2])
+short_pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.1  # while ranks are missing
 rank, inc = int(os.environ["RANK"]), os.environ["RESILIENT_INCARNATION"]
 (out / f"pid-{rank}-{inc}").write_text(str(os.getpid()))
 torch.set_num_threads(1)
@@ -259,7 +260,8 @@ for step in session.steps(steps):
         loss = train_step(step)
         dist.all_reduce(loss)
     (out / f"step-{rank}").write_text(str(step))
-    time.sleep(0.1)  # a run long enough to lose a node in
+    # A run long enough to lose a node in (and, shrunk, for it to come back).
+    time.sleep(short_pause if len(session.members) < dist.get_world_size() else 0.1)
 h = hashlib.sha256()
 for p in model.parameters():
     h.update(p.detach().numpy().tobytes())
@@ -275,30 +277,33 @@ TRAIN_STEPS = 40
 
 def _train(
     tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]], *, spare: bool,
-    more: tuple[str, ...] = (), etcd1: str | None = None,
+    more: tuple[str, ...] = (), etcd1: str | None = None, short_pause_s: float = 0.1,
 ) -> tuple[Path, list[subprocess.Popen[bytes]]]:  # fmt: skip
-    """Start nodes 0 and 1 (and a spare node) training, each with flags ``more`` too
-    (node 1 on etcd ``etcd1``, if given); returns where the ranks write and the
-    agents."""
+    """Start nodes 0 and 1 (and a spare node) training, 0.1 s apart (``short_pause_s``
+    while the group is short of ranks), each with flags ``more`` too (node 1 on
+    etcd ``etcd1``, if given); returns where the ranks write and the agents."""
     script, out = tmp / "train.py", tmp / "out"
     script.write_text(TRAIN_SCRIPT)
     out.mkdir()
     started = []
     for name in ["0", "1"] + (["spare"] if spare else []):
         url = etcd1 if etcd1 is not None and name == "1" else etcd
-        argv = _train_argv(tmp, url, job, name, more)
+        argv = _train_argv(tmp, url, job, name, more, short_pause_s)
         started.append(_start_agent(tmp, agents, name, argv))
     return out, started
 
 
-def _train_argv(tmp: Path, etcd: str, job: str, name: str, more: tuple[str, ...]) -> list[str]:
-    """An agent's command line (``name``: a node rank, or "spare")."""
+def _train_argv(
+    tmp: Path, etcd: str, job: str, name: str, more: tuple[str, ...], short_pause_s: float = 0.1
+) -> list[str]:
+    """An agent's command line (``name``: a node rank, or "spare"; its ranks pause
+    ``short_pause_s`` between steps while the group is short of ranks)."""
     node = ["--spare"] if name == "spare" else ["--node-rank", name]
     argv = [sys.executable, "-m", "resilient", "run", "--nnodes", "2", *node]
     argv += ["--nproc-per-node", "2", "--etcd", etcd, "--job", job]
     argv += ["--lease-ttl", "2", "--run-dir", str(tmp / "run"), *more]
     argv += ["--master-addr", "127.0.0.1", "--join-timeout", "60"]
-    return [*argv, str(tmp / "train.py"), str(tmp / "out"), str(TRAIN_STEPS)]
+    return [*argv, str(tmp / "train.py"), str(tmp / "out"), str(TRAIN_STEPS), str(short_pause_s)]
 
 
 def _start_agent(
@@ -439,12 +444,14 @@ SHRINK = ("--min-nodes", "1", "--shrink-after", "30")
 
 def _lose_node_1(
     tmp: Path, etcd: str, job: str, agents: list[subprocess.Popen[bytes]],
-    more: tuple[str, ...] = SHRINK,
+    more: tuple[str, ...] = SHRINK, short_pause_s: float = 0.1,
 ) -> tuple[Path, list[subprocess.Popen[bytes]], float]:  # fmt: skip
-    """Two nodes train with flags ``more`` (no spare) and node 1's agent is
-    SIGKILLed after step 5; returns where the ranks write, both agents, and when
-    node 1's was killed (``time.time()``)."""
-    out, (node0, node1) = _train(tmp, etcd, job, agents, spare=False, more=more)
+    """Two nodes train with flags ``more`` (no spare; ``short_pause_s``: see _train)
+    and node 1's agent is SIGKILLed after step 5; returns where the ranks write,
+    both agents, and when node 1's was killed (``time.time()``)."""
+    out, (node0, node1) = _train(
+        tmp, etcd, job, agents, spare=False, more=more, short_pause_s=short_pause_s
+    )
     assert wait_until(lambda: _stepped(out, 5), 120.0), _logs(tmp)
     killed_at = time.time()
     node1.kill()
@@ -481,6 +488,45 @@ def test_without_a_spare_the_job_shrinks_by_the_lost_node(
     # Quietly ~3 s (2 s leases, a 0.5 s poll); bound 3x, far below --shrink-after.
     after = max(float(str(e["ts"])) for e in changed) - killed_at
     assert after < 10.0, (after, _events(tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_whose_agent_starts_again_rejoins_the_shrunk_job(
+    tmp_path: Path,
+    etcd_server: EmbeddedEtcd,
+    job_name: str,
+    agents: list[subprocess.Popen[bytes]],
+) -> None:
+    # As above, the survivors shrink by node 1; then node 1's agent is started
+    # again with its first command line (as a supervisor restarting it would). It
+    # claims node 1 back and its ranks join the shrunk group (the grow path): the
+    # job ends with all four ranks in one group, their parameters equal. The
+    # first step after a rank was admitted used to hang where the links its
+    # background build made were in one end's table and not yet in the other's
+    # (LinkTable.has_all; 1 run in 1 here before the fix, 1 in 4 under load).
+    # 1 s between steps while shrunk: node 1's ranks have ~35 s to start (cold) and
+    # join, where they take ~9 s quietly.
+    out, (node0, _), _ = _lose_node_1(
+        tmp_path, etcd_server.url, job_name, agents, short_pause_s=1.0
+    )
+    shrunk = lambda: bool(_node_events(tmp_path, "epoch.changed"))  # noqa: E731
+    assert wait_until(shrunk, 30.0), _logs(tmp_path)
+    argv = _train_argv(tmp_path, etcd_server.url, job_name, "1", SHRINK, short_pause_s=1.0)
+    again = _start_agent(tmp_path, agents, "1-again", argv)
+    assert again.wait(timeout=180) == 0, _logs(tmp_path)
+    assert node0.wait(timeout=60) == 0, _logs(tmp_path)
+    found = _digests(out)
+    assert sorted(found) == [(0, 0), (1, 0), (2, 1), (3, 1)], _logs(tmp_path)
+    assert len({rec["digest"] for rec in found.values()}) == 1, found
+    for who, rec in found.items():
+        # Shrunk in epoch 1, grown back in epoch 2, or 3 where rank 3 asked to join
+        # after rank 2 was admitted (each is, at the first step boundary after it asks).
+        assert rec["epoch"] in (2, 3) and rec["members"] == [0, 1, 2, 3], (who, rec)
+    (back,) = _node_events(tmp_path, "node.returned")
+    assert (back["node"], back["ranks"], back["pid"]) == (1, [2, 3], again.pid), back
+    assert back["incarnations"] == {"2": 1, "3": 1}, back
+    said = (tmp_path / "agent1-again.log").read_text()
+    assert "node 1 was lost and comes back: ranks 2 (incarnation 1)" in said, said
 
 
 @pytest.mark.timeout(300)

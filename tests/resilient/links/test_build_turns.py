@@ -227,3 +227,42 @@ def test_a_reset_voids_the_wants_and_wakes_the_waiters() -> None:
     fresh = turns.want([(3, 0)])
     assert turns.take((3, 0), fresh.era, lambda _: False)  # nothing lower is wanted now
     turns.done()
+
+
+def test_an_elided_call_waits_for_a_link_being_built_here_not_for_one_never_begun() -> None:
+    # A background build (prebuild_links) put the link in rank 1's table while
+    # rank 0's end still finished the same rendezvous: asked then whether every
+    # link is built, rank 0 said no and refused an elided call that rank 1 ran,
+    # and rank 1 waited for it to its deadline (a shrunk group growing back).
+    # has_all waits out a build under way here (up to 5 s); a link whose build has not begun
+    # here cannot be built at the peer, and is answered at once.
+    with _tables(connect_timeout_s=20.0, world=3) as tables:
+        t = tables[0]
+        began = time.monotonic()
+        out = _run([
+            (0.0, lambda: t.ensure([(1, 0)])),  # rank 1 comes 0.6 s later
+            (0.2, lambda: (t.has_all([(1, 0)]), time.monotonic() - began)),
+            (0.3, lambda: (t.has_all([(1, 0), (2, 0)]), time.monotonic() - began)),
+            (0.6, lambda: tables[1].ensure([(0, 0)])),
+        ])  # fmt: skip
+        assert out[0] is None and out[3] is None, out
+        built, at = out[1]
+        assert built and at >= 0.5, f"answered {built} after {at:.2f} s, before rank 1 came"
+        # (2, 0) was never begun: no, as soon as the build under way ended.
+        assert out[2][0] is False, out
+        assert t.has_all([(1, 0)])
+
+
+def test_waiting_for_a_build_under_way_ends_at_its_bound() -> None:
+    turns = BuildTurns(lambda key: (0, key[0], key[1]))
+    wanted = turns.want([(1, 0)])
+    assert turns.take((1, 0), wanted.era, lambda _: False)  # being built, never ends
+    began = time.monotonic()
+    turns.await_building([(1, 0)], lambda _: False, timeout_s=0.3)
+    took = time.monotonic() - began
+    assert 0.25 <= took < 2.0, took
+    began = time.monotonic()
+    turns.await_building([(2, 0)], lambda _: False, timeout_s=5.0)  # not the one under way
+    assert time.monotonic() - began < 0.2
+    turns.done()
+    turns.drop(wanted)
