@@ -1,14 +1,15 @@
 """A lease in etcd, kept alive from a thread, and the fence it can keep.
 
-Granted by :meth:`KeptLease.grant`, refreshed every third of its TTL (again
-``_RETRY_S`` after a failed refresh: it must be refreshed before the fence
-deadline, not merely within its TTL). :meth:`KeptLease.watch` calls back when the
-lease may be about to expire in etcd: ``fence_margin_s`` before the TTL has passed
-since the last refresh etcd acknowledged, measured from when that refresh was
-*sent* (etcd restarted the TTL no earlier), or at once when etcd says the lease
-is gone. A node agent's (:class:`membership.nodes.NodeRendezvous`) fences the
-node's ranks; a rank's member lease (:class:`membership.members.Membership`)
-fences the rank itself where asked (``RESILIENT_FENCE=1``).
+Granted by :meth:`KeptLease.grant`, refreshed every third of its TTL, counted
+from when the last refresh was sent (again ``_RETRY_S`` after a failed refresh:
+it must be refreshed before the fence deadline, not merely within its TTL).
+:meth:`KeptLease.watch` calls back when the lease may be about to expire in
+etcd: ``fence_margin_s`` before the TTL has passed since the last refresh etcd
+acknowledged, measured from when that refresh was *sent* (etcd restarted the TTL
+no earlier), or at once when etcd says the lease is gone. A node agent's
+(:class:`membership.nodes.NodeRendezvous`) fences the node's ranks; a rank's
+member lease (:class:`membership.members.Membership`) fences the rank itself
+where asked (``RESILIENT_FENCE=1``).
 """
 
 from __future__ import annotations
@@ -115,12 +116,17 @@ class KeptLease:
 
     def _keepalive_loop(self) -> None:
         period = self._ttl_s / 3.0
-        pause = period
-        while not self._stop.wait(pause):
+        due = time.monotonic() + period
+        while not self._stop.wait(max(due - time.monotonic(), 0.0)):
             lease = self.id
             if lease is None:
                 return
             sent = time.monotonic()
+            # Paced by when each refresh went out, not by when its answer came: a
+            # slow answer (a busy etcd or host) used to push the next one a whole
+            # period later, so two slow ones in a row left the lease unrefreshed
+            # past its fence with every refresh answered.
+            due = sent + period
             # Bounded by the fence, when one is watched: an answer after it would
             # come too late anyway. Unwatched (a rank's member lease by default),
             # a slow etcd gets the whole period, as before the fence existed.
@@ -129,7 +135,7 @@ class KeptLease:
                 ttl = self._client.refresh_lease(lease, budget_s=budget)
             except MembershipError as exc:
                 logger.warning("%s: its %s keep-alive failed: %s", self._who(), self._what, exc)
-                pause = _RETRY_S
+                due = time.monotonic() + _RETRY_S
                 continue
             if ttl <= 0:
                 logger.error("%s: its %s %x expired", self._who(), self._what, lease)
@@ -137,7 +143,7 @@ class KeptLease:
                 if self._on_gone is not None:
                     self._on_gone()
                 return
-            self._acked_at, pause = sent, period
+            self._acked_at = sent
 
     def stop(self) -> None:
         """Stop the keep-alive and the fence watch (the lease lapses by its TTL)."""

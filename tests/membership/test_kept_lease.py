@@ -1,0 +1,58 @@
+"""KeptLease's pacing against a client whose answers are slow (pure timing logic: a
+fake client; the lease against a real etcd is tested in test_members and
+test_node_fence)."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any, cast
+
+import pytest
+
+from membership.etcd_client import EtcdClient
+from membership.kept_lease import KeptLease
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _SlowEtcd:
+    """Answers every keep-alive ``latency_s`` after it was sent; records the sends."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+        self.sent: list[float] = []
+        self._lock = threading.Lock()
+
+    def grant_lease(self, ttl: int) -> int:
+        return 7
+
+    def refresh_lease(self, lease_id: int, *, budget_s: float | None = None) -> int:
+        with self._lock:
+            self.sent.append(time.monotonic())
+        time.sleep(self.latency_s)
+        return 3
+
+    def revoke_lease(self, lease_id: int, *, budget_s: float | None = None) -> None:
+        pass
+
+
+def test_a_slow_answer_does_not_delay_the_next_refresh_past_the_fence() -> None:
+    # TTL 3 s, a refresh due every 1 s, each answered 1.25 s after it was sent.
+    # Paced from each answer, the refreshes went out 2.25 s apart, and the fence
+    # (no margin) fired 3 s after the last acknowledged one was sent, with every
+    # refresh answered; paced from each send, they go out 1.25 s apart.
+    etcd = _SlowEtcd(latency_s=1.25)
+    lease = KeptLease(cast(EtcdClient, cast(Any, etcd)), 3.0, lambda: "rank 0", margin_s=0.0)
+    fenced: list[str] = []
+    lease.grant()
+    lease.watch(fenced.append)
+    try:
+        time.sleep(8.0)
+    finally:
+        lease.close()
+    gaps = [b - a for a, b in zip(etcd.sent, etcd.sent[1:], strict=False)]
+    assert len(gaps) >= 3, etcd.sent
+    assert statistics.median(gaps) < 1.75, f"refreshes went out {gaps} s apart"
+    assert not fenced, fenced
