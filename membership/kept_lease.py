@@ -65,8 +65,10 @@ class KeptLease:
         self.id: int | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        # When the last keep-alive etcd acknowledged was sent (monotonic).
-        self._acked_at = 0.0
+        # When the last keep-alive etcd acknowledged was sent, and the last one
+        # sent, answered or not (monotonic): a fence says which of the two lagged.
+        self._acked_at = self._sent_at = 0.0
+        self._last_answer: str | None = "answered"  # None while one is awaited
         self._gone = threading.Event()
         self.fenced: str | None = None  # why the holder fenced itself, once it did
         self._watched = False
@@ -75,7 +77,7 @@ class KeptLease:
         """Grant the lease and start its keep-alive thread; returns its id."""
         sent = time.monotonic()
         lease = self._client.grant_lease(math.ceil(self._ttl_s))
-        self.id, self._acked_at = lease, sent
+        self.id, self._acked_at, self._sent_at = lease, sent, sent
         self._start(self._keepalive_loop, f"{self._what.replace(' ', '-')}-keepalive")
         return lease
 
@@ -101,13 +103,22 @@ class KeptLease:
                 f"etcd says its {self._what} expired"
                 if self._gone.is_set()
                 else f"its {self._what} was not refreshed for "
-                f"{time.monotonic() - self._acked_at:.1f} s (TTL {math.ceil(self._ttl_s)} s)"
+                f"{time.monotonic() - self._acked_at:.1f} s (TTL {math.ceil(self._ttl_s)} s; "
+                f"{self._last_send()})"
             )
             self.fenced = why
             logger.error("%s fenced: %s", self._who(), why)
             fence(why)
 
         self._start(watchdog, f"{self._what.replace(' ', '-')}-fence")
+
+    def _last_send(self) -> str:
+        """Where the keep-alive stands, for a fence's reason: waiting for etcd's
+        answer (a slow etcd, or a lost one) or not sending (its thread starved)."""
+        ago, answer = time.monotonic() - self._sent_at, self._last_answer
+        if answer is None:
+            return f"a keep-alive sent {ago:.1f} s ago is unanswered"
+        return f"the last keep-alive went out {ago:.1f} s ago: {answer}"
 
     def _start(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -131,9 +142,11 @@ class KeptLease:
             # come too late anyway. Unwatched (a rank's member lease by default),
             # a slow etcd gets the whole period, as before the fence existed.
             budget = max(min(period, self.fence_at() - sent), 0.1) if self._watched else period
+            self._sent_at, self._last_answer = sent, None
             try:
                 ttl = self._client.refresh_lease(lease, budget_s=budget)
             except MembershipError as exc:
+                self._last_answer = f"failed ({exc})"
                 logger.warning("%s: its %s keep-alive failed: %s", self._who(), self._what, exc)
                 due = time.monotonic() + _RETRY_S
                 continue
@@ -143,6 +156,12 @@ class KeptLease:
                 if self._on_gone is not None:
                     self._on_gone()
                 return
+            took, self._last_answer = time.monotonic() - sent, "answered"
+            if took > period:  # the fence's slack shrinks by as much (module doc)
+                logger.warning(
+                    "%s: its %s keep-alive was answered after %.2f s (every %.2f s)",
+                    self._who(), self._what, took, period,
+                )  # fmt: skip
             self._acked_at = sent
 
     def stop(self) -> None:

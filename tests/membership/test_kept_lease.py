@@ -56,3 +56,23 @@ def test_a_slow_answer_does_not_delay_the_next_refresh_past_the_fence() -> None:
     assert len(gaps) >= 3, etcd.sent
     assert statistics.median(gaps) < 1.75, f"refreshes went out {gaps} s apart"
     assert not fenced, fenced
+
+
+def test_a_fence_says_whether_a_keep_alive_was_awaited_or_never_sent() -> None:
+    # An etcd that never answers in time: the fence's reason says a keep-alive is
+    # out and unanswered (a slow or lost etcd), not that none went out (a
+    # keep-alive thread that did not run).
+    etcd = _SlowEtcd(latency_s=3.0)
+    lease = KeptLease(cast(EtcdClient, cast(Any, etcd)), 2.0, lambda: "rank 0", margin_s=0.0)
+    fenced: list[str] = []
+    lease.grant()
+    lease.watch(fenced.append)
+    try:
+        began = time.monotonic()
+        while not fenced and time.monotonic() - began < 10.0:
+            time.sleep(0.05)
+    finally:
+        lease.close()
+    assert len(fenced) == 1, fenced
+    assert "was not refreshed for 2." in fenced[0], fenced
+    assert "a keep-alive sent " in fenced[0] and "s ago is unanswered" in fenced[0], fenced
