@@ -143,6 +143,7 @@ class _Controller:
         self._thread = threading.Thread(target=self._run, name="chaos-controller", daemon=True)
         self._held_since: dict[int, float] = {}  # fault index -> when it was first due
         self._spares_seen_ready = False  # every rank's first spare stood ready once
+        self._trained_at: float | None = None  # when a rank first reported a step
 
     def start(self) -> None:
         self.t0 = time.time()
@@ -161,10 +162,21 @@ class _Controller:
 
     def _due(self, fault: Fault) -> bool:
         if fault.at_s is not None:
-            return self._now() >= fault.at_s
+            return self._training_s() >= fault.at_s
         rank = fault.param("rank")
         step = self._watch.step_of(int(rank)) if rank is not None else self._watch.max_step()
         return fault.at_step is not None and step >= fault.at_step
+
+    def _training_s(self) -> float:
+        """Seconds since a rank first reported a step (-1 before): what ``at_s``
+        counts. A fault in the job's start-up has no committed step to recover to,
+        and a busy host's start-up took longer than a soak's fault-free 10 s (every
+        fault of seed 3 then hit a job that never trained)."""
+        if self._trained_at is None:
+            if self._watch.max_step() < 0:
+                return -1.0
+            self._trained_at = time.time()
+        return time.time() - self._trained_at
 
     def _held(self, rec: FaultRecord, fault: Fault) -> bool:
         """Whether a due fault still waits for warm spares (up to ``_SPARE_HOLD_S``):

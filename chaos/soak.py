@@ -41,7 +41,7 @@ __all__ = ["FD_SLACK", "THREAD_SLACK", "draw_faults", "leaks", "run_soak", "soak
 
 FD_SLACK: Final = 8  # sockets of links rebuilt on another rail, a log reopened
 THREAD_SLACK: Final = 4  # a repair or standby thread alive at the last record
-_FIRST_S: Final = 10.0  # the job's start and warm-up, fault-free
+_FIRST_S: Final = 10.0  # after the job's first step (chaos.runner): fault-free
 _GAP_S: Final = 6.0  # after a fault is undone: the job settles before the next
 _REPLACE_GAP_S: Final = 20.0  # after a kill or hang: a replacement is admitted, settled
 

@@ -751,5 +751,7 @@ def test_a_90_second_soak_survives_its_faults_and_leaks_nothing(tmp_path: Path) 
         leaked = report["soak"]["leaks"]
         pytest.fail(f"exit code {code}; leaks {leaked}; {_why_not(report, out, stderr)}")
     assert report["soak"]["fired_while_training"] >= 3, report["soak"]
+    # Its clock starts at the job's first step, however slow the start-up was.
+    assert report["faults"][0]["fired_step"] >= 0, report["faults"][0]
     assert report["resources"], "no rank reported its fds and threads"
     assert all(f["error"] is None for f in report["faults"]), report["faults"]
