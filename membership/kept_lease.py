@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.2
 _RETRY_S: Final = 0.2
+_SLOW_LOG_S: Final = 30.0  # slow keep-alive answers: one warning per this long
 
 
 def fence_margin(ttl_s: float) -> float:
@@ -69,6 +70,7 @@ class KeptLease:
         # sent, answered or not (monotonic): a fence says which of the two lagged.
         self._acked_at = self._sent_at = 0.0
         self._last_answer: str | None = "answered"  # None while one is awaited
+        self._slow, self._slow_logged = 0, -math.inf  # answers after their period
         self._gone = threading.Event()
         self.fenced: str | None = None  # why the holder fenced itself, once it did
         self._watched = False
@@ -158,11 +160,21 @@ class KeptLease:
                 return
             took, self._last_answer = time.monotonic() - sent, "answered"
             if took > period:  # the fence's slack shrinks by as much (module doc)
-                logger.warning(
-                    "%s: its %s keep-alive was answered after %.2f s (every %.2f s)",
-                    self._who(), self._what, took, period,
-                )  # fmt: skip
+                self._slow_answer(took, period)
             self._acked_at = sent
+
+    def _slow_answer(self, took: float, period: float) -> None:
+        """Log a keep-alive answered after more than its period: a warning at most
+        every ``_SLOW_LOG_S``, with how many were slow since the last one."""
+        self._slow += 1
+        now = time.monotonic()
+        if now < self._slow_logged + _SLOW_LOG_S:
+            return
+        logger.warning(
+            "%s: its %s keep-alive was answered after %.2f s (one every %.2f s; %d slow "
+            "since the last warning)", self._who(), self._what, took, period, self._slow,
+        )  # fmt: skip
+        self._slow, self._slow_logged = 0, now
 
     def stop(self) -> None:
         """Stop the keep-alive and the fence watch (the lease lapses by its TTL)."""

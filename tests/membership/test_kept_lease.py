@@ -4,6 +4,7 @@ test_node_fence)."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -54,17 +55,23 @@ def _watched_for(etcd: _SlowEtcd, ttl_s: float, seconds: float) -> list[str]:
     return fenced
 
 
-def test_a_slow_answer_does_not_delay_the_next_refresh_past_the_fence() -> None:
+def test_a_slow_answer_does_not_delay_the_next_refresh_past_the_fence(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # TTL 3 s, a refresh due every 1 s, each answered 1.25 s after it was sent.
     # Paced from each answer, the refreshes went out 2.25 s apart, and the fence
     # (no margin) fired 3 s after the last acknowledged one was sent, with every
     # refresh answered; paced from each send, they go out 1.25 s apart.
+    caplog.set_level(logging.WARNING, logger="membership.kept_lease")
     etcd = _SlowEtcd(latency_s=1.25)
     fenced = _watched_for(etcd, 3.0, 8.0)
     gaps = [b - a for a, b in zip(etcd.sent, etcd.sent[1:], strict=False)]
     assert len(gaps) >= 3, etcd.sent
     assert statistics.median(gaps) < 1.75, f"refreshes went out {gaps} s apart"
     assert not fenced, fenced
+    # Every answer was slow; one warning says so (then at most one per 30 s).
+    slow = [r.getMessage() for r in caplog.records if "answered after" in r.getMessage()]
+    assert len(slow) == 1 and "rank 0: its node lease keep-alive" in slow[0], slow
 
 
 def test_a_fence_says_whether_a_keep_alive_was_awaited_or_never_sent() -> None:
