@@ -254,8 +254,7 @@ class LinkTable:
             # (An NCCL communicator's own setup can take seconds.)
             config = self.config
             if self.device_type == "cpu":
-                bound = min(config.connect_timeout_s, config.repair_timeout_s)
-                config = dataclasses.replace(config, connect_timeout_s=bound)
+                config = dataclasses.replace(config, connect_timeout_s=self._met_bound_s())
             built: Link | None = None
             try:
                 built = self._new_link(peer, rail, config, met=True)  # both said "build"
@@ -333,13 +332,17 @@ class LinkTable:
 
     def has_all(self, pairs: Iterable[tuple[int, int]]) -> bool:
         """Whether a link to every ``(peer, rail)`` in ``pairs`` exists, once a build of
-        one under way here ended (within a CPU build's bound): an elided call asks, and
-        every rank must answer alike (see BuildTurns.await_building)."""
+        one under way here ended (waited for up to :meth:`_met_bound_s`): an elided call
+        asks, and every rank must answer alike (see BuildTurns.await_building)."""
         keys = list(pairs)
         if not all(k in self._links for k in keys):
-            bound = min(self.config.connect_timeout_s, self.config.repair_timeout_s)
-            self._turns.await_building(keys, self._links.__contains__, bound)
+            self._turns.await_building(keys, self._links.__contains__, self._met_bound_s())
         return all(k in self._links for k in keys)
+
+    def _met_bound_s(self) -> float:
+        """How long a CPU link's rendezvous may take once both ends said they build
+        it (see _build): a failure must not stall a call for long."""
+        return min(self.config.connect_timeout_s, self.config.repair_timeout_s)
 
     def generation(self, peer: int, rail: int) -> int:
         return self._generation.get((peer, rail), 0)
